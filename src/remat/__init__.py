@@ -1,0 +1,41 @@
+"""remat: make PyTorch training fit in GPU memory at the highest speed memory allows.
+
+    import remat
+    remat.apply(model, "full")                      # or "selective", "every:2", a Plan ...
+    plan = remat.plan(model, batch, budget="24GiB")  # profile + simulate + solve
+    remat.apply(model, plan)
+    remat.remove(model)                              # back to the original modules
+
+Importing remat imports neither torch nor transformers: the public names are resolved on
+first use, so ``import remat`` and ``remat --help`` stay fast and never touch CUDA.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "apply": ".api",
+    "remove": ".api",
+    "Plan": ".plans",
+    "discover": ".discover",
+    "plan": ".planner",
+    "auto": ".planner",
+    "profile": ".profiler",
+    "simulate": ".simulator",
+    "solve": ".solver",
+}
+# Module names differ from the public function names on purpose: importing a submodule
+# binds its name on the package, so a module remat/plan.py would shadow remat.plan().
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    value = getattr(import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,116 @@
+"""A Plan: which treatment each block gets, and how the LM head computes its loss.
+
+A plan is plain data. It can be written to JSON, read back, diffed, checked into a
+training repository and applied without profiling again. The planner's predictions
+(peak, step time, budget) ride along in ``notes`` so that ``remat doctor``/``bench`` can
+put measurement beside prediction.
+
+Short string specs are turned into plans here too, against a model's discovered blocks:
+``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...),
+``"first:8"`` (``full`` on the first eight), and either with another treatment:
+``"every:2:offload"``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+PLAN_VERSION = 1
+TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")
+OFFLOADING_TREATMENTS = ("offload", "full+offload")
+HEAD_MODES = ("plain", "chunked")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-block treatments (block name -> treatment) and the head mode.
+
+    Blocks not named keep everything. ``chunk_tokens`` applies to the ``chunked`` head
+    (None: chosen at apply time).
+    """
+
+    blocks: Mapping[str, str]
+    head: str = "plain"
+    chunk_tokens: Optional[int] = None
+    notes: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        bad = {name: t for name, t in self.blocks.items() if t not in TREATMENTS}
+        if bad:
+            raise ValueError(f"unknown treatments in plan: {bad}; expected one of {', '.join(TREATMENTS)}")
+        if self.head not in HEAD_MODES:
+            raise ValueError(f"unknown head mode {self.head!r}; expected one of {HEAD_MODES}")
+        if self.chunk_tokens is not None and int(self.chunk_tokens) <= 0:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens}")
+        object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
+        object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
+
+    def to_dict(self) -> dict:
+        return {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
+                "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Plan":
+        if not isinstance(data, Mapping) or "blocks" not in data:
+            raise ValueError("not a remat plan: expected a JSON object with 'version' and 'blocks'")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"plan version {version!r} is not supported by this remat "
+                             f"(reads version {PLAN_VERSION}); re-create it with `remat plan`")
+        return cls(dict(data["blocks"]), data.get("head", "plain"), data.get("chunk_tokens"),
+                   dict(data.get("notes") or {}))
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)  # never leave a half-written plan where a good one was
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON ({e}); expected a plan written by "
+                                 "Plan.save or `remat plan --out`") from None
+        return cls.from_dict(data)
+
+    def summary(self) -> str:
+        counts = {}
+        for t in self.blocks.values():
+            counts[t] = counts.get(t, 0) + 1
+        parts = [f"{n}x {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        head = self.head + (f"({self.chunk_tokens})" if self.head == "chunked" and self.chunk_tokens else "")
+        return f"{', '.join(parts) or 'no blocks'}; head {head}"
+
+
+def resolve(spec, block_names) -> Plan:
+    """Turn a spec (string, Plan or mapping) into a Plan over ``block_names``."""
+    block_names = list(block_names)
+    if isinstance(spec, Plan):
+        unknown = [name for name in spec.blocks if name not in block_names]
+        if unknown:
+            raise ValueError(f"plan names blocks this model does not have: {unknown[:5]} "
+                             f"(model blocks: {block_names[:3]} ...); was it made for another model?")
+        return spec
+    if isinstance(spec, Mapping):
+        return resolve(Plan(dict(spec)), block_names)
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a treatment name, 'every:N', 'first:N' or a remat.Plan; "
+                        f"got {type(spec).__name__}")
+    if spec in TREATMENTS:
+        return Plan({name: spec for name in block_names})
+    kind, _, rest = spec.partition(":")
+    count, _, treatment = rest.partition(":")
+    treatment = treatment or "full"
+    if kind not in ("every", "first") or not count.isdigit() or int(count) < 1 or treatment not in TREATMENTS:
+        raise ValueError(f"cannot read spec {spec!r}: expected one of {', '.join(TREATMENTS)}, "
+                         "'every:N[:treatment]' or 'first:N[:treatment]' with N >= 1")
+    n = int(count)
+    chosen = block_names[::n] if kind == "every" else block_names[:n]
+    return Plan({name: (treatment if name in chosen else "keep") for name in block_names})
