@@ -17,7 +17,7 @@ _PUBLIC = {
     "apply": ".api",
     "remove": ".api",
     "Plan": ".plans",
-    "discover": ".discover",
+    "discover": ".discovery",
     "plan": ".planner",
     "auto": ".planner",
     "profile": ".profiler",

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from .discover import BlockSelector, discover
+from .discovery import BlockSelector, discover
 from .plans import OFFLOADING_TREATMENTS, Plan, resolve
 from .treatments import apply_treatment, remove_treatment, treatment_of
 

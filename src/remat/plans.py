@@ -48,6 +48,9 @@ class Plan:
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
+    def __reduce__(self):  # mapping proxies don't pickle; a plan copies as its dict
+        return (Plan.from_dict, (self.to_dict(),))
+
     def to_dict(self) -> dict:
         return {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
                 "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .discover import find_submodules
+from .discovery import find_submodules
 from .plans import OFFLOADING_TREATMENTS, TREATMENTS
 
 # Cache arguments must not be updated twice by a recompute; in training they are unused.

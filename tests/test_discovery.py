@@ -1,0 +1,90 @@
+"""Block and head discovery across families, with no per-model code."""
+import pytest
+import torch.nn as nn
+
+import remat
+from remat.discovery import find_submodules
+
+from families import FAMILIES
+
+EXPECTED_LISTS = {
+    "llama": ("model.layers",), "mistral": ("model.layers",), "qwen2": ("model.layers",),
+    "qwen3": ("model.layers",), "gemma": ("model.layers",), "gpt2": ("transformer.h",),
+    "gpt_neox": ("gpt_neox.layers",), "phi": ("model.layers",), "opt": ("model.decoder.layers",),
+    "bert": ("bert.encoder.layer",), "vit": ("vit.encoder.layer",), "plain": ("blocks",),
+    "t5": ("encoder.block", "decoder.block"),
+    "bart": ("model.encoder.layers", "model.decoder.layers"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_block_lists_found(family):
+    model, _ = FAMILIES[family]()
+    structure = remat.discover(model)
+    expected = EXPECTED_LISTS[family]
+    if family == "vit" and hasattr(model.vit, "layers"):  # transformers 5 renamed encoder.layer
+        expected = ("vit.layers",)
+    assert structure.block_lists == expected
+    assert len(structure.block_names) == sum(len(model.get_submodule(n)) for n in structure.block_lists)
+
+
+@pytest.mark.parametrize("family,head", [("llama", "lm_head"), ("gpt2", "lm_head"), ("qwen2", "lm_head"),
+                                         ("bert", "cls.predictions.decoder"), ("plain", None)])
+def test_head_found(family, head):
+    model, _ = FAMILIES[family]()
+    assert remat.discover(model).head_name == head
+
+
+def test_nested_lists_are_not_blocks():
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Expert() for _ in range(3))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(Layer() for _ in range(2))
+    assert remat.discover(model).block_names == ("layers.0", "layers.1")
+
+
+def test_explicit_blocks_by_container_names_and_predicate():
+    model, _ = FAMILIES["t5"]()
+    assert len(remat.discover(model, blocks="decoder.block").block_names) == 2
+    pred = remat.discover(model, blocks=lambda name, m: type(m).__name__ == "T5Block")
+    assert pred.block_names == remat.discover(model).block_names
+    with pytest.raises(ValueError, match="nested"):
+        remat.discover(model, blocks=lambda name, m: "block" in name)
+
+
+def test_clear_error_when_nothing_repeats():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ValueError) as info:
+        remat.discover(model)
+    message = str(info.value)
+    assert "blocks=" in message and "Containers found" in message
+
+
+def test_bad_container_name_lists_candidates():
+    model, _ = FAMILIES["llama"]()
+    with pytest.raises(ValueError, match="model.layers"):
+        remat.discover(model, blocks="model.blocks")
+
+
+@pytest.mark.parametrize("family,attention,mlp", [
+    ("llama", ["self_attn"], ["mlp"]), ("gpt2", ["attn"], ["mlp"]), ("bert", ["attention"], ["intermediate"]),
+    ("t5", ["layer.0"], ["layer.1"]), ("opt", ["self_attn"], []),
+])
+def test_submodules(family, attention, mlp):
+    model, _ = FAMILIES[family]()
+    block = remat.discover(model).blocks(model)[0][1]
+    assert [n for n, _ in find_submodules(block, "attention")] == attention
+    assert [n for n, _ in find_submodules(block, "mlp")] == mlp
+
+
+def test_t5_decoder_block_has_self_and_cross_attention():
+    model, _ = FAMILIES["t5"]()
+    assert [n for n, _ in find_submodules(model.decoder.block[0], "attention")] == ["layer.0", "layer.1"]

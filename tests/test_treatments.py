@@ -1,0 +1,215 @@
+"""Every treatment against an untouched copy: same loss, input and parameter gradients.
+
+fp32 on CPU with dropout on: the math is identical, so equality is exact (torch.equal).
+"""
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat.api import treatments
+from remat.treatments import treatment_of
+
+from families import FAMILIES
+
+SPECS = ("full", "selective", "attention", "mlp", "every:2", "first:1:selective")
+NO_MLP_MODULE = {"opt", "bart"}  # fc1/fc2 directly in the layer: no MLP sub-module to recompute
+
+
+def _clone_inputs(inputs):
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone().requires_grad_(value.requires_grad)
+        out[key] = value
+    return out
+
+
+def _step(model, inputs, seed=7):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(treated, reference, make_inputs):
+    torch.manual_seed(123)
+    inputs = make_inputs()
+    ref_inputs = _clone_inputs(inputs)
+    loss, ref_loss = _step(treated, inputs), _step(reference, ref_inputs)
+    assert torch.equal(loss, ref_loss), (loss, ref_loss)
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            assert torch.equal(value.grad, ref_inputs[key].grad), f"input gradient {key}"
+    params, ref_params = dict(treated.named_parameters()), dict(reference.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        q = ref_params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"gradient of {name}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("spec", SPECS)
+def test_gradients_equal_untouched_copy(family, spec):
+    model, make_inputs = FAMILIES[family]()
+    reference = copy.deepcopy(model)
+    if spec == "mlp" and family in NO_MLP_MODULE:
+        with pytest.raises(ValueError, match="no mlp sub-module"):
+            remat.apply(model, spec)
+        return
+    remat.apply(model, spec)
+    assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+    # a second step: nothing left over from the first (RNG, saved state) changes results
+    assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+
+
+def test_state_dict_round_trip_and_keys_unchanged():
+    model, _ = FAMILIES["llama"]()
+    plain_sd = copy.deepcopy(model.state_dict())
+    remat.apply(model, "selective")
+    assert list(model.state_dict()) == list(plain_sd)
+    other, _ = FAMILIES["llama"]()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    remat.apply(other, "full")
+    other.load_state_dict(plain_sd)  # a plain checkpoint loads into a treated model
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, plain_sd[key]), key
+    fresh, _ = FAMILIES["llama"]()
+    fresh.load_state_dict(model.state_dict())  # and a treated model's checkpoint into a plain one
+
+
+def test_remove_restores_original_module_tree():
+    model, make_inputs = FAMILIES["gpt2"]()
+    reference = copy.deepcopy(model)
+    before = [(name, type(m)) for name, m in model.named_modules()]
+    remat.apply(model, "attention")
+    remat.apply(model, "every:2:selective")
+    remat.remove(model)
+    assert [(name, type(m)) for name, m in model.named_modules()] == before
+    assert not any("forward" in m.__dict__ or "_remat" in m.__dict__ for m in model.modules())
+    assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+
+
+def test_applying_twice_replaces_and_never_double_wraps():
+    model, make_inputs = FAMILIES["llama"]()
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full")
+    remat.apply(model, "full")
+    remat.apply(model, "selective")
+    block = model.model.layers[0]
+    original = block.__dict__["_remat"].original_forward
+    assert original.__func__ is type(block).forward  # the class forward, not a previous wrapper
+    assert set(treatments(model).values()) == {"selective"}
+    assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+
+
+def test_treatment_replaced_on_one_block_keeps_others():
+    model, _ = FAMILIES["llama"]()
+    names = list(treatments(model))
+    remat.apply(model, {names[0]: "mlp", names[2]: "full"})
+    assert [treatment_of(b) for b in model.model.layers] == ["mlp", "keep", "full"]
+
+
+def test_instance_forward_set_by_another_library_is_restored():
+    model, make_inputs = FAMILIES["plain"]()
+    block = model.blocks[1]
+    calls = []
+    original = block.forward
+
+    def hooked(*args, **kwargs):  # what accelerate's add_hook_to_module does
+        calls.append(1)
+        return original(*args, **kwargs)
+    block.forward = hooked
+    remat.apply(model, "full")
+    torch.manual_seed(0)
+    model(**make_inputs()).loss.backward()
+    assert calls, "the pre-existing instance forward must still run under the treatment"
+    remat.remove(model)
+    assert block.__dict__["forward"] is hooked
+
+
+def test_deepcopy_of_treated_model_uses_its_own_parameters():
+    model, make_inputs = FAMILIES["llama"]()
+    remat.apply(model, "full")
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(0.5)
+    reference = copy.deepcopy(clone)
+    remat.remove(reference)
+    assert_same_step(treated=clone, reference=reference, make_inputs=make_inputs)
+
+
+def test_no_grad_forward_is_untouched():
+    model, make_inputs = FAMILIES["llama"]()
+    reference = copy.deepcopy(model).eval()
+    remat.apply(model, "full")
+    model.eval()
+    inputs = make_inputs()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+
+
+def test_lora_with_frozen_embeddings_gets_gradients_without_input_require_grads():
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from families import SMALL, _config
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(_config("llama", **SMALL))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = peft.get_peft_model(base, lora).train()
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full")
+    assert len(remat.discover(model).block_names) == 3
+    ids = torch.randint(0, 97, (2, 10))
+    losses = []
+    for m in (model, reference):
+        torch.manual_seed(5)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ref = dict(reference.named_parameters())
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    for name, p in trainable:
+        assert p.grad is not None and torch.equal(p.grad, ref[name].grad), name
+
+
+def test_hf_gradient_checkpointing_is_refused_before_and_after():
+    model, _ = FAMILIES["llama"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        remat.apply(model, "full")
+    model.gradient_checkpointing_disable()
+    remat.apply(model, "full")
+    with pytest.raises(ValueError, match="gradient_checkpointing=False"):
+        model.gradient_checkpointing_enable()  # what the Trainer does at train()
+    remat.remove(model)
+    model.gradient_checkpointing_enable()  # allowed again once remat is removed
+
+
+def test_compile_of_each_block_after_apply():
+    model, make_inputs = FAMILIES["llama"]()
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full")
+    for block in model.model.layers:
+        block.compile(backend="aot_eager")
+    torch.manual_seed(123)
+    inputs = make_inputs()
+    ref_inputs = _clone_inputs(inputs)
+    for m in (model, reference):
+        m.config.attention_dropout = 0.0  # compiled dropout draws RNG differently from eager
+        for layer in m.model.layers:
+            layer.self_attn.attention_dropout = 0.0
+    loss, ref_loss = _step(model, inputs), _step(reference, ref_inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
