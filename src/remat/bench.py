@@ -1,0 +1,278 @@
+"""The side-by-side proof: remat's plans and the stock strategies, one process, one batch.
+
+Every strategy gets a freshly built model with the same seed (same weights) and the same
+batch, and is measured with one protocol, the one the anchors in DESIGN.md use: a step is
+``zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
+``loss.backward()`` (the outputs are dropped before backward, as the HF Trainer does; no
+optimizer step), ``warmup`` steps, then the peak over ``steps`` timed steps
+(``torch.cuda.max_memory_allocated`` after a reset; :class:`~remat.memtrack.PeakTracker`
+on the CPU) and the median step time with its spread. Each record carries the planner's
+prediction beside the measurement and whether the loss equals eager's.
+
+A strategy that does not apply is recorded with a reason (``skipped``); an out-of-memory
+is a result (``oom``), not a crash; the next strategy starts from freed memory.
+
+Anchors: ``eager`` (no checkpointing), ``hf_full`` (HF gradient checkpointing,
+non-reentrant), ``every2`` (``checkpoint_wrapper`` on every second layer), ``sac`` (HF
+checkpointing with an op-level policy saving matmul and attention outputs),
+``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``) and, optionally,
+``compile_<b>`` (``torch.compile`` with ``activation_memory_budget=b``). remat rows:
+``remat:<spec>`` (a uniform spec) and ``remat@<budget>`` (the planner's plan for it).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    kind: str  # "anchor" or "remat"
+    prepare: Callable  # (model, batch) -> (forward callable, context manager factory, plan or None)
+    budget_bytes: Optional[int] = None
+
+
+def _plain(model, batch):
+    return model, contextlib.nullcontext, None
+
+
+def _hf_full(model, batch):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, contextlib.nullcontext, None
+
+
+def _hf_sac(model, batch):
+    from .treatments import selective_context
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": selective_context})
+    return model, contextlib.nullcontext, None
+
+
+def _every2(model, batch):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from .discovery import discover
+    names = discover(model).block_names[::2]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, checkpoint_wrapper(getattr(parent, child),
+                                                  checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return model, contextlib.nullcontext, None
+
+
+def _save_on_cpu(model, batch):
+    if next(model.parameters()).device.type != "cuda":
+        raise _Skip("save_on_cpu moves activations to host memory: it only applies on a GPU")
+    return model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), None
+
+
+def _compiled(budget: float):
+    def prepare(model, batch):
+        import torch._functorch.config as functorch_config
+        torch._dynamo.reset()
+        functorch_config.activation_memory_budget = budget
+        return torch.compile(model), contextlib.nullcontext, None
+    return prepare
+
+
+def _remat_spec(spec: str):
+    def prepare(model, batch):
+        import remat
+        head = None
+        if spec.endswith("+chunked"):
+            spec_, head = spec[: -len("+chunked")], "chunked"
+        else:
+            spec_ = spec
+        remat.apply(model, spec_, head=head)
+        return model, contextlib.nullcontext, None
+    return prepare
+
+
+def _remat_budget(budget_bytes: int, gpu: Optional[str]):
+    def prepare(model, batch):
+        import remat
+        try:
+            plan = remat.plan(model, batch, budget=budget_bytes, gpu=gpu)
+        except ImportError as e:
+            raise _Skip(f"planner not available: {e}") from None
+        remat.apply(model, plan)
+        return model, contextlib.nullcontext, plan
+    return prepare
+
+
+class _Skip(Exception):
+    """A strategy that does not apply here; the message says why."""
+
+
+def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(), anchors=True,
+               gpu: Optional[str] = None) -> list:
+    out = []
+    if anchors:
+        out += [Strategy("eager", "anchor", _plain), Strategy("hf_full", "anchor", _hf_full),
+                Strategy("every2", "anchor", _every2), Strategy("sac", "anchor", _hf_sac),
+                Strategy("save_on_cpu", "anchor", _save_on_cpu)]
+        out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b)) for b in compile_budgets]
+    out += [Strategy(f"remat:{spec}", "remat", _remat_spec(spec)) for spec in uniform]
+    out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu), budget_bytes=b) for b in budgets]
+    return out
+
+
+def _fmt_gib(n: int) -> str:
+    from .units import format_size
+    return format_size(n).replace(" ", "").replace(".00", "")
+
+
+def _step(forward, context, batch):
+    with context():
+        loss = forward(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps=5) -> dict:
+    """Build a model, prepare it as ``strategy`` says, and measure peak bytes and step times."""
+    device = batch["input_ids"].device
+    cuda = device.type == "cuda"
+    record = {"strategy": strategy.name, "kind": strategy.kind}
+    if strategy.budget_bytes is not None:
+        record["budget_bytes"] = strategy.budget_bytes
+    model = forward = None
+    try:
+        model = build()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        forward, context, plan = strategy.prepare(model, batch)
+        if plan is not None:
+            record.update(plan=plan.summary(), **{k: plan.notes[k] for k in
+                                                 ("predicted_peak_bytes", "predicted_step_s", "peak_at")
+                                                 if k in plan.notes})
+        first_loss = None
+        for _ in range(warmup):
+            model.zero_grad(set_to_none=True)
+            loss = _step(forward, context, batch)
+            first_loss = loss if first_loss is None else first_loss
+        model.zero_grad(set_to_none=True)
+        times = []
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            loss = _step(forward, context, batch)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated()
+        else:  # no allocator statistics on the CPU: one more step, counted tensor by tensor
+            from .memtrack import PeakTracker
+            model.zero_grad(set_to_none=True)
+            with PeakTracker(baseline=list(model.parameters()) + list(model.buffers())) as tracker:
+                _step(forward, context, batch)
+            peak = tracker.peak
+        tokens = batch["input_ids"].numel()
+        median = statistics.median(times)
+        record.update(status="ok", peak_bytes=int(peak), peak_GiB=peak / GiB, step_s=median,
+                      step_s_min=min(times), step_s_max=max(times), tokens_per_s=tokens / median,
+                      loss=float(first_loss if first_loss is not None else loss))
+    except _Skip as e:
+        record.update(status="skipped", reason=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        record.update(status="oom", reason=str(e).splitlines()[0][:200])
+    except Exception as e:  # one strategy failing must not lose the others' results
+        record.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        del model, forward
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return record
+
+
+def environment(device: torch.device) -> dict:
+    import remat
+    info = {"torch": torch.__version__, "remat": remat.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device)}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    info["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return info
+
+
+def run(model_name: str, *, batch_size: int, seq: int, device: str, dtype, strategy_list: list,
+        warmup=2, steps=5, progress=sys.stderr, out_jsonl: Optional[str] = None) -> list:
+    """Measure every strategy on one model and batch; returns the records (eager first)."""
+    from .presets import build_model, load_config
+    config = load_config(model_name)
+    dev = torch.device(device)
+    env = environment(dev)
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq), generator=generator).to(dev)
+    batch = {"input_ids": ids, "labels": ids}
+    shared = dict(env, model=model_name, batch=batch_size, seq=seq, dtype=str(dtype).replace("torch.", ""))
+
+    def build():
+        return build_model(config, device=dev, dtype=dtype)
+
+    records = []
+    _run_all(strategy_list, build, batch, shared, records, warmup, steps, progress, out_jsonl)
+    return records
+
+
+def _run_all(strategy_list, build, batch, shared, records, warmup, steps, progress, out_jsonl):
+    for index, strategy in enumerate(strategy_list, 1):
+        if progress:
+            print(f"[{index}/{len(strategy_list)}] {strategy.name} ...", end="", file=progress, flush=True)
+        record = dict(shared, **measure(build, strategy, batch, warmup=warmup, steps=steps))
+        _relate(record, records)
+        records.append(record)
+        if progress:
+            print(" " + _one_line(record), file=progress, flush=True)
+        if out_jsonl:
+            with open(out_jsonl, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def relate_all(records: list) -> None:
+    """Recompute each record's comparison with eager (after runs were merged)."""
+    for index, record in enumerate(records):
+        _relate(record, records[:index] + records[index + 1:])
+
+
+def _relate(record: dict, earlier: list) -> None:
+    eager = next((r for r in earlier if r["strategy"] == "eager" and r.get("status") == "ok"), None)
+    if eager is None or record.get("status") != "ok":
+        return
+    record["vs_eager"] = record["tokens_per_s"] / eager["tokens_per_s"]
+    record["loss_equal_eager"] = record["loss"] == eager["loss"]
+    record["loss_diff_eager"] = abs(record["loss"] - eager["loss"])
+
+
+def _one_line(record: dict) -> str:
+    if record.get("status") != "ok":
+        return f"{record.get('status')}: {record.get('reason', '')[:100]}"
+    text = f"{record['peak_GiB']:.2f} GiB, {record['tokens_per_s']:.0f} tok/s"
+    if "vs_eager" in record:
+        text += f" ({record['vs_eager']:.3f}x eager)"
+    return text

@@ -1,0 +1,103 @@
+"""``remat bench``: measure remat's plans beside the stock strategies, in one process."""
+from __future__ import annotations
+
+import os
+import sys
+
+HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpointing, every-2, "
+        "op-level SAC, save_on_cpu, torch.compile budgets) on one model and batch")
+EXAMPLES = """examples:
+  remat bench                                   # CPU: llama-tiny, a minute; GPU: the bench model
+  remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/
+  remat bench --model ./my-model/config.json --batch 8 --seq 2048 --compile
+  remat bench --only eager,hf_full,remat:full,remat:selective
+
+Writes bench.jsonl (one JSON record per strategy), bench.md (a table) and bench.png (peak GiB
+on x, tokens/s on y) into --out. An out-of-memory is recorded as 'oom', not a crash.
+"""
+
+GPU_DEFAULTS = dict(model="llama-1b", batch=4, seq=4096, budgets="10,16,25,32,45GiB")
+CPU_DEFAULTS = dict(model="llama-tiny", batch=2, seq=128, budgets="auto")
+AUTO_FRACTIONS = (0.45, 0.6, 0.8)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="preset or config.json path (default: llama-1b on a GPU, "
+                                        "llama-tiny on the CPU)")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--budgets", help="comma-separated memory budgets (e.g. 10,16,32GiB), or 'auto' "
+                                          f"(fractions {AUTO_FRACTIONS} of eager's measured peak)")
+    parser.add_argument("--uniform", default="full,selective",
+                        help="remat specs measured on every block (default: full,selective)")
+    parser.add_argument("--only", help="comma-separated strategy names to run (e.g. eager,remat:full)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add torch.compile with activation_memory_budget 1.0/0.5/0.2 (minutes)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    parser.add_argument("--out", default="remat-bench", help="output folder (default ./remat-bench)")
+
+
+def run(args) -> int:
+    import torch
+
+    from .. import bench, report
+    from ..units import parse_size
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA GPU is visible; leave --device out to run on the CPU")
+    defaults = GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS
+    model = args.model or defaults["model"]
+    batch, seq = args.batch or defaults["batch"], args.seq or defaults["seq"]
+    budgets_arg = args.budgets or defaults["budgets"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    budgets = [] if budgets_arg == "auto" else [parse_size(b) for b in _split_budgets(budgets_arg)]
+    uniform = [s for s in args.uniform.split(",") if s]
+    compile_budgets = (1.0, 0.5, 0.2) if args.compile else ()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, "bench.jsonl")
+    if os.path.exists(jsonl):
+        os.replace(jsonl, jsonl + ".previous")  # keep the last run's records, never append to them
+    chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets, gpu=gpu)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [s for s in strategies if s.name in wanted]
+        unknown = wanted - {s.name for s in chosen} - ({"remat@auto"} if budgets_arg == "auto" else set())
+        if unknown:
+            raise ValueError(f"--only names unknown strategies {sorted(unknown)}; known: "
+                             f"{', '.join(s.name for s in strategies)}")
+    print(f"remat bench: {model}, batch {batch} x {seq}, {str(dtype).replace('torch.', '')} on "
+          f"{gpu or device}; {len(chosen)} strategies", file=sys.stderr)
+    records = bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype, strategy_list=chosen,
+                        warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
+    if budgets_arg == "auto" and (not args.only or "remat@auto" in args.only):
+        eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
+        if eager is None:
+            print("remat bench: eager did not run, so 'auto' budgets cannot be set", file=sys.stderr)
+        else:
+            auto = [int(eager["peak_bytes"] * f) for f in AUTO_FRACTIONS]
+            more = bench.strategies(auto, uniform=(), anchors=False, gpu=gpu)
+            records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
+                                 strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
+            bench.relate_all(records)
+    table = report.markdown(records, title="remat bench")
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(table)
+    why_not = report.plot(records, os.path.join(args.out, "bench.png"))
+    print(table)
+    print(f"records: {jsonl}\ntable:   {os.path.join(args.out, 'bench.md')}")
+    print(f"plot:    {os.path.join(args.out, 'bench.png')}" if why_not is None else f"no plot: {why_not}")
+    return 0
+
+
+def _split_budgets(text: str) -> list:
+    """'10,16,32GiB' -> ['10GiB', '16GiB', '32GiB']: a unit on the last applies to bare numbers."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unit = "".join(ch for ch in parts[-1] if ch.isalpha()) if parts else ""
+    return [p if any(ch.isalpha() for ch in p) else p + unit for p in parts]

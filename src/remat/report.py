@@ -1,0 +1,95 @@
+"""Bench records -> a markdown table and a memory/throughput frontier plot.
+
+The plot puts peak GiB on x and tokens/s on y, so "up and to the left" is better:
+anchors are grey circles, remat's rows are blue squares, budgets are dashed vertical
+lines, and eager's throughput is a dotted horizontal line. Everything is labelled, so the
+picture reads without the table. matplotlib is optional: without it only the table is
+written, and the command says so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .units import format_size
+
+GiB = 2 ** 30
+
+
+def markdown(records: list, title: str = "") -> str:
+    lines = [f"## {title}", ""] if title else []
+    first = records[0] if records else {}
+    if first:
+        lines.append(f"{first.get('model')} batch {first.get('batch')} x {first.get('seq')} "
+                     f"{first.get('dtype')}, {first.get('gpu') or first.get('device')}, torch "
+                     f"{first.get('torch')}, transformers {first.get('transformers')}, remat "
+                     f"{first.get('remat')}, {first.get('date')}")
+        lines.append("")
+    lines.append("| strategy | budget | peak | predicted peak | tokens/s (spread) | vs eager | "
+                 "predicted step s | loss = eager | notes |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        budget = format_size(r["budget_bytes"]) if r.get("budget_bytes") else ""
+        if r.get("status") != "ok":
+            lines.append(f"| {r['strategy']} | {budget} | {r.get('status')} | | | | | | "
+                         f"{_cell(r.get('reason', ''))} |")
+            continue
+        predicted = format_size(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else ""
+        pred_time = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else ""
+        spread = (f"{r['tokens_per_s']:.0f} ({r['tokens_per_s'] * r['step_s'] / r['step_s_max']:.0f}"
+                  f"–{r['tokens_per_s'] * r['step_s'] / r['step_s_min']:.0f})")
+        vs = f"{r['vs_eager']:.3f}" if "vs_eager" in r else ""
+        equal = "" if "loss_equal_eager" not in r else ("yes" if r["loss_equal_eager"]
+                                                        else f"diff {r['loss_diff_eager']:.2g}")
+        notes = []
+        if r.get("budget_bytes"):
+            notes.append("under budget" if r["peak_bytes"] <= r["budget_bytes"] else "OVER BUDGET")
+        if r.get("plan"):
+            notes.append(r["plan"])
+        lines.append(f"| {r['strategy']} | {budget} | {format_size(r['peak_bytes'])} | {predicted} | {spread} | {vs} | "
+                     f"{pred_time} | {equal} | {_cell('; '.join(notes))} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")[:160]
+
+
+def plot(records: list, path: str, title: str = "") -> Optional[str]:
+    """Write the frontier PNG; returns None on success or the reason it was not drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'remat[plot]')"
+    ok = [r for r in records if r.get("status") == "ok"]
+    if not ok:
+        return "no strategy ran"
+    scale, unit = (GiB, "GiB") if max(r["peak_bytes"] for r in ok) >= GiB else (2 ** 20, "MiB")
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    for kind, style in (("anchor", dict(marker="o", color="0.45", label="stock strategies")),
+                        ("remat", dict(marker="s", color="tab:blue", label="remat"))):
+        rows = [r for r in ok if r["kind"] == kind]
+        if rows:
+            ax.scatter([r["peak_bytes"] / scale for r in rows], [r["tokens_per_s"] for r in rows], s=55, zorder=3,
+                       **style)
+        for r in rows:
+            ax.annotate(r["strategy"], (r["peak_bytes"] / scale, r["tokens_per_s"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8, color=style["color"])
+    eager = next((r for r in ok if r["strategy"] == "eager"), None)
+    if eager:
+        ax.axhline(eager["tokens_per_s"], color="0.6", linestyle=":", linewidth=1)
+    for budget in sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")}):
+        ax.axvline(budget / scale, color="tab:blue", linestyle="--", linewidth=0.8, alpha=0.5)
+    ax.set_xlabel(f"peak memory ({unit})  — lower is better")
+    ax.set_ylabel("tokens / s  — higher is better")
+    first = ok[0]
+    ax.set_title(title or f"{first.get('model')} {first.get('batch')}x{first.get('seq')} "
+                          f"on {first.get('gpu') or first.get('device')}")
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
