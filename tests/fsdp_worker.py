@@ -24,9 +24,11 @@ def main(spec):
     reference = copy.deepcopy(model)
     inputs = make_inputs()  # before sharding: make_inputs uses the embedding weights
     remat.apply(model, spec)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))  # stay on the CPU even where a GPU is visible
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     problems = []
     for m in (model, reference):
         torch.manual_seed(3)

@@ -67,15 +67,15 @@ def plot(records: list, path: str, title: str = "") -> Optional[str]:
         return "no strategy ran"
     scale, unit = (GiB, "GiB") if max(r["peak_bytes"] for r in ok) >= GiB else (2 ** 20, "MiB")
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
-    for kind, style in (("anchor", dict(marker="o", color="0.45", label="stock strategies")),
-                        ("remat", dict(marker="s", color="tab:blue", label="remat"))):
+    for kind, style, offset in (("anchor", dict(marker="o", color="0.45", label="stock strategies"), (5, 4)),
+                                ("remat", dict(marker="s", color="tab:blue", label="remat"), (5, -11))):
         rows = [r for r in ok if r["kind"] == kind]
         if rows:
             ax.scatter([r["peak_bytes"] / scale for r in rows], [r["tokens_per_s"] for r in rows], s=55, zorder=3,
                        **style)
         for r in rows:
             ax.annotate(r["strategy"], (r["peak_bytes"] / scale, r["tokens_per_s"]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8, color=style["color"])
+                        xytext=offset, fontsize=8, color=style["color"])
     eager = next((r for r in ok if r["strategy"] == "eager"), None)
     if eager:
         ax.axhline(eager["tokens_per_s"], color="0.6", linestyle=":", linewidth=1)

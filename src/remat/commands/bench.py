@@ -57,6 +57,9 @@ def run(args) -> int:
         args.dtype or ("bf16" if device == "cuda" else "fp32")]
     budgets = [] if budgets_arg == "auto" else [parse_size(b) for b in _split_budgets(budgets_arg)]
     uniform = [s for s in args.uniform.split(",") if s]
+    for name in (args.only or "").split(","):  # --only remat:<spec> implies measuring that spec
+        if name.startswith("remat:") and name[len("remat:"):] not in uniform:
+            uniform.append(name[len("remat:"):])
     compile_budgets = (1.0, 0.5, 0.2) if args.compile else ()
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
 
