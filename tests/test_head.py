@@ -129,8 +129,11 @@ def test_num_items_in_batch_shift_labels_and_ignore_index():
     enable_chunked_head(model, chunk_tokens=16)
     ids = torch.randint(0, model.config.vocab_size, (2, 21))
     labels = _labels(ids)
-    for kwargs in ({"num_items_in_batch": torch.tensor(57)}, {"num_items_in_batch": 12},
-                   {"shift_labels": torch.roll(labels, -1, 1)}, {"ignore_index": 7}):
+    sevens = torch.where(labels == -100, 7, labels)
+    for labels, kwargs in ((labels, {"num_items_in_batch": torch.tensor(57)}),
+                           (labels, {"num_items_in_batch": 12}),
+                           (labels, {"shift_labels": torch.roll(labels, -1, 1)}),
+                           (sevens, {"ignore_index": 7})):
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
         _assert_close(_step(model, ids, labels, **kwargs), _step(reference, ids, labels, **kwargs))
@@ -215,7 +218,7 @@ def test_head_peak_bytes_measured_grow_with_chunk_not_tokens(dtype):
     # or vocab x hidden. 4x the tokens adds no chunk x vocab term.
     d = torch.empty((), dtype=dtype).element_size()
     for tokens, vocab in sizes:
-        bound = (d + 4) * chunk * vocab + (4 + d) * vocab * hidden + 2 * d * tokens * hidden + 8 * tokens + 48 * chunk
+        bound = (d + 4) * chunk * vocab + (4 + d) * vocab * hidden + 2 * d * tokens * hidden + 16 * tokens + 48 * chunk
         assert _head_peak("chunked", tokens, vocab, hidden, dtype, chunk) <= bound
         assert _head_peak("plain", tokens, vocab, hidden, dtype) >= 12 * tokens * vocab
 
@@ -232,7 +235,7 @@ def test_choose_chunk_tokens_fits_the_budget():
     with pytest.raises(ValueError, match="at least"):
         choose_chunk_tokens(*args, 2 ** 20)
     assert default_chunk_tokens(128256) == 2048
-    assert head_peak_bytes(*args, "plain") > 10 * head_peak_bytes(*args, "chunked", 2048)
+    assert head_peak_bytes(*args, "plain") > 8 * head_peak_bytes(*args, "chunked", 2048)
 
 
 def test_other_calls_are_untouched_and_disable_restores():

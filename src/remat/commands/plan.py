@@ -1,0 +1,98 @@
+"""``remat plan``: the fastest plan that fits a memory budget, from a preset or config.json.
+
+The model is built on the ``meta`` device (no weights, no GPU) and profiled with fake
+tensors at the rates of ``--gpu``; see :mod:`remat.planner`. ``--out`` writes the plan as
+JSON for ``remat.apply(model, remat.Plan.load(path))``.
+"""
+from __future__ import annotations
+
+import sys
+
+HELP = "the fastest plan that fits a memory budget (no GPU or weights needed)"
+EXAMPLES = """examples:
+  remat plan --model llama-8b --batch 4 --seq 4096 --budget 40GiB
+  remat plan --model llama-1b --batch 4 --seq 4096 --budget 24GiB --gpu h100 --out plan.json
+  remat plan --model path/to/config.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw
+"""
+
+
+def add_model_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="a preset (llama-1b, llama-8b, ...) or a config.json path")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--gpu", default="h100", help="rates to plan for: h100, h200, a100 (default h100)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="model dtype")
+    parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "adamw8bit"),
+                        help="optimizer state to count (default none: forward+backward, as remat bench)")
+    parser.add_argument("--no-offload", action="store_true", help="plan without offload treatments")
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--budget", required=True, help="peak memory budget, e.g. 24GiB or 80GB")
+    parser.add_argument("--out", help="write the plan as JSON here")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def profile_from_args(args):
+    """Build the model on the meta device and profile it; progress on stderr after ~2 s."""
+    import torch
+
+    from ..presets import build_model, load_config
+    from ..profiler import profile, progress_printer
+    if args.batch < 1 or args.seq < 1:
+        raise ValueError(f"--batch and --seq must be at least 1, got {args.batch} and {args.seq}")
+    say = progress_printer()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config = load_config(args.model)
+    say(f"building {args.model} on the meta device")
+    model = build_model(config, device="meta", dtype=dtype)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    return profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+
+
+def treatments_from_args(prof, args):
+    from ..planner import _allowed
+    allowed = _allowed(prof, None)
+    if args.no_offload:
+        allowed = [t for t in allowed if "offload" not in t]
+    return allowed
+
+
+def describe(plan) -> str:
+    """Blocks grouped into runs of one treatment: ``0-7 full, 8-15 keep``."""
+    runs, names = [], list(plan.blocks)
+    for i, name in enumerate(names):
+        t = plan.blocks[name]
+        if runs and runs[-1][2] == t:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, t])
+    return ", ".join(f"{a}-{b} {t}" if a != b else f"{a} {t}" for a, b, t in runs)
+
+
+def run(args) -> int:
+    import json
+
+    from ..solver import solve
+    from ..units import format_size, parse_size
+    budget = parse_size(args.budget)
+    prof = profile_from_args(args)
+    plan = solve(prof, budget, treatments=treatments_from_args(prof, args))
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1, sort_keys=True))
+        return 0
+    n = plan.notes
+    print(f"model      {args.model}  batch {args.batch} x {args.seq} tokens, {args.dtype}, "
+          f"optimizer {args.optimizer}, rates {prof.rates.name}")
+    print(f"plan       {plan.summary()}")
+    print(f"blocks     {describe(plan)}")
+    print(f"peak       {format_size(n['predicted_peak_bytes'])} of {format_size(budget)} budget "
+          f"(static {format_size(prof.static_bytes)})")
+    print(f"step       {n['predicted_step_s']:.3f} s, {n['predicted_tokens_per_s']:,.0f} tokens/s (predicted)")
+    print(f"peak at    {n['peak_at']}")
+    if args.out:
+        print(f"written    {args.out}", file=sys.stderr)
+    return 0

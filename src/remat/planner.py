@@ -1,0 +1,66 @@
+"""``remat.plan`` and ``remat.auto``: profile, then solve, for a budget; ``auto`` also applies.
+
+This module only joins :mod:`remat.profiler` (what each block costs), :mod:`remat.solver`
+(the fastest plan within the budget, checked by :mod:`remat.simulator`) and
+:func:`remat.apply`. The prediction rides along in ``plan.notes`` (peak, step time, what
+sets the peak, GPU, batch shape) so that ``remat bench`` / ``doctor`` can put the
+measurement beside it.
+
+A model on the GPU is measured there (CUDA events, allocator statistics); any other
+model -- on the CPU, or on the ``meta`` device without weights -- is profiled with fake
+tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
+on a laptop. Offload treatments are only planned when :mod:`remat.offload` imports and the
+target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the model's loss.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch.nn as nn
+
+from .plans import OFFLOADING_TREATMENTS, Plan
+from .profiler import profile as _profile
+from .solver import solve
+from .units import parse_size
+
+
+def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimizer: str = "none",
+         treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
+         blocks=None, progress=None) -> Plan:
+    """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
+
+    ``batch``: a dict of tensors (``input_ids``, ``labels`` ...) or a tensor of input ids,
+    with the shapes of training (values do not matter). ``budget``: bytes or "24GiB".
+    ``gpu``: rates to plan for when the model is not on a GPU (h100, h200, a100).
+    ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two fp32
+    states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
+    naming the smallest achievable peak when nothing fits.
+    """
+    budget_bytes = parse_size(budget)
+    prof = _profile(model, batch, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
+    return solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+
+
+def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
+    """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan."""
+    from .api import apply
+    chosen = plan(model, batch, budget, **kwargs)
+    apply(model, chosen, blocks=kwargs.get("blocks"))
+    return chosen
+
+
+def _allowed(prof, treatments) -> Optional[list]:
+    available = list(prof.treatments(0))
+    if treatments is not None:
+        return list(treatments)
+    if prof.rates.name == "cpu" or not offload_available():
+        available = [t for t in available if t not in OFFLOADING_TREATMENTS]
+    return available
+
+
+def offload_available() -> bool:
+    try:
+        from . import offload  # noqa: F401
+    except ImportError:
+        return False
+    return True

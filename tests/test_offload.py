@@ -1,0 +1,362 @@
+"""The offload engine against an untouched copy of the same model: loss and every gradient equal
+(``torch.equal``: offload moves bytes, it never changes the math).
+
+On CPU the engine is a no-op; its bookkeeping (records, slots, dedup of views, prefetch order,
+tensors that are never moved, retain_graph, pool reuse, garbage collection of forwards without
+backward) runs for real in the private ``_inline`` mode, where copies are synchronous CPU copies.
+GPU tests (marked) run the streams, with copies slowed down on purpose so that a missing wait or
+an early free shows up as a wrong number.
+"""
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat.discovery import discover
+from remat.offload import MiB, OffloadEngine, PinnedPool, engine_of
+from remat.presets import build_model, load_config
+from remat.treatments import apply_treatment
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _tiny(device="cpu", dropout=0.1, attn="eager"):
+    config = load_config("llama-tiny")
+    config.attention_dropout = dropout
+    return build_model(config, device=device, dtype=torch.float32, attn_implementation=attn)
+
+
+def _treat(model, spec, **engine_kwargs):
+    engine = OffloadEngine(model, **engine_kwargs)
+    for index, (_, block) in enumerate(discover(model).blocks(model)):
+        apply_treatment(block, spec, engine=engine, key=index)
+    return engine
+
+
+def _ids(device="cpu", batch=2, seq=37):
+    torch.manual_seed(11)
+    return torch.randint(0, 512, (batch, seq), device=device)
+
+
+def _step(model, ids, seed=3, retain=False):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=retain)
+    if retain:
+        loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(treated, reference, ids, **kwargs):
+    loss, ref = _step(treated, ids, **kwargs), _step(reference, ids, **kwargs)
+    assert torch.equal(loss, ref), (loss, ref)
+    ref_params = dict(reference.named_parameters())
+    for name, p in treated.named_parameters():
+        assert torch.equal(p.grad, ref_params[name].grad), f"gradient of {name}"
+
+
+# -- CPU: the public path is a no-op with one warning ------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["offload", "full+offload"])
+def test_apply_on_cpu_is_a_noop_with_one_warning_and_equal_gradients(spec):
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    remat.apply(model, spec)
+    ids = _ids()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(model, reference, ids)
+        assert_same_step(model, reference, ids)
+    ours = [w for w in caught if "remat offload" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "CUDA is not available" in str(ours[0].message) or "not on a CUDA device" in str(ours[0].message)
+    engine = engine_of(model)
+    assert engine is not None and engine.stats()["tensors_seen"] == 0
+
+
+def test_full_offload_hooks_see_only_the_checkpoint_inputs():
+    """Non-reentrant checkpoint saves its inputs under the caller's hooks and nothing else."""
+
+    class Counting:
+        def __init__(self):
+            self.seen = []
+
+        def saved_tensors(self, key):
+            return torch.autograd.graph.saved_tensors_hooks(lambda t: self.seen.append((key, t)) or t,
+                                                            lambda t: t)
+
+    model = _tiny()
+    blocks = discover(model).blocks(model)
+    inputs = []
+    for _, block in blocks:
+        block.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(args), with_kwargs=True)
+    counting = Counting()
+    for index, (_, block) in enumerate(blocks):
+        apply_treatment(block, "full+offload", engine=counting, key=index)
+    model(input_ids=_ids(), labels=_ids()).loss.backward()
+    positional = [[a for a in args if isinstance(a, torch.Tensor)] for args in inputs]
+    assert len(counting.seen) == sum(len(p) for p in positional) == len(blocks)
+    for (key, seen), tensors in zip(counting.seen, positional):
+        assert seen.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr()
+    # offload without checkpoint: the same hooks see every activation the block saves
+    plain = _tiny()
+    counting = Counting()
+    for index, (_, block) in enumerate(discover(plain).blocks(plain)):
+        apply_treatment(block, "offload", engine=counting, key=index)
+    plain(input_ids=_ids(), labels=_ids()).loss.backward()
+    assert len(counting.seen) > 10 * len(blocks)
+
+
+# -- CPU: the engine's bookkeeping, copies made synchronous -------------------------------------------
+
+@pytest.mark.parametrize("spec", ["offload", "full+offload"])
+def test_inline_engine_gradients_equal_and_pool_reused(spec):
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    engine = _treat(model, spec, min_bytes=0, _inline=True)
+    ids = _ids()
+    assert_same_step(model, reference, ids)
+    first = engine.stats()
+    assert first["bytes_d2h"] == first["bytes_h2d"] == first["bytes_packed"] > 0
+    assert first["pinned_in_use_bytes"] == 0 and first["live_records"] == 0
+    assert_same_step(model, reference, ids)
+    assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # step 2 allocates nothing
+    if spec == "full+offload":
+        assert first["slots"] == first["tensors_seen"] == len(discover(model).block_names)
+
+
+def test_inline_engine_input_gradients_with_embeds_requiring_grad():
+    from families import FAMILIES
+    model, make_inputs = FAMILIES["llama"]()
+    reference = copy.deepcopy(model)
+    _treat(model, "offload", min_bytes=0, _inline=True)
+    torch.manual_seed(1)
+    inputs = make_inputs()
+    ref_inputs = {k: (v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
+                  for k, v in inputs.items()}
+    for m, kw in ((model, inputs), (reference, ref_inputs)):
+        torch.manual_seed(2)
+        m(**kw).loss.backward()
+    assert torch.equal(inputs["inputs_embeds"].grad, ref_inputs["inputs_embeds"].grad)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
+def test_parameters_and_small_tensors_stay():
+    model = _tiny()
+    engine = _treat(model, "offload", min_bytes=4096, _inline=True)
+    _step(model, _ids())
+    s = engine.stats()
+    assert s["tensors_kept_param"] > 0 and s["tensors_kept_small"] > 0 and s["slots"] > 0
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = []
+    engine._pack_orig = engine._pack
+
+    def spy(record, t):
+        out = engine._pack_orig(record, t)
+        if out is not t:
+            seen.append(t.untyped_storage().data_ptr())
+        return out
+    engine._pack = spy
+    _step(model, _ids())
+    assert seen and not params.intersection(seen)
+
+
+def test_views_of_one_storage_move_once_and_come_back_as_views():
+    model = torch.nn.Linear(8, 8)  # the engine only needs the model for its parameters
+    engine = OffloadEngine(model, min_bytes=0, _inline=True)
+
+    def run(x, small):
+        base = x * 2
+        y = (base.t() * base[:, :8].t()).sum() + (base[1:] ** 2).sum()  # three views of one storage
+        return y + (small[:10] * x[0, :1]).sum()  # views covering 1% and 2% of their storages
+
+    x, small = torch.randn(6, 8, requires_grad=True), torch.randn(1000, requires_grad=True)
+    ref_x, ref_small = x.detach().clone().requires_grad_(), small.detach().clone().requires_grad_()
+    with engine.saved_tensors(0):
+        out = run(x, small)
+    out.backward()
+    run(ref_x, ref_small).backward()
+    assert torch.equal(x.grad, ref_x.grad) and torch.equal(small.grad, ref_small.grad)
+    s = engine.stats()
+    assert s["tensors_seen"] == 5
+    assert s["slots"] == 3 and s["bytes_packed"] == 6 * 8 * 4 + 10 * 4 + 1 * 4  # base once, two spans
+
+
+def test_tail_never_moved_when_backward_comes_first():
+    """Copies not issued by the time backward needs them stay on the GPU: no bytes either way."""
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    engine = _treat(model, "offload", min_bytes=0, _inline=True)
+    engine._issue_window = 0
+    engine.max_pending_bytes = 1 << 40
+    assert_same_step(model, reference, _ids())
+    s = engine.stats()
+    assert s["bytes_d2h"] == s["bytes_h2d"] == 0 and s["bytes_never_moved"] == s["bytes_packed"] > 0
+
+
+def test_pending_limit_forces_copies_out():
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    engine = _treat(model, "offload", min_bytes=0, _inline=True)
+    engine._issue_window = 0
+    engine.max_pending_bytes = 0
+    assert_same_step(model, reference, _ids())
+    s = engine.stats()
+    assert s["bytes_never_moved"] == 0 and s["bytes_d2h"] == s["bytes_packed"] > 0
+
+
+class _LaggingEvent:
+    """Completes on the third query (or when waited for): copies still in flight when backward comes."""
+
+    def __init__(self):
+        self.queries = 0
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        self.queries += 1
+        return self.queries >= 3
+
+    def synchronize(self):
+        self.queries = 3
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def test_copies_in_flight_at_backward_are_used_from_the_gpu():
+    from remat.offload import _Inline
+
+    class Lagging(_Inline):
+        @staticmethod
+        def event(timing=False):
+            return _LaggingEvent()
+
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    engine = _treat(model, "offload", min_bytes=0, _inline=True)
+    engine._dev = Lagging()
+    engine.max_pending_bytes = 1 << 40
+    for _ in range(2):
+        assert_same_step(model, reference, _ids())
+    s = engine.stats()
+    assert 0 < s["bytes_h2d"] < s["bytes_d2h"] == s["bytes_packed"]  # some came back without a copy
+    assert s["pinned_in_use_bytes"] == 0 and s["live_records"] == 0
+
+
+def test_retain_graph_and_gradient_accumulation():
+    model = _tiny()
+    reference = copy.deepcopy(model)
+    engine = _treat(model, "offload", min_bytes=0, _inline=True)
+    assert_same_step(model, reference, _ids(), retain=True)  # every saved tensor unpacked twice
+    # two micro-batches forward, then one backward over both
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        losses = [m(input_ids=_ids(seq=s), labels=_ids(seq=s)).loss for s in (19, 23)]
+        (losses[0] + losses[1]).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert engine.stats()["pinned_in_use_bytes"] == 0
+
+
+def test_forward_without_backward_returns_buffers_on_collection():
+    model = _tiny()
+    engine = _treat(model, "offload", min_bytes=0, _inline=True)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    assert engine.stats()["pinned_in_use_bytes"] > 0
+    del loss
+    gc.collect()
+    s = engine.stats()
+    assert s["pinned_in_use_bytes"] == 0 and s["live_records"] == 0
+    with torch.no_grad():
+        model(input_ids=_ids(), labels=_ids())
+    assert engine.stats()["tensors_seen"] == s["tensors_seen"]  # no_grad: the hooks never run
+
+
+# -- the pinned pool -----------------------------------------------------------------------------
+
+def test_pool_reuses_buffers_by_size_class():
+    pool = PinnedPool(limit=64 * MiB, pin=False)
+    a, fence = pool.take(3 * MiB)
+    assert a.numel() == 4 * MiB and fence is None and pool.allocations == 1
+    pool.give(a, "event")
+    b, fence = pool.take(4 * MiB - 1)
+    assert b.data_ptr() == a.data_ptr() and fence == "event" and pool.allocations == 1
+    assert pool.in_use_bytes == pool.held_bytes == 4 * MiB
+
+
+def test_pool_error_names_need_and_limit():
+    pool = PinnedPool(limit=10 * MiB, pin=False)
+    pool.take(4 * MiB)
+    free, _ = pool.take(2 * MiB)
+    pool.give(free)
+    with pytest.raises(ValueError) as error:
+        pool.take(5 * MiB)  # 8 MiB class; the free 2 MiB buffer is dropped first, still too much
+    message = str(error.value)
+    assert "0.01 GiB" in message and "needs at least" in message and "Offload fewer blocks" in message
+    assert "host_memory_limit" in message and pool.held_bytes == 4 * MiB
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        OffloadEngine("model")
+    with pytest.raises(ValueError, match="min_bytes"):
+        OffloadEngine(torch.nn.Linear(2, 2), min_bytes=-1)
+    with pytest.raises(ValueError, match="host memory limit"):
+        PinnedPool(limit=0)
+
+
+# -- GPU: real streams, copies slowed down -------------------------------------------------------
+
+def _gpu_pair(spec, **engine_kwargs):
+    model = _tiny(device="cuda")
+    reference = copy.deepcopy(model)
+    remat.apply(model, spec)
+    engine = engine_of(model)
+    engine.min_bytes = 0  # llama-tiny's activations are all small: move every one
+    for key, value in engine_kwargs.items():
+        setattr(engine, key, value)
+    return model, reference, engine
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("spec", ["offload", "full+offload"])
+@pytest.mark.parametrize("mode", ["plain", "slow_copies_lagging", "slow_copies_waited"])
+def test_gpu_gradients_equal_no_offload(spec, mode):
+    settings = {"plain": {}, "slow_copies_lagging": {"_delay": 2_000_000, "max_pending_bytes": 1 << 40},
+                "slow_copies_waited": {"_delay": 2_000_000, "max_pending_bytes": 0}}[mode]
+    model, reference, engine = _gpu_pair(spec, **settings)
+    ids = _ids("cuda", batch=4, seq=128)
+    assert_same_step(model, reference, ids)
+    first = engine.stats()
+    assert first["bytes_packed"] > 0 and first["pinned_in_use_bytes"] == 0
+    if mode == "slow_copies_waited":
+        assert first["bytes_d2h"] == first["bytes_h2d"] == first["bytes_packed"]
+    assert_same_step(model, reference, ids)
+    assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # pool reused in step 2
+    assert_same_step(model, reference, ids, retain=True)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_bf16_sdpa_bench_shapes_small():
+    """The bench path in miniature: bf16, SDPA, default min_bytes, tensors large enough to move."""
+    config = load_config("llama-tiny")
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 512, 2048, 8
+    model = build_model(config, device="cuda", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    remat.apply(model, "offload")
+    engine = engine_of(model)
+    ids = _ids("cuda", batch=4, seq=512)
+    for _ in range(2):
+        assert_same_step(model, reference, ids)
+    s = engine.stats()
+    assert s["bytes_d2h"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0

@@ -1,0 +1,261 @@
+"""Planner tests: simulator vs measured bytes, solver vs brute force, errors, CLI.
+
+The measured side uses its own storage tracker (below), written independently of the
+profiler's, on real CPU tensors running a real training step; the prediction comes from a
+profile made on fake tensors. Times are never asserted here (benchmarks/planner_validate.py
+checks them on a GPU).
+"""
+import copy
+import itertools
+import json
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import remat
+from remat.plans import Plan
+from remat.presets import build_model, load_config
+from remat.profiler import profile
+from remat.simulator import simulate
+from remat.solver import NoPlanFits, solve
+from remat.units import format_size, parse_size
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of storages alive, keyed by data pointer (real tensors only)."""
+
+    def __init__(self, baseline):
+        super().__init__()
+        self.live, self.current = {}, 0
+        for t in baseline:
+            self._add(t)
+        self.peak = self.current
+
+    def _add(self, t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr in self.live and not self.live[ptr][0].expired():
+            return
+        self.live[ptr] = (StorageWeakRef(s), s.nbytes())
+        self.current += s.nbytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ptr in [p for p, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(ptr)[1]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def measured_peak(model, ids):
+    """Peak live bytes of one step as the bench protocol runs it (outputs dropped before backward)."""
+    model.zero_grad(set_to_none=True)
+    with LiveBytes(list(model.parameters()) + list(model.buffers())) as tracker:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+    model.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+def tiny(name, layers=None):
+    config = load_config(name)
+    if layers:
+        config.num_hidden_layers = layers
+    return build_model(config, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny("llama-tiny")
+    ids = torch.randint(0, model.config.vocab_size, (2, 96))
+    return model, ids, profile(copy.deepcopy(model), ids, gpu="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    model = tiny("qwen-tiny")
+    ids = torch.randint(0, model.config.vocab_size, (3, 80))
+    return model, ids, profile(copy.deepcopy(model), ids, gpu="cpu")
+
+
+PLANS = ["keep", "full", "selective", "attention", "mlp", "every:2", "first:1:selective"]
+
+
+@pytest.mark.parametrize("spec", PLANS)
+@pytest.mark.parametrize("fixture", ["llama", "qwen"])
+def test_predicted_peak_matches_measured_cpu(fixture, spec, request):
+    model, ids, prof = request.getfixturevalue(fixture)
+    remat.apply(model, spec)
+    try:
+        measured = measured_peak(model, ids)
+        plan = remat.api.current_plan(model)
+    finally:
+        remat.remove(model)
+    predicted = simulate(prof, plan).peak_bytes
+    assert abs(predicted - measured) / measured < 0.05, (spec, predicted, measured)
+
+
+@pytest.mark.parametrize("spec", ["keep", "full"])
+def test_predicted_peak_matches_measured_cpu_chunked_head(llama, spec):
+    model, ids, prof = llama
+    chunk = prof.head("chunked", 64).chunk_tokens
+    remat.apply(model, spec, head="chunked", chunk_tokens=chunk)
+    try:
+        measured = measured_peak(model, ids)
+    finally:
+        remat.remove(model)
+    predicted = simulate(prof, spec, head="chunked", chunk_tokens=chunk).peak_bytes
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_identical_blocks_are_profiled_once(llama):
+    _, _, prof = llama
+    assert len(prof.classes) == 1 and prof.block_class == (0,) * len(prof.block_names)
+    keep, full = prof.cost(0, "keep"), prof.cost(0, "full")
+    assert full.kept < keep.kept and full.saves_input and full.bwd_s > keep.bwd_s > 0
+
+
+@pytest.fixture(scope="module")
+def bench3():
+    """The bench model's shapes with 3 blocks, on the meta device (offload bytes are real)."""
+    config = load_config("llama-1b")
+    config.num_hidden_layers = 3
+    model = build_model(config, device="meta", dtype=torch.bfloat16)
+    return profile(model, torch.zeros(4, 4096, dtype=torch.long), gpu="h100", chunk_candidates=(2048,))
+
+
+def test_solver_is_optimal_against_brute_force(bench3):
+    prof = bench3
+    options = prof.treatments(0)
+    sims = [simulate(prof, list(combo), head=h.mode, chunk_tokens=h.chunk_tokens)
+            for combo in itertools.product(options, repeat=len(prof.block_names)) for h in prof.heads]
+    peaks = sorted(s.peak_bytes for s in sims)
+    budgets = [peaks[0] + 1, peaks[len(peaks) // 4], peaks[len(peaks) // 2], int(peaks[-1] * 0.9), peaks[-1]]
+    blocks = len(prof.block_names)
+    for budget in budgets:
+        for resolution in (4000, 400_000):
+            # The DP rounds kept bytes up to budget/resolution per block: it never returns a plan
+            # over the budget, and it finds every plan with at least that much margin per block.
+            margin = blocks * budget / resolution
+            best = min(s.step_s for s in sims if s.peak_bytes <= budget)
+            best_with_margin = min((s.step_s for s in sims if s.peak_bytes <= budget - margin), default=None)
+            try:
+                found = simulate(prof, solve(prof, budget, resolution=resolution))
+            except NoPlanFits:
+                assert best_with_margin is None, format_size(budget)
+                continue
+            assert found.peak_bytes <= budget
+            assert found.step_s >= best * (1 - 1e-12)
+            if best_with_margin is not None:
+                assert found.step_s <= best_with_margin * (1 + 1e-12), (format_size(budget), resolution)
+
+
+def test_plan_notes_carry_the_prediction(bench3):
+    plan = solve(bench3, "30GiB")
+    result = simulate(bench3, plan)
+    assert plan.notes["predicted_peak_bytes"] == result.peak_bytes <= parse_size("30GiB")
+    assert plan.notes["peak_at"] == result.peak_at and plan.notes["gpu"] == "h100"
+    assert (plan.notes["batch"], plan.notes["seq"]) == (4, 4096)
+
+
+def test_no_plan_fits_names_smallest_peak_and_its_plan(bench3):
+    with pytest.raises(NoPlanFits) as info:
+        solve(bench3, "3GiB")
+    error = info.value
+    assert isinstance(error, ValueError)
+    assert "no plan fits 3.00 GiB" in str(error) and format_size(error.smallest_peak) in str(error)
+    assert simulate(bench3, error.plan).peak_bytes == error.smallest_peak
+    plan = solve(bench3, error.smallest_peak)  # and that budget is indeed enough
+    assert simulate(bench3, plan).peak_bytes <= error.smallest_peak
+
+
+def test_plan_round_trip(bench3, tmp_path):
+    plan = solve(bench3, "20GiB")
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = Plan.load(str(path))
+    assert loaded == plan or (dict(loaded.blocks), loaded.head, loaded.chunk_tokens, dict(loaded.notes)) == (
+        dict(plan.blocks), plan.head, plan.chunk_tokens, dict(plan.notes))
+    assert simulate(bench3, loaded).peak_bytes == plan.notes["predicted_peak_bytes"]
+
+
+def test_plan_and_auto_on_a_model(llama):
+    model, ids, prof = llama
+    keep_peak = simulate(prof, "keep").peak_bytes
+    plan = remat.plan(model, {"input_ids": ids, "labels": ids}, budget=int(keep_peak * 0.9), gpu="cpu")
+    assert plan.notes["predicted_peak_bytes"] <= keep_peak * 0.9
+    try:
+        chosen = remat.auto(model, ids, budget=int(keep_peak * 0.9), gpu="cpu")
+        assert remat.api.treatments(model) == dict(chosen.blocks)
+        assert measured_peak(model, ids) <= keep_peak * 0.9 * 1.05
+    finally:
+        remat.remove(model)
+
+
+def test_cli_plan_llama_8b_writes_a_loadable_plan(tmp_path, capsys):
+    from remat.cli import main
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "llama-8b", "--batch", "4", "--seq", "4096", "--budget", "40GiB",
+                 "--out", str(out)])
+    assert code == 0
+    plan = Plan.load(str(out))
+    assert len(plan.blocks) == 32 and plan.notes["predicted_peak_bytes"] <= parse_size("40GiB")
+    text = capsys.readouterr().out
+    assert "peak at" in text and "tokens/s" in text
+
+
+def test_cli_estimate_and_clear_errors(capsys):
+    from remat.cli import main
+    assert main(["estimate", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--gpu", "cpu",
+                 "--budget", "1GiB", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["strategy"] for r in rows} >= {"keep", "full", "selective", "plan@1GiB"}
+    assert main(["plan", "--model", "llama-tiny", "--budget", "1KiB", "--gpu", "cpu", "--batch", "2",
+                 "--seq", "64"]) == 2
+    assert "smallest predicted peak" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("1.5 TiB", int(1.5 * 2**40)),
+                                            ("512MiB", 512 * 2**20), ("1000", 1000), (2**30, 2**30)])
+def test_units_parse(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_units_errors_are_clear():
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_size("24G")
+    with pytest.raises(ValueError, match="expected a number with a unit"):
+        parse_size("lots")
+    with pytest.raises(TypeError, match="number of bytes"):
+        parse_size([24])
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_size(-1)
+    assert format_size(27.6 * 2**30) == "27.60 GiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["keep", "full", "selective"])
+def test_cuda_profile_predicts_max_memory_allocated(spec):
+    model = build_model(load_config("llama-tiny"), device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4, 512), device="cuda")
+    prof = profile(model, ids)
+    remat.apply(model, spec)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    predicted = simulate(prof, spec).peak_bytes
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
