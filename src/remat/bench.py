@@ -101,13 +101,15 @@ def _remat_spec(spec: str):
     return prepare
 
 
-def _remat_budget(budget_bytes: int, gpu: Optional[str]):
+def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict):
     def prepare(model, batch):
         import remat
-        try:
-            plan = remat.plan(model, batch, budget=budget_bytes, gpu=gpu)
-        except ImportError as e:
-            raise _Skip(f"planner not available: {e}") from None
+        from .profiler import profile
+        from .solver import solve
+        key = tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()))
+        if key not in profiles:  # one profile serves every budget: it depends on shapes only
+            profiles[key] = profile(model, batch, gpu=gpu)
+        plan = solve(profiles[key], budget_bytes)
         remat.apply(model, plan)
         return model, contextlib.nullcontext, plan
     return prepare
@@ -119,6 +121,7 @@ class _Skip(Exception):
 
 def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(), anchors=True,
                gpu: Optional[str] = None) -> list:
+    """The strategies to measure; ``gpu`` names the rates the planner uses off-GPU."""
     out = []
     if anchors:
         out += [Strategy("eager", "anchor", _plain), Strategy("hf_full", "anchor", _hf_full),
@@ -126,7 +129,9 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
                 Strategy("save_on_cpu", "anchor", _save_on_cpu)]
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b)) for b in compile_budgets]
     out += [Strategy(f"remat:{spec}", "remat", _remat_spec(spec)) for spec in uniform]
-    out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu), budget_bytes=b) for b in budgets]
+    profiles = {}
+    out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles), budget_bytes=b)
+            for b in budgets]
     return out
 
 
@@ -194,6 +199,8 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
                       loss=float(first_loss if first_loss is not None else loss))
     except _Skip as e:
         record.update(status="skipped", reason=str(e))
+    except ValueError as e:  # the planner's NoPlanFits, or a spec that does not apply
+        record.update(status="skipped", reason=str(e)[:300])
     except torch.cuda.OutOfMemoryError as e:
         record.update(status="oom", reason=str(e).splitlines()[0][:200])
     except Exception as e:  # one strategy failing must not lose the others' results

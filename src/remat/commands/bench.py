@@ -62,12 +62,14 @@ def run(args) -> int:
             uniform.append(name[len("remat:"):])
     compile_budgets = (1.0, 0.5, 0.2) if args.compile else ()
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    plan_rates = None if device == "cuda" else "cpu"  # on a GPU the planner measures it
 
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "bench.jsonl")
     if os.path.exists(jsonl):
         os.replace(jsonl, jsonl + ".previous")  # keep the last run's records, never append to them
-    chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets, gpu=gpu)
+    chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
+                                               gpu=plan_rates)
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in strategies if s.name in wanted]
@@ -85,7 +87,7 @@ def run(args) -> int:
             print("remat bench: eager did not run, so 'auto' budgets cannot be set", file=sys.stderr)
         else:
             auto = [int(eager["peak_bytes"] * f) for f in AUTO_FRACTIONS]
-            more = bench.strategies(auto, uniform=(), anchors=False, gpu=gpu)
+            more = bench.strategies(auto, uniform=(), anchors=False, gpu=plan_rates)
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
                                  strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
             bench.relate_all(records)
