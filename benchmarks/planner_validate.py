@@ -19,6 +19,7 @@ record as a JSON line and a table last.
 import argparse
 import datetime
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -116,7 +117,7 @@ def main():
     info.update(d2h_GBps=d2h / 1e9, h2d_GBps=h2d / 1e9)
     capacity = int(torch.cuda.get_device_properties(0).total_memory * 0.97)
     try:
-        import remat.offload  # noqa: F401
+        importlib.import_module("remat.offload")
         offload = True
     except ImportError as e:
         offload, info["offload_skipped"] = False, str(e)
