@@ -30,10 +30,11 @@ def test_gpu_treatment_matches_untouched_copy(spec):
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
-        grads.append([p.grad for p in m.parameters()])
+        grads.append([(n, p.grad) for n, p in m.named_parameters()])
     # the forward is the same computation, so the loss is bit-identical; backward kernels
     # (flash attention's dq accumulation) are not deterministic run to run, so gradients
-    # are compared at bf16 rounding
+    # are compared by relative norm error at bf16 rounding (bf16 operands: 1e-3..1e-2)
     assert torch.equal(*losses)
-    for g, h in zip(*grads):
-        torch.testing.assert_close(g.float(), h.float(), rtol=2e-2, atol=2e-3)
+    for (name, g), (_, h) in zip(*grads):
+        error = (g.float() - h.float()).norm() / h.float().norm().clamp_min(1e-12)
+        assert error < 1e-2, (spec, name, float(error))

@@ -22,14 +22,16 @@ from .treatments import apply_treatment, remove_treatment, treatment_of
 
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
-          head: Optional[str] = None, chunk_tokens: Optional[int] = None) -> nn.Module:
+          head: Optional[str] = None, chunk_tokens: Optional[int] = None,
+          offload_options: Optional[dict] = None) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
     ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"keep"``), ``"every:N[:treatment]"``,
     ``"first:N[:treatment]"``, a ``{block_name: treatment}`` mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
-    tokens at a time; see :mod:`remat.head`.
+    tokens at a time; see :mod:`remat.head`. ``offload_options`` go to
+    :class:`remat.offload.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
     """
     _refuse_hf_checkpointing(model)
     structure = discover(model, blocks)
@@ -40,7 +42,8 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     engine = None
     if any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()):
         from .offload import OffloadEngine
-        engine = OffloadEngine(model)
+        options = offload_options if offload_options is not None else plan.notes.get("offload_options")
+        engine = OffloadEngine(model, **dict(options or {}))
     for index, (name, block) in enumerate(structure.blocks(model)):
         apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index)
     if plan.head == "chunked":
