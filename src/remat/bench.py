@@ -160,6 +160,8 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        record["static_bytes"] = sum(t.numel() * t.element_size()
+                                     for t in list(model.parameters()) + list(model.buffers()))
         forward, context, plan = strategy.prepare(model, batch)
         if plan is not None:
             record.update(plan=plan.summary(), **{k: plan.notes[k] for k in

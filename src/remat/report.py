@@ -50,6 +50,31 @@ def markdown(records: list, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def budget_table(records: list) -> str:
+    """At each budget: the fastest stock strategy that fits beside remat's plan for it."""
+    budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
+    eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
+    if not budgets or eager is None:
+        return ""
+    anchors = [r for r in records if r["kind"] == "anchor" and r.get("status") == "ok"]
+    lines = ["| budget | best stock strategy that fits | remat | remat peak | remat vs best stock |",
+             "|---|---|---|---|---|"]
+    for budget in budgets:
+        fits = [r for r in anchors if r["peak_bytes"] <= budget]
+        best = max(fits, key=lambda r: r["tokens_per_s"], default=None)
+        mine = next((r for r in records if r.get("budget_bytes") == budget and r["kind"] == "remat"), None)
+        best_text = f"{best['strategy']} {best['vs_eager'] if 'vs_eager' in best else 1.0:.3f}x" if best else "none fits"
+        if mine is None or mine.get("status") != "ok":
+            mine_text, peak, versus = (mine or {}).get("status", "not run"), "", ""
+        else:
+            mine_text = f"{mine['vs_eager']:.3f}x eager"
+            over = mine["peak_bytes"] > budget
+            peak = format_size(mine["peak_bytes"]) + (" OVER BUDGET" if over else "")
+            versus = f"{mine['tokens_per_s'] / best['tokens_per_s']:.3f}x" if best else "only remat fits"
+        lines.append(f"| {format_size(budget)} | {best_text} | {mine_text} | {peak} | {versus} |")
+    return "\n".join(lines) + "\n"
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "/").replace("\n", " ")[:160]
 

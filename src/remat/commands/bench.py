@@ -18,7 +18,7 @@ on x, tokens/s on y) into --out. An out-of-memory is recorded as 'oom', not a cr
 
 GPU_DEFAULTS = dict(model="llama-1b", batch=4, seq=4096, budgets="10,16,25,32,45GiB")
 CPU_DEFAULTS = dict(model="llama-tiny", batch=2, seq=128, budgets="auto")
-AUTO_FRACTIONS = (0.45, 0.6, 0.8)
+AUTO_FRACTIONS = (0.45, 0.65, 0.85)  # of what eager adds above weights + gradients (see run)
 
 
 def add_arguments(parser) -> None:
@@ -27,7 +27,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--budgets", help="comma-separated memory budgets (e.g. 10,16,32GiB), or 'auto' "
-                                          f"(fractions {AUTO_FRACTIONS} of eager's measured peak)")
+                                          f"(weights and gradients + fractions {AUTO_FRACTIONS} of what "
+                                          "eager's measured peak adds above them)")
     parser.add_argument("--uniform", default="full,selective",
                         help="remat specs measured on every block (default: full,selective)")
     parser.add_argument("--only", help="comma-separated strategy names to run (e.g. eager,remat:full)")
@@ -86,12 +87,16 @@ def run(args) -> int:
         if eager is None:
             print("remat bench: eager did not run, so 'auto' budgets cannot be set", file=sys.stderr)
         else:
-            auto = [int(eager["peak_bytes"] * f) for f in AUTO_FRACTIONS]
+            floor = 2 * eager["static_bytes"]  # weights, and their gradients at the end of backward
+            auto = [int(floor + (eager["peak_bytes"] - floor) * f) for f in AUTO_FRACTIONS]
             more = bench.strategies(auto, uniform=(), anchors=False, gpu=plan_rates)
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
                                  strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
             bench.relate_all(records)
     table = report.markdown(records, title="remat bench")
+    per_budget = report.budget_table(records)
+    if per_budget:
+        table += "\n### At each budget\n\n" + per_budget
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(table)
     why_not = report.plot(records, os.path.join(args.out, "bench.png"))
