@@ -56,7 +56,7 @@ def _old_t5_inplace(family, spec):
     """transformers < 5 T5 adds the position bias in place to its attention scores (``scores +=``):
     a matmul output that ``selective`` keeps is then changed behind torch's back (the add goes
     through an ``_unsafe_view``, which escapes the cache's version check), so the recompute
-    adds the bias twice. Known limitation; transformers 5 computes it out of place."""
+    adds the bias twice. remat's guard refuses it; transformers 5 computes it out of place."""
     import transformers
     return family == "t5" and "selective" in spec and int(transformers.__version__.split(".")[0]) < 5
 
@@ -64,9 +64,13 @@ def _old_t5_inplace(family, spec):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("spec", SPECS)
 def test_gradients_equal_untouched_copy(family, spec):
-    if _old_t5_inplace(family, spec):
-        pytest.xfail("selective + in-place add on a kept matmul output (transformers < 5 T5)")
     model, make_inputs = FAMILIES[family]()
+    if _old_t5_inplace(family, spec):  # refused with a clear error instead of wrong gradients
+        reference = copy.deepcopy(model)
+        remat.apply(model, spec)
+        with pytest.raises(ValueError, match="modifies in place"):
+            assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+        return
     reference = copy.deepcopy(model)
     if spec == "mlp" and family in NO_MLP_MODULE:
         with pytest.raises(ValueError, match="no mlp sub-module"):
@@ -224,3 +228,25 @@ def test_compile_of_each_block_after_apply():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            scores = torch.matmul(self.proj(x), self.w)  # 3-D matmul: an _unsafe_view of the bmm/mm
+            scores += 1.0  # what transformers < 5 T5 does with its position bias
+            return scores.softmax(-1)
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    remat.apply(model, "selective", blocks="blocks")
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="modifies in place"):
+        model.blocks[0](x).sum().backward()
+    remat.apply(model, "full", blocks="blocks")  # full recomputes everything: correct, allowed
+    model.blocks[0](x).sum().backward()

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from .discovery import find_submodules
@@ -163,6 +165,59 @@ def saved_ops() -> frozenset:
 
 
 def selective_context():
-    """Context pair for ``checkpoint(context_fn=...)``: save matmul/attention outputs."""
+    """Context pair for ``checkpoint(context_fn=...)``: save matmul/attention outputs.
+
+    In eager mode the forward also runs under :class:`_KeptOutputGuard`, which refuses a
+    block that modifies a kept output in place: torch's own check misses a mutation made
+    through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors returns one), and the
+    recompute would then apply the mutation twice and silently change the gradients
+    (transformers < 5 T5 does ``scores += position_bias``).
+    """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    return create_selective_checkpoint_contexts(list(saved_ops()))
+    forward, recompute = create_selective_checkpoint_contexts(list(saved_ops()))
+    if torch.compiler.is_compiling():
+        return forward, recompute
+    return _Both(forward, _KeptOutputGuard()), recompute
+
+
+class _Both:
+    """Enter two context managers as one (``context_fn`` must return exactly two)."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        return self.outer.__exit__(*exc)
+
+
+class _KeptOutputGuard(TorchDispatchMode):
+    """Raise if an op writes in place into the storage of an output ``selective`` keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.kept and func._schema.is_mutable:
+            for argument, value in zip(func._schema.arguments, args):
+                info = argument.alias_info
+                if (info is not None and info.is_write and isinstance(value, torch.Tensor)
+                        and value.untyped_storage().data_ptr() in self.kept):
+                    raise ValueError(
+                        f"treatment 'selective': this block modifies in place ({func}) the output of a "
+                        "matmul/attention op that selective keeps for backward; recomputing it would "
+                        "apply the change twice and give wrong gradients. Use 'full', 'attention' or "
+                        "'mlp' for this block (or a newer transformers, which computes it out of place).")
+        out = func(*args, **kwargs)
+        if func in saved_ops():
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.kept.add(tensor.untyped_storage().data_ptr())
+        return out
