@@ -211,10 +211,11 @@ def test_hf_gradient_checkpointing_is_refused_before_and_after():
     model.gradient_checkpointing_enable()  # allowed again once remat is removed
 
 
-def test_compile_of_each_block_after_apply():
+@pytest.mark.parametrize("spec", ["full", "selective"])
+def test_compile_of_each_block_after_apply(spec):
     model, make_inputs = FAMILIES["llama"]()
     reference = copy.deepcopy(model)
-    remat.apply(model, "full")
+    remat.apply(model, spec)
     for block in model.model.layers:
         block.compile(backend="aot_eager")
     torch.manual_seed(123)
