@@ -10,11 +10,15 @@ before backward as the HF Trainer does) under each strategy:
 - ``offload``: ``remat.apply(m, "offload")`` on every block;
 - ``full+offload``: ``remat.apply(m, "full+offload")``;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, the anchor (slow:
-  timed with fewer steps).
+  timed with fewer steps);
+- ``offload@W`` (``--extra-windows-gib W,...``): ``offload`` with the engine's window set to W GiB,
+  to show the peak / bus-time trade-off of the window.
 
 Per strategy: peak (``max_memory_allocated`` after a reset), step time (median of timed steps),
 tokens/s, ratio to eager, loss; for the offload strategies also the engine's counters per step
-(bytes each way, achieved GB/s, copy time, exposed waits, bytes never moved). Then the issue's
+(bytes each way, achieved GB/s, copy time, exposed waits, bytes never moved, the window) and what
+``remat.offload.gpu_overhead_bytes`` says the engine adds at the head (where these steps peak),
+from the bytes each block handed it. Then the issue's
 criteria, each with its numbers and pass/fail:
 
 - offload: throughput >= 0.60x eager; step <= 1.10 x max(eager step, bus time), where bus time =
@@ -42,7 +46,7 @@ import time
 import torch
 
 import remat
-from remat.offload import GiB, engine_of
+from remat.offload import GiB, engine_of, gpu_overhead_bytes
 from remat.presets import build_model, load_config
 
 STRATEGIES = ("none", "full", "offload", "full+offload", "save_on_cpu")
@@ -58,7 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps for save_on_cpu (~2.7 s each)")
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--max-pending-gib", type=float, default=None,
-                   help="engine max_pending_bytes in GiB (default: the engine's, 1/20 of GPU memory)")
+                   help="engine window (max_pending_bytes) in GiB (default: the engine's, the largest block's bytes)")
+    p.add_argument("--extra-windows-gib", default="",
+                   help="comma-separated windows in GiB: one more offload row each, named offload@W")
     p.add_argument("--prefetch-blocks", type=int, default=None)
     p.add_argument("--min-mib", type=float, default=None, help="engine min_bytes in MiB")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -109,22 +115,23 @@ def ceilings() -> dict:
 
 
 def _free():
+    # PyTorch's cache of pinned host blocks is kept: the next offload strategy's pool reuses it
+    # instead of pinning ~28 GB again (~15 s)
     gc.collect()
     torch.cuda.empty_cache()
-    if hasattr(torch._C, "_host_emptyCache"):
-        torch._C._host_emptyCache()  # pinned blocks PyTorch caches after a strategy is done
 
 
 def run(strategy: str, args) -> dict:
     _free()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(load_config(args.model), device="cuda", dtype=torch.bfloat16)
-    if strategy in ("full", "offload", "full+offload"):
-        remat.apply(model, strategy)
+    base, _, window_gib = strategy.partition("@")
+    if base in ("full", "offload", "full+offload"):
+        remat.apply(model, base)
     engine = engine_of(model)
     if engine is not None:
-        if args.max_pending_gib is not None:
-            engine.max_pending_bytes = int(args.max_pending_gib * GiB)
+        if window_gib or args.max_pending_gib is not None:
+            engine.max_pending_bytes = int(float(window_gib or args.max_pending_gib) * GiB)
         if args.prefetch_blocks is not None:
             engine.prefetch_blocks = args.prefetch_blocks
         if args.min_mib is not None:
@@ -173,14 +180,21 @@ def run(strategy: str, args) -> dict:
     if engine is not None:
         s = engine.stats()
         summed = ("bytes_", "tensors_", "slots")
-        per_step = {k: (v / steps if k.startswith(summed) or k.endswith("_s") else v) for k, v in s.items()
+        per_step = {k: (v / steps if k.startswith(summed) or k.endswith("_s") or k == "compute_waits" else v)
+                    for k, v in s.items()
                     if v is not None and k != "bytes_packed_by_block"}
         per_step["bytes_packed_by_block"] = {k: v / steps for k, v in s["bytes_packed_by_block"].items()}
         per_step["pinned_allocations_timed"] = engine.pool.allocations - allocations_before
         per_step["hidden_copy_s"] = max(0.0, per_step["d2h_s"] + per_step["h2d_s"]
                                         - per_step["compute_wait_s"] - per_step["host_wait_s"])
-        per_step["max_pending_bytes"] = engine.max_pending_bytes
         per_step["min_bytes"] = engine.min_bytes
+        per_step["prefetch_blocks"] = engine.prefetch_blocks
+        by_block = per_step["bytes_packed_by_block"]
+        model_bytes = gpu_overhead_bytes([int(by_block[k]) for k in sorted(by_block)], engine.max_pending_bytes,
+                                         engine.prefetch_blocks)
+        row["engine_overhead_GiB"] = {"window": model_bytes["window"] / GiB, "head": model_bytes["head"] / GiB,
+                                      "forward_max": max(model_bytes["forward"], default=0) / GiB,
+                                      "backward_max": max(model_bytes["backward"], default=0) / GiB}
         row["engine_per_step"] = per_step
     del model, engine, ids
     _free()
@@ -219,11 +233,21 @@ def criteria(rows: dict, ceil: dict) -> dict:
     return out
 
 
+def _write(out: str, info: dict, rows: dict) -> dict:
+    crit = criteria(rows, info)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "offload_bench.json"), "w") as f:
+        json.dump({"info": info, "rows": list(rows.values()), "criteria": crit}, f, indent=1)
+        f.write("\n")
+    return crit
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("offload_bench needs a CUDA GPU")
     chosen = [s for s in STRATEGIES if not args.only or s in args.only.split(",")]
+    chosen += [f"offload@{w.strip()}" for w in args.extra_windows_gib.split(",") if w.strip()]
     import transformers
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "transformers": transformers.__version__, "remat": remat.__version__,
@@ -238,12 +262,9 @@ def main(argv=None):
             rows[strategy]["vs_eager"] = rows["none"]["step_s"] / rows[strategy]["step_s"]
             rows[strategy]["peak_vs_eager"] = rows[strategy]["peak_GiB"] / rows["none"]["peak_GiB"]
         print(json.dumps(rows[strategy]), flush=True)
-    crit = criteria(rows, info)
+        _write(args.out, info, rows)  # after each row: a run cut short keeps what it measured
+    crit = _write(args.out, info, rows)
     print(json.dumps({"criteria": crit}), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "offload_bench.json"), "w") as f:
-        json.dump({"info": info, "rows": list(rows.values()), "criteria": crit}, f, indent=1)
-        f.write("\n")
     print(f"\n{'strategy':<14}{'peak GiB':>10}{'step s':>9}{'tok/s':>10}{'vs eager':>10}"
           f"{'GB/step d2h':>13}{'h2d':>7}{'GB/s d2h':>10}{'h2d':>7}{'wait s':>8}")
     for r in rows.values():

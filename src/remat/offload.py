@@ -16,22 +16,23 @@ back as the same views (``view(dtype).as_strided`` over one byte buffer).
 - Forward: a pack records an event on the compute stream and queues the slot. Device-to-host copies
   are issued on a dedicated stream (waiting on that event) while less than ``_ISSUE_WINDOW`` bytes
   are queued there, into buffers from a :class:`PinnedPool`. The engine keeps the GPU tensor alive
-  and drops it once the copy's event has completed (``event.query()`` at later packs), so the
-  caching allocator's ``allocated`` statistics stay honest (``record_stream`` would make freed
-  memory look free before the copy ends). The forward runs ~4x faster than the bus on the bench
-  model, so the GPU bytes not yet on the host are bounded: past ``max_pending_bytes`` the host waits
-  on the *oldest copy's* event (never a device synchronize). That wait is what bounds peak memory;
-  without it the peak would be eager's.
+  and drops it once the copy's event has completed (``event.query()`` at later packs, at each
+  offloaded block's end and at the first unpack of the backward), so the caching allocator's
+  ``allocated`` statistics stay honest (``record_stream`` would make freed memory look free before
+  the copy ends). The forward runs ~4x faster than the bus on the bench model, so past the window
+  (``max_pending_bytes``) the host waits on the *oldest copy's* event (never a device synchronize).
 - Copies are issued lazily: slots still queued when the backward reaches them are never moved at
-  all (the tail of the forward is needed first in backward), which saves both directions for up to
-  ``max_pending_bytes``; copies already in flight are used from their GPU tensor directly.
+  all (the tail of the forward is needed first in backward), which saves both directions;
+  copies already in flight are used from their GPU tensor directly.
 - Backward runs blocks in reverse order. The first unpack of a record makes it current: its slots
-  that live only on the host are copied back on a second stream (host-to-device, so both directions
-  can overlap), the consuming stream waits on each slot's event (GPU side), and the previous record
-  in forward order (``prefetch_blocks`` of them) is prefetched so its copy overlaps this block's
-  backward. Destination memory is allocated on the consuming stream and the copy stream first waits
-  for it, so reuse is ordered by the allocator's usual stream rules. The record that stops being
-  current gives back its GPU copies (their host copies stay, so a second unpack under
+  that live only on the host are copied back on a second stream (host-to-device; the two directions
+  use different copy engines, so a backward's fetches overlap a forward's tail), the consuming
+  stream waits on each slot's event (GPU side), and the ``prefetch_blocks`` records before it in
+  forward order are fetched at once so their copies overlap this block's backward. Destination
+  memory is allocated on the consuming stream and the copy stream first waits for it; a
+  destination given up before the consuming stream waited on its copy is fenced on that stream
+  first, so the allocator never hands it out while a copy still writes it. The record that stops
+  being current gives back its GPU copies (their host copies stay, so a second unpack under
   ``retain_graph`` re-fetches). When autograd frees a record's last packed handle (normally right
   after its backward node ran; on garbage collection for a forward that never saw backward), its
   pinned buffers go back to the pool, fenced by the last host-to-device copy that read them.
@@ -41,20 +42,40 @@ back as the same views (``view(dtype).as_strided`` over one byte buffer).
   raises a ValueError naming bytes needed and available.
 - Without CUDA (or with the model on the CPU) ``saved_tensors`` is a no-op and the engine warns once.
 
+Memory the engine adds. Beyond what a block holds while it runs (its own saved tensors, back
+on the GPU during its backward), the engine holds GPU memory for other blocks in two ways only.
+(1) Forward and head: GPU bytes of saved tensors whose host copy has not been seen to land are at
+most the *window* ``W`` (``max_pending_bytes``; default ``DEFAULT_WINDOW_RECORDS`` = 1 times the
+largest record packed so far, i.e. the largest offloaded block's bytes once a step has run), so
+during block ``i``'s forward the blocks before it add ``min(W, their bytes)``, and the head's forward
+and backward (before the first unpack) add ``min(W, all offloaded bytes)``: the newest bytes saved.
+(2) Backward of block ``i``: the ``prefetch_blocks`` offloaded blocks before it (the nearest
+before the current offloaded block) are fully on the GPU, plus whatever of the forward's last
+``min(W, all)`` bytes belongs to blocks older still. Nothing else: the pool is host memory, and a
+record's GPU copies go when the next record becomes current. :func:`gpu_overhead_bytes` is this
+rule as a pure function, for the planner. Why one record: it still keeps the copy stream busy
+(the copy queue is refilled to ``_ISSUE_WINDOW`` at every pack; measured on an H200, offloading
+every block of the bench model ran within 6% of the bus time), and it keeps ``full+offload``'s
+saving at all but one block input (15/16 measured); a window of a fraction of the card (the first
+version's 1/20) left gigabytes on the GPU at the head, where the step's peak is. A larger window
+trades peak for bus bytes (the tail it holds is never moved): ``offload_bench --extra-windows-gib``.
+
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 copies synchronously on the compute stream (measured 0.13x eager on the bench model) and allocates
 pinned memory per tensor; torchtune/TRL-style offloading issues every copy at once, so GPU memory is
 not bounded while the bus lags, and uses ``record_stream``. Here the copy queue is short, the GPU
 memory waiting for the bus is capped, and the tail of the forward is never moved.
 
-Limits: the forward of an offloaded block runs at bus speed once ``max_pending_bytes`` is reached
-(offloading everything is bus bound: on an H100 pinned copies run ~55 GB/s each way, so ~25 GiB of
-activations each way cost ~1 s against a 0.35 s compute step; offload some blocks, by plan). Copies
-in the two directions overlap only where a backward meets a forward (the bus limit is the sum of
-both directions at per-direction bandwidth). A saved view that covers less than half of its storage
+Limits: the forward of an offloaded block runs at bus speed once the window is full (offloading
+everything is bus bound: on an H100 pinned copies run ~55 GB/s each way, so ~25 GiB of activations
+each way cost ~1 s against a 0.35 s compute step; offload some blocks, by plan). Copies in the two
+directions overlap only where a backward meets a forward (the bus limit is the sum of both
+directions at per-direction bandwidth). A saved view that covers less than half of its storage
 moves just its span; otherwise the whole storage moves. Storages shared by several blocks move once
-per block. Not for use inside CUDA-graph capture or ``torch.compile``d regions; move the model to its
-device before the first step.
+per block. Stream identities are compared by handle, never with ``!=`` (``torch.Stream`` compares
+unequal-to-None as False, which silently skipped every wait in the first version). Not for use
+inside CUDA-graph capture or ``torch.compile``d regions; move the model to its device before the
+first step.
 """
 from __future__ import annotations
 
@@ -75,7 +96,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
 _HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave the rest to the OS
-_PENDING_FRACTION = 20  # default max_pending_bytes: 1/20 of device memory (~4 GiB on an H100)
+DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
 _ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
 
 _PENDING, _INFLIGHT, _HOST, _KEPT = "pending", "in flight", "host", "kept"
@@ -88,6 +109,59 @@ def engine_of(model: nn.Module) -> Optional["OffloadEngine"]:
         if state is not None and getattr(state, "engine", None) is not None:
             return state.engine
     return None
+
+
+def gpu_overhead_bytes(block_bytes, max_pending_bytes: Optional[int] = None,
+                       prefetch_blocks: int = 1) -> dict:
+    """GPU bytes the engine holds for *other* blocks, phase by phase ("Memory the engine adds").
+
+    ``block_bytes``: the bytes each block hands to the engine, in forward order (0 for blocks
+    that are not offloaded; for ``full+offload``, its input); ``max_pending_bytes`` and
+    ``prefetch_blocks`` as given to :class:`OffloadEngine` (None: the default window,
+    ``DEFAULT_WINDOW_RECORDS`` times the largest entry). Returns
+
+    - ``window``: the window ``W`` in force;
+    - ``forward``: per block, the most the engine holds for the blocks before it during its
+      forward, ``min(W, bytes of the blocks before)``;
+    - ``head``: the same during the head's forward and backward, ``min(W, all bytes)``;
+    - ``backward``: per block, during its backward: the ``prefetch_blocks`` offloaded blocks before
+      the current offloaded block (the block itself, or the nearest later one for a block that
+      does not offload) in full, plus what of the forward's last ``min(W, all)`` bytes belongs to
+      blocks older still.
+
+    Upper bounds: the engine holds these at most, whatever the timing (landed copies are released
+    at the next pack, block end or first unpack). A block's own bytes are not in them: in its
+    forward they are the block's, in its backward they are back on the GPU for it.
+    """
+    sizes = list(block_bytes)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes):
+        raise ValueError(f"block_bytes must be non-negative ints (bytes per block, forward order), got {sizes!r}")
+    if max_pending_bytes is not None and (isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int)
+                                          or max_pending_bytes < 0):
+        raise ValueError(f"max_pending_bytes must be a non-negative int or None, got {max_pending_bytes!r}")
+    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
+        raise ValueError(f"prefetch_blocks must be a non-negative int, got {prefetch_blocks!r}")
+    window = DEFAULT_WINDOW_RECORDS * max(sizes, default=0) if max_pending_bytes is None else max_pending_bytes
+    total = sum(sizes)
+    left = min(window, total)  # on the GPU when the forward ends: the newest bytes saved
+    forward, before = [], 0
+    for b in sizes:
+        forward.append(min(window, before))
+        before += b
+    records = [i for i, b in enumerate(sizes) if b]
+    backward = []
+    for i in range(len(sizes)):
+        later = [r for r in records if r >= i]
+        if not later:  # the backward has not reached an offloaded block: only the forward's tail
+            backward.append(left)
+            continue
+        current = later[0]
+        earlier = [r for r in records if r < current]
+        prefetched = earlier[len(earlier) - prefetch_blocks:] if prefetch_blocks else []
+        lowest = prefetched[0] if prefetched else i
+        newer = sum(sizes[lowest:])
+        backward.append(sum(sizes[r] for r in prefetched) + max(0, left - newer))
+    return {"window": window, "forward": forward, "head": left, "backward": backward}
 
 
 def _fmt(nbytes: int) -> str:
@@ -184,6 +258,23 @@ class _Cuda:
         return torch.cuda.current_stream(self.device)
 
     @staticmethod
+    def key(stream) -> int:
+        """A stream's identity: ``torch.Stream`` objects compare ``!= None`` as False."""
+        return stream.cuda_stream
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # on the current (copy) stream
+
+    @staticmethod
+    def free_after(tensor: torch.Tensor, stream) -> None:
+        """Let the allocator reuse ``tensor``'s block only once ``stream``'s queued work is done."""
+        tensor.record_stream(stream)
+
+    @staticmethod
     def event(timing: bool = False):
         return torch.cuda.Event(enable_timing=timing)
 
@@ -229,6 +320,21 @@ class _Inline:
         return self._stream
 
     @staticmethod
+    def key(stream) -> int:
+        return id(stream)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    @staticmethod
+    def free_after(tensor: torch.Tensor, stream) -> None:
+        pass  # copies here are done when issued
+
+    @staticmethod
     def event(timing: bool = False):
         return _InlineEvent()
 
@@ -244,11 +350,11 @@ class _Inline:
 class _Record:
     """One forward call of one block: its slots, and how many packed handles autograd still holds."""
 
-    __slots__ = ("engine", "seq", "key", "slots", "by_span", "handles", "open", "fetched", "done")
+    __slots__ = ("engine", "seq", "key", "slots", "by_span", "nbytes", "handles", "open", "fetched", "done")
 
     def __init__(self, engine, seq, key):
         self.engine, self.seq, self.key = engine, seq, key
-        self.slots, self.by_span = [], {}
+        self.slots, self.by_span, self.nbytes = [], {}, 0
         self.handles, self.open, self.fetched, self.done = 0, True, False, False
 
 
@@ -256,12 +362,13 @@ class _Slot:
     """One storage span: where its bytes are (GPU tensor, host buffer or both) and the copy events."""
 
     __slots__ = ("record", "nbytes", "state", "gpu", "host", "ready", "d2h_end", "h2d_end",
-                 "alloc_stream", "waited", "last_read", "ref")
+                 "alloc_stream", "alloc_key", "waited_key", "last_read", "ref")
 
     def __init__(self, record, nbytes, gpu, ready, ref):
         self.record, self.nbytes, self.state, self.gpu, self.ready, self.ref = (
             record, nbytes, _PENDING, gpu, ready, ref)
-        self.host = self.d2h_end = self.h2d_end = self.alloc_stream = self.waited = self.last_read = None
+        self.host = self.d2h_end = self.h2d_end = self.last_read = None
+        self.alloc_stream = self.alloc_key = self.waited_key = None
 
 
 class _Packed:
@@ -284,8 +391,10 @@ class OffloadEngine:
     treatments call ``with engine.saved_tensors(block_index): ...``.
 
     - ``min_bytes``: storages smaller than this stay on the GPU.
-    - ``max_pending_bytes``: GPU bytes of saved tensors whose host copy has not finished; above it
-      the forward waits for the bus. None: 1/20 of the device's memory.
+    - ``max_pending_bytes``: the window: GPU bytes of saved tensors whose host copy has not been
+      seen to land; above it the forward waits for the bus. None: ``DEFAULT_WINDOW_RECORDS`` times
+      the largest record (one block call's offloaded bytes) packed so far. See "Memory the engine
+      adds" in the module docstring and :func:`gpu_overhead_bytes`.
     - ``prefetch_blocks``: records copied back ahead of the backward (1 hides a block's copy
       behind the next block's backward when the bus keeps up).
     - ``host_memory_limit``: bytes of pinned memory the pool may hold (None: 60% of MemAvailable).
@@ -319,6 +428,7 @@ class OffloadEngine:
         self._fingerprint = None
         self._param_ptrs = frozenset()
         self._seq = 0
+        self._largest = 0  # bytes of the largest record packed so far (the default window)
         self._live = {}  # seq -> record with packed handles still alive, in forward order
         self._current = None  # record the backward is consuming
         self._pending = collections.deque()
@@ -351,7 +461,8 @@ class OffloadEngine:
         bytes; ``bytes_packed_by_block`` splits it by the treatments' block index, to set beside
         the profiler's prediction); ``bytes_d2h``/``bytes_h2d``: moved each way; ``bytes_never_moved``: still queued
         when backward needed them, so they stayed on the GPU; ``*_s``: copy and wait times (GPU
-        events; ``host_wait_s`` is the forward blocked on ``max_pending_bytes``);
+        events; ``host_wait_s`` is the forward blocked on the window, ``window_bytes``);
+        ``compute_waits``: how many times a consuming stream was made to wait for a fetch;
         ``pinned_allocations`` counts since construction (constant once warmed up).
         """
         with self._lock:
@@ -367,12 +478,13 @@ class OffloadEngine:
                 "tensors_kept_other": c["other"], "slots": c["slots"], "bytes_packed": c["bytes_packed"],
                 "bytes_d2h": c["bytes_d2h"], "bytes_h2d": c["bytes_h2d"], "bytes_never_moved": c["kept"],
                 "d2h_s": t["d2h_s"], "h2d_s": t["h2d_s"], "compute_wait_s": t["compute_wait_s"],
-                "host_wait_s": t["host_wait_s"],
+                "host_wait_s": t["host_wait_s"], "compute_waits": c["compute_waits"],
                 "d2h_GBps": c["bytes_d2h"] / t["d2h_s"] / 1e9 if t["d2h_s"] else None,
                 "h2d_GBps": c["bytes_h2d"] / t["h2d_s"] / 1e9 if t["h2d_s"] else None,
                 "hidden_fraction": max(0.0, 1.0 - exposed_s / copy_s) if copy_s else None,
                 "pinned_bytes": self.pool.held_bytes, "pinned_in_use_bytes": self.pool.in_use_bytes,
                 "pinned_allocations": self.pool.allocations, "live_records": len(self._live),
+                "window_bytes": self.window_bytes(),
                 "bytes_packed_by_block": dict(sorted(self._by_block.items())),
             }
 
@@ -397,12 +509,13 @@ class OffloadEngine:
             self._param_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
             if not self._inline and (self._dev is None or self._dev.device != param.device):
                 self._dev = _Cuda(param.device)
-                if self.max_pending_bytes is None:
-                    total = torch.cuda.get_device_properties(param.device).total_memory
-                    self.max_pending_bytes = total // _PENDING_FRACTION
-        if self.max_pending_bytes is None:
-            self.max_pending_bytes = 256 * MiB
         return True
+
+    def window_bytes(self) -> int:
+        """The window in force: ``max_pending_bytes``, or its default from the records seen."""
+        if self.max_pending_bytes is not None:
+            return self.max_pending_bytes
+        return DEFAULT_WINDOW_RECORDS * self._largest
 
     # -- forward: pack ---------------------------------------------------------------------------
 
@@ -463,6 +576,8 @@ class OffloadEngine:
                 self._pending_bytes += nbytes
                 c["slots"] += 1
                 c["bytes_packed"] += nbytes
+                record.nbytes += nbytes
+                self._largest = max(self._largest, record.nbytes)
                 self._by_block[record.key] += nbytes
             record.handles += 1
             if record.seq not in self._live:
@@ -474,7 +589,8 @@ class OffloadEngine:
         """Issue queued D2H copies while the copy queue is short; wait while too much is pending."""
         self._reap()
         self._issue_pending()
-        while self._pending_bytes + self._inflight_bytes > self.max_pending_bytes:
+        window = self.window_bytes()
+        while self._pending_bytes + self._inflight_bytes > window:
             if not self._inflight:
                 self._issue_one()
                 continue
@@ -503,7 +619,7 @@ class OffloadEngine:
             if self._delay:
                 dev.sleep(self._delay)
             start.record(dev.d2h)
-            buffer[:n].copy_(slot.gpu, non_blocking=True)
+            dev.copy(buffer[:n], slot.gpu)
             end.record(dev.d2h)
         slot.host, slot.d2h_end, slot.ready, slot.state = buffer, end, None, _INFLIGHT
         self._inflight.append(slot)
@@ -518,10 +634,7 @@ class OffloadEngine:
             slot = self._inflight.popleft()
             self._inflight_bytes -= slot.nbytes
             slot.state = _HOST
-            if slot.record.done:
-                self.pool.give(slot.host)
-                slot.host = slot.gpu = None
-            elif not slot.record.fetched:
+            if not slot.record.fetched:
                 slot.gpu = None
         self._settle_timing()
 
@@ -543,11 +656,14 @@ class OffloadEngine:
             if slot.gpu is None:  # dropped since its record was current (retain_graph, re-entry)
                 self._fetch_slots([slot])
             stream = self._dev.current()
-            if slot.h2d_end is not None and slot.waited != stream:
+            key = self._dev.key(stream)
+            if slot.h2d_end is not None and slot.waited_key != key:
                 self._wait(stream, slot.h2d_end)
-                slot.waited = stream
-            gpu = slot.gpu
-        return gpu.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
+                slot.waited_key = key
+            typed = slot.gpu.view(packed.dtype)
+        # as_strided's offset counts from the storage's start: a slot over the original tensor of
+        # a partial span begins ``byte_lo`` into it, a fetched copy at 0
+        return typed.as_strided(packed.size, packed.stride, typed.storage_offset() + packed.offset)
 
     def _activate(self, record: _Record) -> None:
         previous, self._current = self._current, record
@@ -571,7 +687,7 @@ class OffloadEngine:
     def _fetch_slots(self, slots) -> None:
         dev = self._dev
         stream = dev.current()
-        destinations = [torch.empty(s.nbytes, dtype=torch.uint8, device=dev.device) for s in slots]
+        destinations = [dev.empty(s.nbytes) for s in slots]
         allocated = dev.event()
         allocated.record(stream)  # the memory is the consuming stream's; copy into it after this
         with dev.on(dev.h2d):
@@ -581,15 +697,16 @@ class OffloadEngine:
                     dev.sleep(self._delay)
                 start, end = dev.event(self.timing), dev.event(self.timing)
                 start.record(dev.h2d)
-                gpu.copy_(slot.host[:slot.nbytes], non_blocking=True)
+                dev.copy(gpu, slot.host[:slot.nbytes])
                 end.record(dev.h2d)
                 slot.gpu, slot.h2d_end, slot.last_read = gpu, end, end
-                slot.alloc_stream, slot.waited = stream, None
+                slot.alloc_stream, slot.alloc_key, slot.waited_key = stream, dev.key(stream), None
                 self._counts["bytes_h2d"] += slot.nbytes
                 if self.timing:
                     self._timed["h2d"].append((start, end, "h2d_s"))
 
     def _wait(self, stream, event) -> None:
+        self._counts["compute_waits"] += 1
         if not self.timing:
             stream.wait_event(event)
             return
@@ -607,11 +724,11 @@ class OffloadEngine:
                 self._drop_gpu(slot)
 
     def _drop_gpu(self, slot: _Slot) -> None:
-        if slot.h2d_end is not None and slot.waited != slot.alloc_stream:
+        if slot.h2d_end is not None and slot.waited_key != slot.alloc_key:
             # prefetched, never consumed on the stream that owns the memory: that stream must not
             # reuse it before the copy into it has landed
             slot.alloc_stream.wait_event(slot.h2d_end)
-        slot.gpu = slot.h2d_end = slot.waited = slot.alloc_stream = None
+        slot.gpu = slot.h2d_end = slot.alloc_stream = slot.alloc_key = slot.waited_key = None
 
     # -- end of a record's life --------------------------------------------------------------------
 
@@ -631,7 +748,17 @@ class OffloadEngine:
                 slot.state = _KEPT
                 self._pending_bytes -= slot.nbytes
                 slot.gpu = None
-            elif slot.state != _INFLIGHT:  # in flight: _reap returns the buffer when it lands
+            elif slot.state == _INFLIGHT:
+                # Its copy no longer matters but still reads the GPU tensor and writes the buffer:
+                # the allocator holds the block back until the copy stream passes it (the one
+                # record_stream, on memory the step no longer counts on), the pool's next copy into
+                # the buffer waits for it; the window stops counting it now.
+                self._dev.free_after(slot.gpu, self._dev.d2h)
+                self._inflight.remove(slot)
+                self._inflight_bytes -= slot.nbytes
+                self.pool.give(slot.host, slot.d2h_end)
+                slot.state, slot.gpu, slot.host = _HOST, None, None
+            else:
                 if slot.gpu is not None:
                     self._drop_gpu(slot)
                 if slot.host is not None:
