@@ -16,10 +16,19 @@ Two meters. Without a GPU (or with ``device="fake"``) parameters and inputs are 
 it dies; times are a roofline per op: FLOPs from ``torch.utils.flop_counter``'s formulas
 over the matmul rate, bytes read and written over HBM bandwidth, whichever is larger,
 plus a launch cost, with the rates of the GPU named by ``gpu`` (:data:`GPUS`). On a CUDA
-model, the allocator's own ``memory_allocated``/``max_memory_allocated`` are read and
-times are CUDA events over real runs (median of three), so internal workspaces and the
-real kernels are in the numbers. Saved-tensor hooks record which storages a block saves,
-to tell whether it keeps its input and how many bytes the offload engine would move.
+model, the allocator's own ``memory_allocated``/``max_memory_allocated`` are read, so
+internal workspaces and the real kernels are in the numbers. Times are *effective*: CUDA
+events around runs queued back to back as a step queues them (a block: three forwards in
+a row, then their three backwards; the head: three stubbed steps), the first one dropped,
+so launch latency overlaps the work queued before it and only a host that cannot keep up
+(a ``selective`` block's Python call per op on a small model) shows, as it does in a step.
+Timing a lone, synchronised run instead over-predicted ``selective`` by 22-24% on an H200;
+timing the GPU alone behind a sleep and the host apart, as two pipelined clocks, missed
+by 10-30% (a host run from an idle GPU read 1-2 ms more per checkpointed block than a
+step shows). A last real step (``calibrate``) scales the seconds to in-step ones, and the
+pinned copy rates are measured. Saved-tensor hooks (warm-up run only) record which
+storages a block saves, to tell whether it keeps its input and how many bytes the offload
+engine would move.
 
 Why not profile the whole model per treatment, or use ``torch.cuda.memory._record_memory_history``?
 Whole-model runs cost depth x treatments and need the real model on a real GPU; the block
@@ -58,12 +67,13 @@ OPTIMIZER_BYTES_PER_PARAM = {"none": 0, "adamw": 8, "adamw8bit": 2}
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
-# HBM GB/s, pinned host copies GB/s. H100: DESIGN.md anchors (791 TF/s, 55/48/86 GB/s).
+# HBM GB/s, pinned host copies GB/s. H100: DESIGN.md anchors (791 TF/s, 55/48/86 GB/s); H200 copies
+# as measured by the offload bench (55/55/101 GB/s). A GPU profile measures its own copy rates.
 GPUS = {
     "h100": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=3350.0, d2h_GBps=55.0, h2d_GBps=48.0,
                  duplex_GBps=86.0),
-    "h200": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=4800.0, d2h_GBps=55.0, h2d_GBps=48.0,
-                 duplex_GBps=86.0),
+    "h200": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=4800.0, d2h_GBps=55.0, h2d_GBps=55.0,
+                 duplex_GBps=101.0),
     "a100": dict(bf16_tflops=280.0, fp32_tflops=18.0, hbm_GBps=2039.0, d2h_GBps=25.0, h2d_GBps=24.0,
                  duplex_GBps=40.0),
     "cpu": dict(bf16_tflops=1.0, fp32_tflops=1.0, hbm_GBps=20.0, d2h_GBps=20.0, h2d_GBps=20.0,
@@ -104,6 +114,23 @@ def rates_for(gpu: str) -> Rates:
     return Rates(key, g["bf16_tflops"] * 1e12, g["fp32_tflops"] * 1e12, g["hbm_GBps"] * 1e9,
                  g["d2h_GBps"] * 1e9, g["h2d_GBps"] * 1e9, g["duplex_GBps"] * 1e9,
                  granularity=1 if key == "cpu" else 512)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What :mod:`remat.simulator` assumes of :class:`remat.offload.OffloadEngine` (its defaults).
+
+    ``window_bytes``: the most GPU bytes of offloaded tensors the engine holds before the host
+    waits for copies (its ``max_pending_bytes``); None: ``window_records`` times the largest
+    block's offloaded bytes. ``issue_bytes``: copies queued on the copy stream at once (bytes
+    still waiting beyond it when the backward starts are never moved). ``prefetch_blocks``:
+    blocks fetched ahead in backward.
+    """
+
+    window_bytes: Optional[int] = None
+    window_records: int = 1
+    issue_bytes: int = 512 * 2**20
+    prefetch_blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -169,6 +196,7 @@ class Profile:
     device: str              # "cuda" (measured) or "fake" (estimated)
     rates: Rates
     notes: dict = field(default_factory=dict)
+    engine: EngineModel = EngineModel()
 
     @property
     def tokens(self) -> int:
@@ -272,13 +300,16 @@ def _op_seconds(func, args, kwargs, out, moved, rates) -> float:
 
 
 class _TrackerMeter:
-    """Marks on a :class:`_Tracker`: (current, peak since last mark, seconds since last mark)."""
+    """Marks on a :class:`_Tracker`: (current, peak, seconds) since the last mark."""
 
     def __init__(self, tracker: _Tracker):
         self.t = tracker
         self._seconds = tracker.seconds
 
     def zero(self):
+        pass  # nothing is queued on a fake device
+
+    def begin(self):
         self.t.peak = self.t.current
         self._base = self.t.current
         self._seconds = self.t.seconds
@@ -298,6 +329,8 @@ class _CudaMeter:
 
     def zero(self):
         torch.cuda.synchronize()
+
+    def begin(self):
         self._base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         self._last = torch.cuda.Event(enable_timing=True)
@@ -317,13 +350,73 @@ class _CudaMeter:
         return [(now, peak, a.elapsed_time(b) / 1e3) for now, peak, (a, b) in marks]
 
 
+def _chain(meter, run, repeats):
+    """``run()`` once to warm up, then ``repeats + 1`` times back to back (no synchronisation
+    between them); the first of those is dropped. Returns the marks (now, peak, seconds) per
+    phase: bytes from the last run, seconds the median; a fake run (``repeats`` 1) is its own.
+    ``run`` returns (raw marks, extras...); the warm-up's extras are returned with the marks.
+    """
+    meter.zero()
+    first = run()
+    extras = tuple(first[1:])
+    if repeats <= 1:
+        return (meter.finish(first[0]),) + extras
+    meter.finish(first[0])
+    meter.zero()
+    raw = [run()[0] for _ in range(repeats + 1)]
+    timed = [meter.finish(r) for r in raw][1:]
+    marks = [(now, peak, statistics.median(t[k][2] for t in timed)) for k, (now, peak, _) in enumerate(timed[-1])]
+    return (marks,) + extras
+
+
+def _block_seconds(block, args, kwargs, count: int) -> tuple:
+    """Effective forward and backward seconds of ``block`` on a GPU: ``count`` forwards in a
+    row, then their backwards in reverse, as a step runs them; medians without the first.
+
+    The chain runs twice and the second is timed: the first makes the caching allocator
+    hold ``count`` runs' memory (a warm step allocates nothing; a cold ``cudaMalloc`` costs
+    the host ~1 ms a block, which a first-time chain read as a host-bound block: +12.7% on
+    qwen-1.5b ``keep``, whose chain was the first of its profile, on an H200).
+    """
+    _block_chain(block, args, kwargs, count)
+    return _block_chain(block, args, kwargs, count)
+
+
+def _block_chain(block, args, kwargs, count: int) -> tuple:
+    hidden = _hidden_of(args, kwargs)
+    xs = [hidden.detach().clone().requires_grad_(True) for _ in range(count)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * count + 1)]
+    sinks = []
+    torch.cuda.synchronize()
+    events[0].record()
+    for j, x in enumerate(xs):
+        a, kw = _with_hidden(args, kwargs, x)
+        out = block(*a, **kw)
+        sinks.append(_Sink.apply(out if isinstance(out, torch.Tensor) else out[0]))
+        del out
+        events[j + 1].record()
+    for m, j in enumerate(reversed(range(count))):
+        block.zero_grad(set_to_none=True)  # each backward makes fresh gradients, as in a step
+        sinks[j].backward()
+        sinks[j] = None
+        events[count + m + 1].record()
+    torch.cuda.synchronize()
+    block.zero_grad(set_to_none=True)
+    seconds = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(2 * count)]
+    fwd, bwd = seconds[:count], seconds[count:]
+    return statistics.median(fwd[1:] or fwd), statistics.median(bwd[1:] or bwd)
+
+
 # ---------------------------------------------------------------- profile
 
 def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
-            progress=None) -> Profile:
+            progress=None, calibrate: bool = True) -> Profile:
     """Profile ``model`` on ``batch`` (a dict of tensors with ``input_ids``, or input ids).
+
+    ``calibrate`` (GPU only): run one real step to scale the profiled GPU seconds to
+    in-step ones (see ``_calibrate``); its ratios are in ``notes["calibration"]``.
 
     ``device``: ``"cuda"`` measures on the GPU (the model must be there), ``"fake"``
     estimates with fake tensors and the rates of ``gpu`` (h100, h200, a100, cpu); default:
@@ -342,7 +435,9 @@ def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optio
         if first.device.type != "cuda":
             raise ValueError("device='cuda' measures on the GPU: move the model there first (model.cuda())")
         name = torch.cuda.get_device_name()
-        rates = replace(rates_for(gpu or (name if _known_gpu(name) else "h100")), measured=True)
+        d2h, h2d = _copy_rates(first.device)
+        rates = replace(rates_for(gpu or (name if _known_gpu(name) else "h100")), measured=True, d2h_Bps=d2h,
+                        h2d_Bps=h2d)
     else:
         rates = rates_for(gpu or "h100")
     if min_offload_bytes is None:
@@ -357,13 +452,47 @@ def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optio
             return _profile_fake(model, batch, named, rates, optimizer, head_modes, chunk_candidates,
                                  min_offload_bytes, say)
         return _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say)
+                             min_offload_bytes, say, calibrate)
     finally:
         model.train(was_training)
 
 
+def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
+    """Pinned host copy rates (bytes/s) on ``device``: device to host, host to device.
+
+    The fastest of ``repeats`` copies: interference only slows a copy down (one median read
+    29.6 GB/s host-to-device where every other measurement read 55 on the same H200).
+    """
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((host, gpu), (gpu, host)):
+        dst.copy_(src, non_blocking=True)  # warm up
+        seconds = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            seconds.append(a.elapsed_time(b) / 1e3)
+        rates.append(nbytes / max(min(seconds), 1e-9))
+    del gpu, host
+    return tuple(rates)
+
+
 def _known_gpu(name: str) -> bool:
     return any(key in name.lower() for key in GPUS)
+
+
+def engine_model() -> EngineModel:
+    """The offload engine's defaults as :class:`EngineModel` (see "Memory the engine adds" there)."""
+    try:
+        from . import offload
+    except ImportError:
+        return EngineModel()
+    return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),
+                       issue_bytes=int(offload._ISSUE_WINDOW), prefetch_blocks=1)
 
 
 def _default_min_offload_bytes() -> int:
@@ -486,7 +615,8 @@ def _swap_to_fake(model: nn.Module, fake_mode):
     return undo
 
 
-def _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
+def _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunks, min_bytes, say,
+                  calibrate=True) -> Profile:
     device = next(model.parameters()).device
     batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     model.zero_grad(set_to_none=True)
@@ -497,8 +627,115 @@ def _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunks, min
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
     optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer] * trainable
     static = torch.cuda.memory_allocated(device) + optimizer_bytes
-    return _finish(model, body, batch, rates, "cuda", optimizer, optimizer_bytes,
+    prof = _finish(model, body, batch, rates, "cuda", optimizer, optimizer_bytes,
                    _storage_bytes(model.parameters()), _storage_bytes(model.buffers()), static)
+    if not calibrate:
+        return prof
+    try:
+        return _calibrate(model, batch, named, prof, say)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # e.g. frozen embeddings: no hooks fire
+        model.zero_grad(set_to_none=True)
+        return replace(prof, notes=dict(prof.notes, calibration=f"skipped: {type(e).__name__}: {str(e)[:200]}"))
+
+
+# ---------------------------------------------------------------- calibration (GPU only)
+
+def _calibrate(model, batch, named, prof, say) -> Profile:
+    """Scale the blocks' and the head's seconds to what they take inside a real step.
+
+    Measured on an H200: a block ran 0-10% slower inside a whole step than alone, even
+    back to back (likely sustained load: clocks, power), a systematic under-prediction of
+    the step (v1: -4..-6% on the bench model). So one real step is run with the fastest
+    uniform plan that fits in free memory (keep if it fits), with CUDA events at every
+    block's forward and backward and around the head; the ratios in-step / profiled
+    (median over blocks: forward, backward; head) scale every treatment's seconds. One
+    ratio for all treatments: recompute-heavy ones come out a few percent high (llama-1b
+    ``full`` +2.7%). Skipped (noted) when no uniform plan fits.
+    """
+    from .simulator import simulate
+    device = next(model.parameters()).device
+    free, _ = torch.cuda.mem_get_info(device)
+    room = torch.cuda.memory_allocated(device) + 0.85 * free
+    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
+    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
+    fits = [f for f in fits if f[0].bound_bytes <= room]
+    if not fits:
+        return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
+    sim, treatment, head = min(fits, key=lambda f: f[0].step_s)
+    say(f"calibrating on one step: {treatment}, head {head.mode}")
+    for _, block in named:
+        apply_treatment(block, treatment)
+    if head.mode == "chunked":
+        from .head import enable_chunked_head
+        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
+    try:
+        _staged_step(model, batch, named)  # warm-up
+        steps = [_staged_step(model, batch, named) for _ in range(2)]
+    finally:
+        for _, block in named:
+            remove_treatment(block)
+        if head.mode == "chunked":
+            from .head import disable_chunked_head
+            disable_chunked_head(model)
+        model.zero_grad(set_to_none=True)
+    costs = [prof.cost(i, treatment) for i in range(len(named))]
+    fwd = statistics.median(s["fwd"][i] / costs[i].fwd_s for s in steps for i in range(len(costs)))
+    bwd = statistics.median(s["bwd"][i] / costs[i].bwd_s for s in steps for i in range(len(costs)))
+    hd = statistics.median(s["head"] for s in steps) / max(head.head_fwd_s + head.head_bwd_s, 1e-9)
+    scale = lambda c: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd)  # noqa: E731
+    classes = tuple({t: scale(c) for t, c in costs_.items()} for costs_ in prof.classes)
+    heads = tuple(replace(h, head_fwd_s=h.head_fwd_s * hd, head_bwd_s=h.head_bwd_s * hd) for h in prof.heads)
+    note = {"plan": f"{treatment}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
+            "head": round(hd, 4), "step_s": round(statistics.median(s["step"] for s in steps), 5),
+            "predicted_step_s": round(sim.step_s, 5)}
+    return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
+
+
+def _staged_step(model, batch, named) -> dict:
+    """One training step with CUDA events around each block's forward and backward and the head."""
+    event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    n = len(named)
+    start, end, grad_at = [None] * n, [None] * n, [None] * (n + 1)  # grad_at[i]: gradient reached block i's output
+    handles = []
+
+    def recorded():
+        e = event()
+        e.record()
+        return e
+
+    def pre(i, module, args, kwargs):
+        start[i] = recorded()
+        x = _hidden_of(args, kwargs)
+        if i == 0 and x.requires_grad:
+            x.register_hook(lambda g: grad_at.__setitem__(n, recorded()) or None)
+
+    def post(i, module, args, kwargs, out):
+        end[i] = recorded()
+        y = out if isinstance(out, torch.Tensor) else out[0]
+        if y.requires_grad:
+            y.register_hook(lambda g: grad_at.__setitem__(i, recorded()) or None)
+
+    for i, (_, block) in enumerate(named):
+        handles.append(block.register_forward_pre_hook(partial(pre, i), with_kwargs=True))
+        handles.append(block.register_forward_hook(partial(post, i), with_kwargs=True))
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        step = time.perf_counter() - t0
+    finally:
+        for handle in handles:
+            handle.remove()
+    ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+    # block i's backward: from the gradient reaching its output to it reaching its input
+    # (the output of block i-1, or the first block's input)
+    bwd = [ms(grad_at[i], grad_at[i - 1] if i else grad_at[n]) for i in range(n)]
+    return {"fwd": [ms(start[i], end[i]) for i in range(n)], "bwd": bwd,
+            "head": ms(end[n - 1], grad_at[n - 1]), "step": step}
 
 
 def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param_bytes, buffer_bytes,
@@ -508,7 +745,7 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return Profile(type(model).__name__, names, block_class, classes, heads, param_bytes, buffer_bytes,
                    optimizer, optimizer_bytes, static, hidden_bytes, int(ids.shape[0]), int(ids.shape[1]),
-                   dtype, device, rates, notes)
+                   dtype, device, rates, notes, engine_model())
 
 
 def _profile_body(model, batch, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1):
@@ -631,23 +868,28 @@ class _Sink(torch.autograd.Function):
 def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats):
     apply_treatment(block, treatment)
     try:
-        runs = [_block_run(block, args, kwargs, meter, params) for _ in range(repeats + (repeats > 1))]
+        marks, saved, input_saved, out_bytes, template = _chain(
+            meter, lambda: _block_run(block, args, kwargs, meter, params), 1)
+        if repeats > 1:  # on a GPU: bytes from a warm run, seconds from a chain
+            marks = meter.finish(_block_run(block, args, kwargs, meter, params, track=False)[0])
+            # as many forwards in a row as half the free memory holds, up to repeats + 1
+            free, _ = torch.cuda.mem_get_info()
+            count = int(max(1, min(repeats + 1, 0.5 * free // max(marks[0][1], marks[2][1], 1))))
+            fwd_s, bwd_s = _block_seconds(block, args, kwargs, count)
+        else:
+            fwd_s, bwd_s = marks[0][2], marks[2][2]
     finally:
         remove_treatment(block)
         block.zero_grad(set_to_none=True)
-    runs = runs[1:] if repeats > 1 else runs  # the first CUDA run warms kernels and allocator up
-    marks, saved, input_saved, out_bytes, template = runs[-1]
-    (_, fwd_peak, _), (kept, _, _), (bwd_end, bwd_peak, _) = marks
-    fwd_s = statistics.median(r[0][0][2] for r in runs)
-    bwd_s = statistics.median(r[0][2][2] for r in runs)
-    with_out = marks[0][0]
+    (with_out, fwd_peak, _), (kept, _, _), (bwd_end, bwd_peak, _) = marks
     offloadable = sum(size for key, size in saved.items() if key not in params and size >= min_bytes)
     cost = BlockCost(fwd_peak, kept, with_out - kept, out_bytes, input_saved, bwd_peak, bwd_end,
                      fwd_s, bwd_s, offloadable)
     return cost, template
 
 
-def _block_run(block, args, kwargs, meter, params):
+def _block_run(block, args, kwargs, meter, params, track=True):
+    """One forward and backward of ``block`` alone; raw marks (see the meters) and what it saved."""
     hidden = _hidden_of(args, kwargs)
     # Inside a stack every block's input requires grad (it comes from the block before).
     x = hidden.detach().clone().requires_grad_(True)
@@ -664,9 +906,9 @@ def _block_run(block, args, kwargs, meter, params):
             saved[id(storage)] = storage.nbytes()
         return t
 
-    meter.zero()
+    meter.begin()
     marks = []
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if track else contextlib.nullcontext():
         out = block(*args, **kwargs)
     marks.append(meter.mark())                 # forward: peak, and kept + output
     template = _template(out)
@@ -682,7 +924,7 @@ def _block_run(block, args, kwargs, meter, params):
         saved[x_key] = _nbytes(x)
     del x
     block.zero_grad(set_to_none=True)
-    return meter.finish(marks), saved, input_saved[0], out_bytes, template
+    return marks, saved, input_saved[0], out_bytes, template
 
 
 def _template(out):
@@ -700,17 +942,16 @@ def _head_cost(model, batch, named, templates, mode, chunk, meter, repeats) -> H
         enable_chunked_head(model, chunk_tokens=chunk)
         _trust_head_probe(model)
     try:
-        runs = [_stub_run(model, batch, named, templates, meter) for _ in range(repeats + (repeats > 1))]
+        (m,) = _chain(meter, lambda: (_stub_run(model, batch, named, templates, meter),), repeats)
     finally:
         if mode == "chunked":
             from .head import disable_chunked_head
             disable_chunked_head(model)
-    runs = runs[1:] if repeats > 1 else runs
-    m = runs[-1]
     (pre_end, pre_peak, _), _, (hf_end, hf_peak, _), (hb_end, hb_peak, _), _, (pb_end, pb_peak, _) = m
-    t = [statistics.median(r[i][2] for r in runs) for i in range(6)]
+    t = [x[2] for x in m]
+    # phases 1 and 4 are the stubs' own clone and its backward
     return HeadCost(mode, chunk, pre_peak, pre_end, hf_peak, hf_end, hb_peak, hb_end, pb_peak, pb_end,
-                    t[0], t[2], t[3], t[5])  # t[1], t[4]: the stubs' own clone and its backward
+                    t[0], t[2], t[3], t[5])
 
 
 def _trust_head_probe(model):
@@ -755,7 +996,7 @@ def _stub_run(model, batch, named, templates, meter):
         block.__dict__["forward"] = types.MethodType(partial(stub, index), block)
     try:
         model.zero_grad(set_to_none=True)
-        meter.zero()
+        meter.begin()
         loss = model(**batch).loss
         marks.append(meter.mark())                                       # head forward done
         loss.backward()
@@ -772,7 +1013,7 @@ def _stub_run(model, batch, named, templates, meter):
     if len(marks) != 6:
         raise ValueError("the embeddings or the blocks' input do not require grad (frozen embeddings?); "
                          f"the head profile expected 6 phase marks, got {len(marks)}")
-    return meter.finish(marks)
+    return marks
 
 
 def progress_printer(stream=None, after_s: float = 2.0):

@@ -208,8 +208,7 @@ class _KeptOutputGuard(TorchDispatchMode):
         if self.kept and func._schema.is_mutable:
             for argument, value in zip(func._schema.arguments, args):
                 info = argument.alias_info
-                if (info is not None and info.is_write and isinstance(value, torch.Tensor)
-                        and value.untyped_storage().data_ptr() in self.kept):
+                if info is not None and info.is_write and _storage_key(value) in self.kept:
                     raise ValueError(
                         f"treatment 'selective': this block modifies in place ({func}) the output of a "
                         "matmul/attention op that selective keeps for backward; recomputing it would "
@@ -217,7 +216,17 @@ class _KeptOutputGuard(TorchDispatchMode):
                         "'mlp' for this block (or a newer transformers, which computes it out of place).")
         out = func(*args, **kwargs)
         if func in saved_ops():
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    self.kept.add(tensor.untyped_storage().data_ptr())
+            self.kept.update(_storage_key(t) for t in tree_flatten(out)[0])
+            self.kept.discard(None)
         return out
+
+
+def _storage_key(value):
+    """The data pointer of a real tensor's storage; None for non-tensors and for fake or
+    meta tensors (the planner's profiles), which hold no memory to alias."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return None
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(value, FakeTensor):
+        return None
+    return value.untyped_storage().data_ptr()

@@ -32,6 +32,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", required=True, help="peak memory budget, e.g. 24GiB or 80GB")
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--phases", action="store_true", help="also print every phase of the step (timeline)")
 
 
 def profile_from_args(args):
@@ -71,9 +72,46 @@ def describe(plan) -> str:
     return ", ".join(f"{a}-{b} {t}" if a != b else f"{a} {t}" for a, b, t in runs)
 
 
+def explain(prof, sim, budget=None) -> list:
+    """Lines that say what sets the peak, what it is made of, and where the step's time goes."""
+    from ..units import format_size as f
+    terms = sim.peak_terms()
+    lines = []
+    head = f"{sim.head}" + (f"({sim.chunk_tokens} tokens a chunk)" if sim.head == "chunked" else "")
+    budget_text = f" of {f(budget)} budget" if budget else ""
+    lines.append(f"peak       {f(sim.peak_bytes)}{budget_text}, set in {sim.peak_at}")
+    lines.append(f"           = static {f(terms['static'])} (params, buffers, optimizer state)"
+                 f" + carried {f(terms['carried'])} (what earlier phases keep)"
+                 f" + the phase's own {f(terms['phase'])}"
+                 + (f" + offload engine {f(terms['engine'])}" if terms["engine"] else ""))
+    if sim.bound_bytes != sim.peak_bytes:
+        lines.append(f"           at most {f(sim.bound_bytes)} whatever the copy timing (set in {sim.bound_at})")
+    lines.append(f"step       {sim.step_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s (predicted, head {head})")
+    stages = sim.stages()
+    parts = []
+    for name, st in stages.items():
+        wait = f", {st['wait_s']:.3f} s waiting for copies" if st["wait_s"] > 5e-4 else ""
+        parts.append(f"{name} {st['seconds']:.3f} s (peak {f(st['peak_bytes'])}{wait})")
+    lines.append("stages     " + "; ".join(parts))
+    if sim.offload_bytes:
+        lines.append(f"offload    {f(sim.offload_bytes)} handed to the engine, {f(sim.moved_bytes)} moved each way, "
+                     f"{sim.exposed_copy_s:.3f} s of the step spent waiting for copies")
+    return lines
+
+
+def timeline_lines(sim) -> list:
+    from ..units import format_size as f
+    lines = [f"{'phase':<72} {'start s':>8} {'dur ms':>7} {'peak':>11} {'engine':>10}"]
+    for p in sim.timeline:
+        lines.append(f"{p.name[:72]:<72} {p.start_s:8.4f} {1e3 * (p.end_s - p.start_s):7.2f} "
+                     f"{f(p.peak_bytes):>11} {f(p.engine_bytes) if p.engine_bytes else '':>10}")
+    return lines
+
+
 def run(args) -> int:
     import json
 
+    from ..simulator import simulate
     from ..solver import solve
     from ..units import format_size, parse_size
     budget = parse_size(args.budget)
@@ -84,15 +122,18 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1, sort_keys=True))
         return 0
-    n = plan.notes
+    sim = simulate(prof, plan)
+    source = "measured" if prof.rates.measured else "roofline estimate"
     print(f"model      {args.model}  batch {args.batch} x {args.seq} tokens, {args.dtype}, "
-          f"optimizer {args.optimizer}, rates {prof.rates.name}")
+          f"optimizer {args.optimizer}, rates {prof.rates.name} ({source})")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
-    print(f"peak       {format_size(n['predicted_peak_bytes'])} of {format_size(budget)} budget "
-          f"(static {format_size(prof.static_bytes)})")
-    print(f"step       {n['predicted_step_s']:.3f} s, {n['predicted_tokens_per_s']:,.0f} tokens/s (predicted)")
-    print(f"peak at    {n['peak_at']}")
+    print(f"static     {format_size(prof.static_bytes)}")
+    for line in explain(prof, sim, budget):
+        print(line)
+    if args.phases:
+        for line in timeline_lines(sim):
+            print(line)
     if args.out:
         print(f"written    {args.out}", file=sys.stderr)
     return 0
