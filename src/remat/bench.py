@@ -127,11 +127,12 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
         out += [Strategy("eager", "anchor", _plain), Strategy("hf_full", "anchor", _hf_full),
                 Strategy("every2", "anchor", _every2), Strategy("sac", "anchor", _hf_sac),
                 Strategy("save_on_cpu", "anchor", _save_on_cpu)]
-        out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b)) for b in compile_budgets]
     out += [Strategy(f"remat:{spec}", "remat", _remat_spec(spec)) for spec in uniform]
     profiles = {}
     out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles), budget_bytes=b)
             for b in budgets]
+    if anchors:  # last: a compile takes most of a minute, and the rest should not wait on it
+        out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b)) for b in compile_budgets]
     return out
 
 
