@@ -207,6 +207,9 @@ def test_hf_gradient_checkpointing_is_refused_before_and_after():
     remat.apply(model, "full")
     with pytest.raises(ValueError, match="gradient_checkpointing=False"):
         model.gradient_checkpointing_enable()  # what the Trainer does at train()
+    if hasattr(type(model), "activation_checkpointing_enable"):  # transformers >= 5.x's new name
+        with pytest.raises(ValueError, match="gradient_checkpointing=False"):
+            model.activation_checkpointing_enable()
     remat.remove(model)
     model.gradient_checkpointing_enable()  # allowed again once remat is removed
 

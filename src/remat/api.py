@@ -58,13 +58,11 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every module gets back its original forward."""
     for module in model.modules():
         remove_treatment(module)
-        guard = module.__dict__.pop("_remat_hf_guard", None)
-        if guard is not None:
-            had, previous = guard
+        for name, (had, previous) in module.__dict__.pop("_remat_hf_guard", {}).items():
             if had:
-                module.__dict__["gradient_checkpointing_enable"] = previous
+                module.__dict__[name] = previous
             else:
-                module.__dict__.pop("gradient_checkpointing_enable", None)
+                module.__dict__.pop(name, None)
     plan = model.__dict__.pop("_remat_plan", None)
     if plan is not None and plan.head == "chunked":
         from .head import disable_chunked_head
@@ -94,13 +92,18 @@ def _refuse_hf_checkpointing(model: nn.Module) -> None:
             "False), then remat.apply(model, ...) gives the same memory saving and more.")
 
 
+# transformers 5.x renamed the switch; both names stay guarded while either exists
+_HF_ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+
+
 def _guard_hf_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
-        if not callable(getattr(type(module), "gradient_checkpointing_enable", None)):
+        names = [n for n in _HF_ENABLE_METHODS if callable(getattr(type(module), n, None))]
+        if not names:
             continue
-        had = "gradient_checkpointing_enable" in module.__dict__
-        module.__dict__["_remat_hf_guard"] = (had, module.__dict__.get("gradient_checkpointing_enable"))
-        module.__dict__["gradient_checkpointing_enable"] = types.MethodType(_refuse_enable, module)
+        module.__dict__["_remat_hf_guard"] = {n: (n in module.__dict__, module.__dict__.get(n)) for n in names}
+        for name in names:
+            module.__dict__[name] = types.MethodType(_refuse_enable, module)
 
 
 def _refuse_enable(self, *args, **kwargs):
