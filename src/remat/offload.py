@@ -36,29 +36,17 @@ back as the same views (``view(dtype).as_strided`` over one byte buffer).
   ``retain_graph`` re-fetches). When autograd frees a record's last packed handle (normally right
   after its backward node ran; on garbage collection for a forward that never saw backward), its
   pinned buffers go back to the pool, fenced by the last host-to-device copy that read them.
-- Pinned pool: buffers in power-of-two size classes (PyTorch's host allocator rounds so anyway),
-  allocated during the first steps and reused afterwards; a step of the same shapes allocates
-  nothing. Before the pool grows past its limit (default 60% of MemAvailable when first used) it
-  raises a ValueError naming bytes needed and available.
+- Pinned pool: buffers in power-of-two size classes, reused from step to step, bounded by a host
+  memory limit that raises a ValueError before it is passed (:mod:`remat.pinned`).
 - Without CUDA (or with the model on the CPU) ``saved_tensors`` is a no-op and the engine warns once.
 
-Memory the engine adds. Beyond what a block holds while it runs (its own saved tensors, back
-on the GPU during its backward), the engine holds GPU memory for other blocks in two ways only.
-(1) Forward and head: GPU bytes of saved tensors whose host copy has not been seen to land are at
-most the *window* ``W`` (``max_pending_bytes``; default ``DEFAULT_WINDOW_RECORDS`` = 1 times the
-largest record packed so far, i.e. the largest offloaded block's bytes once a step has run), so
-during block ``i``'s forward the blocks before it add ``min(W, their bytes)``, and the head's forward
-and backward (before the first unpack) add ``min(W, all offloaded bytes)``: the newest bytes saved.
-(2) Backward of block ``i``: the ``prefetch_blocks`` offloaded blocks before it (the nearest
-before the current offloaded block) are fully on the GPU, plus whatever of the forward's last
-``min(W, all)`` bytes belongs to blocks older still. Nothing else: the pool is host memory, and a
-record's GPU copies go when the next record becomes current. :func:`gpu_overhead_bytes` is this
-rule as a pure function, for the planner. Why one record: it still keeps the copy stream busy
-(the copy queue is refilled to ``_ISSUE_WINDOW`` at every pack; measured on an H200, offloading
-every block of the bench model ran within 6% of the bus time), and it keeps ``full+offload``'s
-saving at all but one block input (15/16 measured); a window of a fraction of the card (the first
-version's 1/20) left gigabytes on the GPU at the head, where the step's peak is. A larger window
-trades peak for bus bytes (the tail it holds is never moved): ``offload_bench --extra-windows-gib``.
+Memory the engine adds. Beyond what a block holds while it runs, the engine holds GPU memory for
+other blocks in two ways only: at most the *window* ``W`` (``max_pending_bytes``; default
+``DEFAULT_WINDOW_RECORDS`` times the largest record packed) of saved tensors whose host copy has
+not been seen to land, and during a block's backward the ``prefetch_blocks`` records fetched ahead.
+The rule, why the window is one record, and its pure form :func:`gpu_overhead_bytes` (for the
+planner) are in :mod:`remat.overhead`; the device objects that run the copies are in
+:mod:`remat.streams`. This module re-exports the names callers import from it.
 
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 copies synchronously on the compute stream (measured 0.13x eager on the bench model) and allocates
@@ -82,7 +70,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
 import threading
 import time
 import warnings
@@ -92,11 +79,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-MiB = 1 << 20
-GiB = 1 << 30
+from .overhead import DEFAULT_WINDOW_RECORDS, gpu_overhead_bytes  # noqa: F401  (re-exported)
+from .pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
+from .streams import _Cuda, _Inline
+
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
-_HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave the rest to the OS
-DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
 _ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
 
 _PENDING, _INFLIGHT, _HOST, _KEPT = "pending", "in flight", "host", "kept"
@@ -109,242 +96,6 @@ def engine_of(model: nn.Module) -> Optional["OffloadEngine"]:
         if state is not None and getattr(state, "engine", None) is not None:
             return state.engine
     return None
-
-
-def gpu_overhead_bytes(block_bytes, max_pending_bytes: Optional[int] = None,
-                       prefetch_blocks: int = 1) -> dict:
-    """GPU bytes the engine holds for *other* blocks, phase by phase ("Memory the engine adds").
-
-    ``block_bytes``: the bytes each block hands to the engine, in forward order (0 for blocks
-    that are not offloaded; for ``full+offload``, its input); ``max_pending_bytes`` and
-    ``prefetch_blocks`` as given to :class:`OffloadEngine` (None: the default window,
-    ``DEFAULT_WINDOW_RECORDS`` times the largest entry). Returns
-
-    - ``window``: the window ``W`` in force;
-    - ``forward``: per block, the most the engine holds for the blocks before it during its
-      forward, ``min(W, bytes of the blocks before)``;
-    - ``head``: the same during the head's forward and backward, ``min(W, all bytes)``;
-    - ``backward``: per block, during its backward: the ``prefetch_blocks`` offloaded blocks before
-      the current offloaded block (the block itself, or the nearest later one for a block that
-      does not offload) in full, plus what of the forward's last ``min(W, all)`` bytes belongs to
-      blocks older still.
-
-    Upper bounds: the engine holds these at most, whatever the timing (landed copies are released
-    at the next pack, block end or first unpack). A block's own bytes are not in them: in its
-    forward they are the block's, in its backward they are back on the GPU for it.
-    """
-    sizes = list(block_bytes)
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes):
-        raise ValueError(f"block_bytes must be non-negative ints (bytes per block, forward order), got {sizes!r}")
-    if max_pending_bytes is not None and (isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int)
-                                          or max_pending_bytes < 0):
-        raise ValueError(f"max_pending_bytes must be a non-negative int or None, got {max_pending_bytes!r}")
-    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
-        raise ValueError(f"prefetch_blocks must be a non-negative int, got {prefetch_blocks!r}")
-    window = DEFAULT_WINDOW_RECORDS * max(sizes, default=0) if max_pending_bytes is None else max_pending_bytes
-    total = sum(sizes)
-    left = min(window, total)  # on the GPU when the forward ends: the newest bytes saved
-    forward, before = [], 0
-    for b in sizes:
-        forward.append(min(window, before))
-        before += b
-    records = [i for i, b in enumerate(sizes) if b]
-    backward = []
-    for i in range(len(sizes)):
-        later = [r for r in records if r >= i]
-        if not later:  # the backward has not reached an offloaded block: only the forward's tail
-            backward.append(left)
-            continue
-        current = later[0]
-        earlier = [r for r in records if r < current]
-        prefetched = earlier[len(earlier) - prefetch_blocks:] if prefetch_blocks else []
-        lowest = prefetched[0] if prefetched else i
-        newer = sum(sizes[lowest:])
-        backward.append(sum(sizes[r] for r in prefetched) + max(0, left - newer))
-    return {"window": window, "forward": forward, "head": left, "backward": backward}
-
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-class PinnedPool:
-    """Host buffers in power-of-two size classes, reused across steps.
-
-    ``take(nbytes)`` returns ``(buffer, fence)``: a 1-D uint8 tensor of at least ``nbytes`` and the
-    event of the last copy that read it (None if none); the copy that writes it must wait on the
-    fence. ``give(buffer, fence)`` returns it. ``limit`` (bytes; None: 60% of MemAvailable, read
-    at the first allocation) bounds what the pool holds; free buffers of other sizes are dropped
-    before it raises. ``pin=False`` gives ordinary host memory (CPU tests).
-    """
-
-    def __init__(self, limit: Optional[int] = None, *, pin: bool = True):
-        if limit is not None and (not isinstance(limit, int) or limit <= 0):
-            raise ValueError(f"host memory limit must be a positive number of bytes, got {limit!r}")
-        self.limit = limit
-        self.pin = pin
-        self.held_bytes = 0  # pinned bytes this pool owns, in use or free
-        self.in_use_bytes = 0
-        self.allocations = 0  # buffers ever allocated: constant from step to step after warm-up
-        self._free = collections.defaultdict(list)  # size class -> [(buffer, fence)]
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        return 1 << max(int(nbytes) - 1, 1).bit_length()
-
-    def take(self, nbytes: int):
-        size = self.size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            buffer, fence = free.pop()
-        else:
-            self._make_room(size, nbytes)
-            buffer, fence = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin), None
-            self.held_bytes += size
-            self.allocations += 1
-        self.in_use_bytes += size
-        return buffer, fence
-
-    def give(self, buffer: torch.Tensor, fence=None) -> None:
-        self.in_use_bytes -= buffer.numel()
-        self._free[buffer.numel()].append((buffer, fence))
-
-    def _make_room(self, size: int, nbytes: int) -> None:
-        if self.limit is None:
-            self.limit = int(_HOST_FRACTION * _mem_available())
-        if self.held_bytes + size <= self.limit:
-            return
-        dropped = 0
-        for cls in sorted(self._free, reverse=True):
-            while self._free[cls] and self.held_bytes + size > self.limit:
-                self._free[cls].pop()
-                self.held_bytes -= cls
-                dropped += cls
-        if dropped and self.pin and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # PyTorch caches freed pinned blocks; give them back
-        if self.held_bytes + size > self.limit:
-            raise ValueError(
-                f"remat offload: pinned host memory would exceed its limit: this step needs at least "
-                f"{_fmt(self.in_use_bytes + size)} ({_fmt(self.in_use_bytes)} already holding saved "
-                f"tensors + {_fmt(size)} for a {nbytes / MiB:.1f} MiB tensor), but only "
-                f"{_fmt(self.limit)} is available to offload (limit: host_memory_limit, default "
-                f"{_HOST_FRACTION:.0%} of MemAvailable). Offload fewer blocks (e.g. 'every:2:offload', "
-                "or 'full+offload', which moves only block inputs), or pass "
-                "OffloadEngine(model, host_memory_limit=...) if the host has more to give.")
-
-
-class _Cuda:
-    """Streams and events of one CUDA device."""
-
-    pin = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
-
-    def current(self):
-        return torch.cuda.current_stream(self.device)
-
-    @staticmethod
-    def key(stream) -> int:
-        """A stream's identity: ``torch.Stream`` objects compare ``!= None`` as False."""
-        return stream.cuda_stream
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    @staticmethod
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)  # on the current (copy) stream
-
-    @staticmethod
-    def free_after(tensor: torch.Tensor, stream) -> None:
-        """Let the allocator reuse ``tensor``'s block only once ``stream``'s queued work is done."""
-        tensor.record_stream(stream)
-
-    @staticmethod
-    def event(timing: bool = False):
-        return torch.cuda.Event(enable_timing=timing)
-
-    @staticmethod
-    def on(stream):
-        return torch.cuda.stream(stream)
-
-    @staticmethod
-    def sleep(cycles: int) -> None:
-        torch.cuda._sleep(cycles)
-
-
-class _InlineEvent:
-    """An event that has always completed: copies on ``_Inline`` finish when issued."""
-
-    def record(self, stream=None):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
-class _InlineStream:
-    def wait_event(self, event) -> None:
-        pass
-
-
-class _Inline:
-    """CPU tensors, synchronous copies: runs all of the engine's bookkeeping without a GPU (tests)."""
-
-    pin = False
-    device = torch.device("cpu")
-    _stream = _InlineStream()
-    d2h = h2d = _stream
-
-    def current(self):
-        return self._stream
-
-    @staticmethod
-    def key(stream) -> int:
-        return id(stream)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    @staticmethod
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    @staticmethod
-    def free_after(tensor: torch.Tensor, stream) -> None:
-        pass  # copies here are done when issued
-
-    @staticmethod
-    def event(timing: bool = False):
-        return _InlineEvent()
-
-    @staticmethod
-    def on(stream):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def sleep(cycles: int) -> None:
-        pass
 
 
 class _Record:

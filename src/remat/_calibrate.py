@@ -1,0 +1,150 @@
+"""GPU-only measurements around a profile: pinned copy rates and an in-step calibration.
+
+How: :func:`_copy_rates` times pinned host copies each way and keeps the fastest of a
+few. :func:`_calibrate` runs real training steps with the fastest uniform plan that
+fits in free memory, CUDA events at every block's forward and backward and around the
+head (:func:`_staged_step`), and scales the profile's seconds by the median ratio of
+in-step to profiled time (forward, backward, head).
+
+Why: a block runs 0-10% slower inside a whole step than alone, even back to back
+(clocks, power under sustained load); without the calibration every step was
+under-predicted by 4-6% on the bench model.
+
+Limits: one ratio per phase for all treatments, so recompute-heavy treatments come out a
+few percent high; skipped (noted in ``notes["calibration"]``) when no uniform plan fits
+or the hooks cannot fire (frozen embeddings). Needs CUDA; never runs on a fake profile.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from ._measure import _hidden_of
+from .costs import MEASURED_TREATMENTS, Profile
+from .treatments import apply_treatment, remove_treatment
+
+
+def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
+    """Pinned host copy rates (bytes/s) on ``device``: device to host, host to device.
+
+    The fastest of ``repeats`` copies: interference only slows a copy down (one median read
+    29.6 GB/s host-to-device where every other measurement read 55 on the same H200).
+    """
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((host, gpu), (gpu, host)):
+        dst.copy_(src, non_blocking=True)  # warm up
+        seconds = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            seconds.append(a.elapsed_time(b) / 1e3)
+        rates.append(nbytes / max(min(seconds), 1e-9))
+    del gpu, host
+    return tuple(rates)
+
+
+def _calibrate(model, batch, named, prof, say) -> Profile:
+    """Scale the blocks' and the head's seconds to what they take inside a real step.
+
+    Measured on an H200: a block ran 0-10% slower inside a whole step than alone, even
+    back to back (likely sustained load: clocks, power), a systematic under-prediction of
+    the step (v1: -4..-6% on the bench model). So one real step is run with the fastest
+    uniform plan that fits in free memory (keep if it fits), with CUDA events at every
+    block's forward and backward and around the head; the ratios in-step / profiled
+    (median over blocks: forward, backward; head) scale every treatment's seconds. One
+    ratio for all treatments: recompute-heavy ones come out a few percent high (llama-1b
+    ``full`` +2.7%). Skipped (noted) when no uniform plan fits.
+    """
+    from .simulator import simulate
+    device = next(model.parameters()).device
+    free, _ = torch.cuda.mem_get_info(device)
+    room = torch.cuda.memory_allocated(device) + 0.85 * free
+    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
+    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
+    fits = [f for f in fits if f[0].bound_bytes <= room]
+    if not fits:
+        return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
+    sim, treatment, head = min(fits, key=lambda f: f[0].step_s)
+    say(f"calibrating on one step: {treatment}, head {head.mode}")
+    for _, block in named:
+        apply_treatment(block, treatment)
+    if head.mode == "chunked":
+        from .head import enable_chunked_head
+        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
+    try:
+        _staged_step(model, batch, named)  # warm-up
+        steps = [_staged_step(model, batch, named) for _ in range(2)]
+    finally:
+        for _, block in named:
+            remove_treatment(block)
+        if head.mode == "chunked":
+            from .head import disable_chunked_head
+            disable_chunked_head(model)
+        model.zero_grad(set_to_none=True)
+    costs = [prof.cost(i, treatment) for i in range(len(named))]
+    fwd = statistics.median(s["fwd"][i] / costs[i].fwd_s for s in steps for i in range(len(costs)))
+    bwd = statistics.median(s["bwd"][i] / costs[i].bwd_s for s in steps for i in range(len(costs)))
+    hd = statistics.median(s["head"] for s in steps) / max(head.head_fwd_s + head.head_bwd_s, 1e-9)
+    scale = lambda c: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd)  # noqa: E731
+    classes = tuple({t: scale(c) for t, c in costs_.items()} for costs_ in prof.classes)
+    heads = tuple(replace(h, head_fwd_s=h.head_fwd_s * hd, head_bwd_s=h.head_bwd_s * hd) for h in prof.heads)
+    note = {"plan": f"{treatment}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
+            "head": round(hd, 4), "step_s": round(statistics.median(s["step"] for s in steps), 5),
+            "predicted_step_s": round(sim.step_s, 5)}
+    return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
+
+
+def _staged_step(model, batch, named) -> dict:
+    """One training step with CUDA events around each block's forward and backward and the head."""
+    event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    n = len(named)
+    start, end, grad_at = [None] * n, [None] * n, [None] * (n + 1)  # grad_at[i]: gradient reached block i's output
+    handles = []
+
+    def recorded():
+        e = event()
+        e.record()
+        return e
+
+    def pre(i, module, args, kwargs):
+        start[i] = recorded()
+        x = _hidden_of(args, kwargs)
+        if i == 0 and x.requires_grad:
+            x.register_hook(lambda g: grad_at.__setitem__(n, recorded()) or None)
+
+    def post(i, module, args, kwargs, out):
+        end[i] = recorded()
+        y = out if isinstance(out, torch.Tensor) else out[0]
+        if y.requires_grad:
+            y.register_hook(lambda g: grad_at.__setitem__(i, recorded()) or None)
+
+    for i, (_, block) in enumerate(named):
+        handles.append(block.register_forward_pre_hook(partial(pre, i), with_kwargs=True))
+        handles.append(block.register_forward_hook(partial(post, i), with_kwargs=True))
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        step = time.perf_counter() - t0
+    finally:
+        for handle in handles:
+            handle.remove()
+    ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+    # block i's backward: from the gradient reaching its output to it reaching its input
+    # (the output of block i-1, or the first block's input)
+    bwd = [ms(grad_at[i], grad_at[i - 1] if i else grad_at[n]) for i in range(n)]
+    return {"fwd": [ms(start[i], end[i]) for i in range(n)], "bwd": bwd,
+            "head": ms(end[n - 1], grad_at[n - 1]), "step": step}

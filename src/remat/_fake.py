@@ -1,0 +1,112 @@
+"""Fake-tensor runs: parameters swapped for fake tensors, SDPA run as the CUDA kernels would.
+
+How: :func:`_swap_to_fake` replaces every parameter and buffer by a ``FakeTensor`` of
+the same shape, stride and dtype (tied weights stay tied) and returns the undo, so a
+model on the ``meta`` device, or one too large for the host, profiles with no memory and
+no weights. :func:`_cuda_attention` stands in for ``F.scaled_dot_product_attention`` for
+the length of a fake run, calling the CUDA flash or memory-efficient ops, whose shape
+functions run on fake CPU tensors: a CPU-only profile then sees what the GPU kernels save
+(output, log-sum-exp and the inputs) rather than what the CPU kernels save. The chunked
+head's probe of the model's logit transform needs real values, so on fake tensors
+:func:`_trust_head_probe` marks every transform verified.
+
+Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
+tracker could not tell a view from a new tensor; fake tensors keep storages.
+
+Limits: only SDPA is redirected; a model calling its own attention kernels is measured
+with whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a
+mask, the efficient one equal query and key heads; anything else falls back to the CPU
+op. Hugging Face's packed-sequence check is told "not packed" unless the batch passes
+``position_ids``.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def _cuda_attention(packed: bool):
+    """Run SDPA as the CUDA kernels would, on fake CPU tensors.
+
+    The CPU kernels differ in what they save (CPU flash expands grouped K/V heads; the
+    math fallback materialises the attention matrix); the CUDA flash and memory-efficient
+    ops have shape functions that run on fake tensors of any device, so a CPU-only
+    profile sees the GPU's saved tensors: output, log-sum-exp and the inputs.
+    Hugging Face cannot read fake position ids to see that a batch is not packed, and
+    would build a [batch, 1, seq, seq] mask that the real run skips: unless the batch
+    passes ``position_ids``, it is told there is no packing.
+    """
+    original = F.scaled_dot_product_attention
+    masking = sys.modules.get("transformers.masking_utils")
+    find_packed = getattr(masking, "find_packed_sequence_indices", None)
+    if find_packed is not None and not packed:
+        masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        aten = torch.ops.aten
+        if attn_mask is None and query.shape[-1] <= 256 and query.shape[-1] == value.shape[-1]:
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                             False, scale=scale)[0]
+        if key.shape[-3] == query.shape[-3]:
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill_(~bias, float("-inf"))
+            return aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
+                                                                 is_causal, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+        if find_packed is not None:
+            masking.find_packed_sequence_indices = find_packed
+
+
+def _swap_to_fake(model: nn.Module, fake_mode):
+    """Replace parameters and buffers by fake CPU tensors; returns the undo function."""
+    saved = []
+    memo = {}
+    with fake_mode:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for name, value in list(table.items()):
+                    if value is None:
+                        continue
+                    key = id(value)
+                    if key not in memo:  # tied weights stay tied
+                        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+                        if kind == "_parameters":
+                            fake = nn.Parameter(fake, requires_grad=value.requires_grad)
+                        memo[key] = fake
+                    saved.append((table, name, value))
+                    table[name] = memo[key]
+
+    def undo():
+        for table, name, value in saved:
+            table[name] = value
+    return undo
+
+
+def _trust_head_probe(model):
+    # remat.head checks the model's logit transform on a probe with real values, which fake
+    # tensors do not have; a fake run only needs the memory and FLOPs, so skip that check.
+    state = next((m.__dict__["_remat_head"] for m in model.modules() if "_remat_head" in m.__dict__), None)
+    if state is not None and _is_fake(next(model.parameters())):
+        class _Everything(set):
+            def __contains__(self, key):
+                return True
+        state.verified = _Everything()
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
