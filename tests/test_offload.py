@@ -84,7 +84,8 @@ def test_apply_on_cpu_is_a_noop_with_one_warning_and_equal_gradients(spec):
 
 
 def test_full_offload_hooks_see_only_the_checkpoint_inputs():
-    """Non-reentrant checkpoint saves its inputs under the caller's hooks and nothing else."""
+    """Non-reentrant checkpoint saves its inputs (positional, and tensor keywords, which remat
+    passes positionally) under the caller's hooks, and nothing else."""
 
     class Counting:
         def __init__(self):
@@ -98,7 +99,10 @@ def test_full_offload_hooks_see_only_the_checkpoint_inputs():
     blocks = discover(model).blocks(model)
     inputs = []
     for _, block in blocks:
-        block.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(args), with_kwargs=True)
+        block.register_forward_pre_hook(
+            lambda m, args, kwargs: inputs.append(list(args) + [v for v in kwargs.values()
+                                                                if isinstance(v, torch.Tensor)]),
+            with_kwargs=True)
     counting = Counting()
     for index, (_, block) in enumerate(blocks):
         apply_treatment(block, "full+offload", engine=counting, key=index)
@@ -106,10 +110,11 @@ def test_full_offload_hooks_see_only_the_checkpoint_inputs():
     positional = [[a for a in args if isinstance(a, torch.Tensor)] for args in inputs]
     # some torch versions (2.11) also pass checkpoint's 0-element placeholder through the hooks
     data = [(key, t) for key, t in counting.seen if t.numel()]
-    assert len(data) == sum(len(p) for p in positional) == len(blocks)
-    assert len(counting.seen) in (len(blocks), 2 * len(blocks))
-    for (key, seen), tensors in zip(data, positional):
-        assert seen.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr()
+    expected = [t for tensors in positional for t in tensors]
+    assert len(data) == len(expected) >= len(blocks)
+    assert len(counting.seen) - len(data) in (0, len(blocks))
+    for (key, seen), tensor in zip(data, expected):
+        assert seen.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     # offload without checkpoint: the same hooks see every activation the block saves
     plain = _tiny()
     counting = Counting()
@@ -133,8 +138,9 @@ def test_inline_engine_gradients_equal_and_pool_reused(spec):
     assert first["pinned_in_use_bytes"] == 0 and first["live_records"] == 0
     assert_same_step(model, reference, ids)
     assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # step 2 allocates nothing
-    if spec == "full+offload":  # the block inputs, plus checkpoint's empty placeholder on some versions
-        assert first["slots"] == first["tensors_seen"] - first["tensors_kept_other"] == len(discover(model).block_names)
+    if spec == "full+offload":  # the block inputs (and tensor keywords), plus checkpoint's placeholder on some versions
+        moved = first["tensors_seen"] - first["tensors_kept_other"] - first["tensors_kept_small"]
+        assert first["slots"] == moved >= len(discover(model).block_names)
 
 
 def test_inline_engine_input_gradients_with_embeds_requiring_grad():

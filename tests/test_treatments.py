@@ -254,3 +254,19 @@ def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
         model.blocks[0](x).sum().backward()
     remat.apply(model, "full", blocks="blocks")  # full recomputes everything: correct, allowed
     model.blocks[0](x).sum().backward()
+
+
+def test_tensor_keywords_become_checkpoint_inputs():
+    """checkpoint restores the RNG of the devices of its positional tensors only: a module
+    called with keywords only (HF attention) must still have its tensors seen there."""
+    from remat.treatments import _positional
+    seen = {}
+
+    def forward(x, *, hidden_states, mask=None, scale=1.0):
+        seen.update(x=x, hidden_states=hidden_states, mask=mask, scale=scale)
+        return hidden_states * scale
+
+    h, m = torch.randn(2), torch.ones(2)
+    function, args = _positional(forward, (torch.zeros(1),), {"hidden_states": h, "mask": m, "scale": 3.0})
+    assert len(args) == 3 and args[1] is h and args[2] is m
+    assert torch.equal(function(*args), h * 3.0) and seen["mask"] is m and seen["scale"] == 3.0

@@ -130,7 +130,7 @@ def _treated_forward(self: nn.Module, *args, **kwargs):
             "model.gradient_checkpointing_disable() (Trainer: gradient_checkpointing=False) and "
             "let remat do it.")
     kwargs = _drop_cache(kwargs) if self.training else kwargs
-    function = functools.partial(state.original_forward, **kwargs) if kwargs else state.original_forward
+    function, args = _positional(state.original_forward, args, kwargs)
     if state.treatment == "full":
         return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     if state.treatment == "selective":
@@ -143,6 +143,27 @@ def _treated_forward(self: nn.Module, *args, **kwargs):
         with state.engine.saved_tensors(state.key):
             return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     raise AssertionError(f"unhandled treatment {state.treatment}")  # apply_treatment validated it
+
+
+def _positional(forward, args: tuple, kwargs: dict):
+    """``(function, args)`` such that ``function(*args)`` is ``forward(*args, **kwargs)`` and
+    every tensor keyword is one of ``args``.
+
+    ``checkpoint`` saves and restores the RNG state only of the devices of its *positional*
+    tensors; a sub-module called with keywords only (Hugging Face attention:
+    ``self_attn(hidden_states=...)``) would otherwise recompute its dropout on the GPU with
+    a different mask. As positional inputs, they are also the checkpoint's saved inputs, so
+    ``full+offload`` moves them. Non-tensor keywords ride along in a closure.
+    """
+    tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    if not tensor_keys:
+        return (functools.partial(forward, **kwargs) if kwargs else forward), args
+    rest = {k: v for k, v in kwargs.items() if k not in tensor_keys}
+    count = len(args)
+
+    def function(*flat):
+        return forward(*flat[:count], **rest, **dict(zip(tensor_keys, flat[count:])))
+    return function, args + tuple(kwargs[k] for k in tensor_keys)
 
 
 def _drop_cache(kwargs: dict) -> dict:
