@@ -31,12 +31,12 @@ import gc
 import json
 import os
 import statistics
-import time
 
 import torch
 
 import remat
 from remat.api import current_plan
+from remat.bench import timed_steps
 from remat.head import default_chunk_tokens, head_peak_bytes
 from remat.presets import build_model, load_config
 
@@ -94,13 +94,7 @@ def run(name, setup, args, config):
     model.zero_grad(set_to_none=True)
     static = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    times, loss = timed_steps(step, args.steps)
     peak = torch.cuda.max_memory_allocated()
     med = statistics.median(times)
     row = dict(strategy=name, peak_GiB=peak / GiB, static_GiB=static / GiB, step_s=med,

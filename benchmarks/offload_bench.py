@@ -46,6 +46,7 @@ import time
 import torch
 
 import remat
+from remat.bench import timed_steps
 from remat.offload import GiB, engine_of, gpu_overhead_bytes
 from remat.presets import build_model, load_config
 
@@ -163,13 +164,7 @@ def run(strategy: str, args) -> dict:
         engine.reset_stats()
         allocations_before = engine.pool.allocations
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    times, loss = timed_steps(step, steps)
     step_s = statistics.median(times)
     row = {
         "strategy": strategy, "peak_GiB": torch.cuda.max_memory_allocated() / GiB,

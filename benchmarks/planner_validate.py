@@ -35,6 +35,7 @@ import time
 import torch
 
 import remat
+from remat.bench import timed_steps
 from remat.discovery import discover
 from remat.plans import OFFLOADING_TREATMENTS
 from remat.presets import build_model, load_config
@@ -93,13 +94,7 @@ def measure(model, ids, steps):
     torch.cuda.reset_peak_memory_stats()
     if engine(model) is not None:
         engine(model).reset_stats()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    times, loss = timed_steps(step, steps)
     peak = torch.cuda.max_memory_allocated()
     model.zero_grad(set_to_none=True)
     stats = None

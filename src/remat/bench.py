@@ -148,6 +148,21 @@ def _step(forward, context, batch):
     return loss.detach()
 
 
+def timed_steps(step: Callable, steps: int, *, cuda: bool = True):
+    """Run ``step()`` ``steps`` times; returns (seconds of each, the last result). On CUDA
+    the device is synchronised around each step, so host time is device time."""
+    times, result = [], None
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times, result
+
+
 def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps=5) -> dict:
     """Build a model, prepare it as ``strategy`` says, and measure peak bytes and step times."""
     device = batch["input_ids"].device
@@ -174,19 +189,14 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
             loss = _step(forward, context, batch)
             first_loss = loss if first_loss is None else first_loss
         model.zero_grad(set_to_none=True)
-        times = []
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        for _ in range(steps):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+
+        def one_step():
             model.zero_grad(set_to_none=True)
-            loss = _step(forward, context, batch)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            return _step(forward, context, batch)
+        times, loss = timed_steps(one_step, steps, cuda=cuda)
         if cuda:
             peak = torch.cuda.max_memory_allocated()
         else:  # no allocator statistics on the CPU: one more step, counted tensor by tensor
