@@ -139,8 +139,10 @@ def test_inline_engine_gradients_equal_and_pool_reused(spec):
     assert_same_step(model, reference, ids)
     assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # step 2 allocates nothing
     if spec == "full+offload":  # the block inputs (and tensor keywords), plus checkpoint's placeholder on some versions
+        blocks = len(discover(model).block_names)
         moved = first["tensors_seen"] - first["tensors_kept_other"] - first["tensors_kept_small"]
-        assert first["slots"] == moved >= len(discover(model).block_names)
+        # torch 2.6 also passes checkpoint's empty placeholder (one a block), which moves nothing
+        assert first["slots"] in (moved, moved - blocks) and first["slots"] >= blocks
 
 
 def test_inline_engine_input_gradients_with_embeds_requiring_grad():

@@ -196,9 +196,16 @@ def selective_context():
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     forward, recompute = create_selective_checkpoint_contexts(list(saved_ops()))
-    if torch.compiler.is_compiling():
+    if _tracing():
         return forward, recompute
     return _Both(forward, _KeptOutputGuard()), recompute
+
+
+def _tracing() -> bool:
+    """True under torch.compile: there torch wants SAC's own two modes, untouched (and
+    torch 2.6 calls ``context_fn`` while AOT-tracing, where ``is_compiling()`` is False)."""
+    from torch._guards import TracingContext
+    return torch.compiler.is_compiling() or TracingContext.try_get() is not None
 
 
 class _Both:
