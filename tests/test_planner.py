@@ -323,3 +323,27 @@ def test_cuda_profile_predicts_max_memory_allocated(spec):
     measured = torch.cuda.max_memory_allocated()
     predicted = simulate(prof, spec).peak_bytes
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_fsdp_shard_transform_is_identity_at_one_and_shrinks_static_and_gradients():
+    import torch
+
+    from remat.presets import build_model, load_config
+    from remat.profiler import profile
+    from remat.sharding import block_param_bytes, shard
+    from remat.simulator import simulate
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
+    prof = profile(model, torch.zeros(2, 64, dtype=torch.long), gpu="h100", optimizer="adamw")
+    per_class = block_param_bytes(model, prof)
+    assert shard(prof, 1, per_class) is prof
+    one_block = sum(p.numel() * 2 for p in model.model.layers[0].parameters())
+    assert per_class == (one_block,)
+    two = shard(prof, 2, per_class)
+    root = prof.param_bytes - one_block * len(prof.block_names)
+    expected = prof.static_bytes - (prof.param_bytes + prof.optimizer_bytes) / 2 + root / 2 + 2 * one_block
+    assert two.static_bytes == int(expected) and two.notes["fsdp_world"] == 2
+    assert two.cost(0, "full").bwd_end == prof.cost(0, "full").bwd_end - one_block // 2
+    peaks = [simulate(shard(prof, w, per_class), "full").peak_bytes for w in (1, 2, 8)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    with pytest.raises(ValueError, match="positive integer"):
+        shard(prof, 0, per_class)

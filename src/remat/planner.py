@@ -20,13 +20,14 @@ import torch.nn as nn
 
 from .plans import OFFLOADING_TREATMENTS, Plan
 from .profiler import profile as _profile
+from .sharding import block_param_bytes, shard
 from .solver import solve
 from .units import parse_size
 
 
 def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
-         blocks=None, progress=None) -> Plan:
+         blocks=None, fsdp_world: int = 1, progress=None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a dict of tensors (``input_ids``, ``labels`` ...) or a tensor of input ids,
@@ -34,10 +35,13 @@ def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimize
     ``gpu``: rates to plan for when the model is not on a GPU (h100, h200, a100).
     ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two fp32
     states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
-    naming the smallest achievable peak when nothing fits.
+    naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
+    that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.sharding`).
     """
     budget_bytes = parse_size(budget)
     prof = _profile(model, batch, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
+    if fsdp_world != 1:
+        prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     return solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
 
 

@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   remat plan --model llama-8b --batch 4 --seq 4096 --budget 40GiB
   remat plan --model llama-1b --batch 4 --seq 4096 --budget 24GiB --gpu h100 --out plan.json
   remat plan --model path/to/config.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw
+  remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 8
 """
 
 
@@ -25,6 +26,8 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "adamw8bit"),
                         help="optimizer state to count (default none: forward+backward, as remat bench)")
     parser.add_argument("--no-offload", action="store_true", help="plan without offload treatments")
+    parser.add_argument("--fsdp", type=int, default=1, metavar="WORLD",
+                        help="plan for one of WORLD FSDP2 ranks sharing the model (default 1: no sharding)")
 
 
 def add_arguments(parser) -> None:
@@ -49,7 +52,11 @@ def profile_from_args(args):
     say(f"building {args.model} on the meta device")
     model = build_model(config, device="meta", dtype=dtype)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    return profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+    prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+    if args.fsdp != 1:
+        from ..sharding import block_param_bytes, shard
+        prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
+    return prof
 
 
 def treatments_from_args(prof, args):
