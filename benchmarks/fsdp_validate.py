@@ -13,6 +13,7 @@ before backward, no optimizer). Rank 0 writes ``fsdp_validate.jsonl`` and prints
 there is no peak to measure on the CPU, so only predictions are printed.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -86,6 +87,7 @@ def main():
             row["step_error_pct"] = 100 * (row["predicted_step_s"] / row["step_s"] - 1)
         rows.append(row)
         del model, step
+        gc.collect()  # FSDP's hooks hold the model in reference cycles
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0:
