@@ -6,9 +6,8 @@ model on the ``meta`` device, or one too large for the host, profiles with no me
 no weights. :func:`_cuda_attention` stands in for ``F.scaled_dot_product_attention`` for
 the length of a fake run, calling the CUDA flash or memory-efficient ops, whose shape
 functions run on fake CPU tensors: a CPU-only profile then sees what the GPU kernels save
-(output, log-sum-exp and the inputs) rather than what the CPU kernels save. The chunked
-head's probe of the model's logit transform needs real values, so on fake tensors
-:func:`_trust_head_probe` marks every transform verified.
+(output, log-sum-exp and the inputs) rather than what the CPU kernels save. (The chunked
+head skips its probe of the model's logit transform on fake tensors itself.)
 
 Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
 tracker could not tell a view from a new tensor; fake tensors keep storages.
@@ -94,19 +93,3 @@ def _swap_to_fake(model: nn.Module, fake_mode):
         for table, name, value in saved:
             table[name] = value
     return undo
-
-
-def _trust_head_probe(model):
-    # remat.head checks the model's logit transform on a probe with real values, which fake
-    # tensors do not have; a fake run only needs the memory and FLOPs, so skip that check.
-    state = next((m.__dict__["_remat_head"] for m in model.modules() if "_remat_head" in m.__dict__), None)
-    if state is not None and _is_fake(next(model.parameters())):
-        class _Everything(set):
-            def __contains__(self, key):
-                return True
-        state.verified = _Everything()
-
-
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)

@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._fake import _trust_head_probe
 from ._meters import _chain
 from .costs import DERIVED, MEASURED_TREATMENTS, BlockCost, HeadCost
 from .treatments import apply_treatment, remove_treatment
@@ -274,7 +273,6 @@ def _head_cost(model, batch, named, templates, mode, chunk, meter, repeats) -> H
     if mode == "chunked":
         from .head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)
-        _trust_head_probe(model)
     try:
         (m,) = _chain(meter, lambda: (_stub_run(model, batch, named, templates, meter),), repeats)
     finally:
