@@ -1,12 +1,10 @@
 """The mechanism, not only the result: recomputed FLOPs and bytes kept for backward."""
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import remat
+from remat.memtrack import PeakTracker
 
 from families import FAMILIES
 
@@ -75,32 +73,16 @@ def test_attention_and_mlp_recompute_only_their_submodule():
     assert 0 < extra < len(model.model.layers) * _forward_flops(block, *args, **kwargs) - mlp_forward * 3
 
 
-class LiveBytes(TorchDispatchMode):
-    """Records every storage an op under it returns (each once), weakly, with its size."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-
 def _kept_by_blocks(model, inputs):
     """Bytes still alive after the forward that the blocks' forwards allocated."""
-    tracker = LiveBytes()
+    params = list(model.parameters())  # baseline: views of weights are not new memory
+    tracker = PeakTracker(baseline=params)
     handles = []
     for block in model.model.layers:
         handles.append(block.register_forward_pre_hook(lambda *a: (tracker.__enter__(), None)[1]))
         handles.append(block.register_forward_hook(lambda *a: (tracker.__exit__(None, None, None), None)[1]))
     loss = model(**inputs).loss  # the graph (and what it saved) is alive while loss is
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = sum(n for ptr, (ref, n) in tracker.storages.items() if ptr not in params and not ref.expired())
+    kept = tracker.live_bytes() - sum(p.untyped_storage().nbytes() for p in params)
     for h in handles:
         h.remove()
     del loss

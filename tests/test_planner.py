@@ -12,11 +12,9 @@ import random
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import remat
+from remat.memtrack import PeakTracker
 from remat.plans import OFFLOADING_TREATMENTS, Plan
 from remat.presets import build_model, load_config
 from remat.profiler import profile
@@ -25,39 +23,10 @@ from remat.solver import OFFLOAD_MARGIN, NoPlanFits, engine_bounds, plan_bound, 
 from remat.units import format_size, parse_size
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages alive, keyed by data pointer (real tensors only)."""
-
-    def __init__(self, baseline):
-        super().__init__()
-        self.live, self.current = {}, 0
-        for t in baseline:
-            self._add(t)
-        self.peak = self.current
-
-    def _add(self, t):
-        s = t.untyped_storage()
-        ptr = s.data_ptr()
-        if ptr in self.live and not self.live[ptr][0].expired():
-            return
-        self.live[ptr] = (StorageWeakRef(s), s.nbytes())
-        self.current += s.nbytes()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for ptr in [p for p, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(ptr)[1]
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self.peak = max(self.peak, self.current)
-        return out
-
-
 def measured_peak(model, ids):
     """Peak live bytes of one step as the bench protocol runs it (outputs dropped before backward)."""
     model.zero_grad(set_to_none=True)
-    with LiveBytes(list(model.parameters()) + list(model.buffers())) as tracker:
+    with PeakTracker(list(model.parameters()) + list(model.buffers())) as tracker:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         del loss

@@ -47,6 +47,11 @@ class PeakTracker(TorchDispatchMode):
         for ptr in dead:
             self.current -= self._live.pop(ptr)[1]
 
+    def live_bytes(self) -> int:
+        """Bytes of the tracked storages alive now (the running sum is updated per op)."""
+        self._collect()
+        return self.current
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._collect()

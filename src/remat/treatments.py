@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor  # already loaded by torch itself
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
@@ -252,9 +253,6 @@ class _KeptOutputGuard(TorchDispatchMode):
 def _storage_key(value):
     """The data pointer of a real tensor's storage; None for non-tensors and for fake or
     meta tensors (the planner's profiles), which hold no memory to alias."""
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-        return None
-    from torch._subclasses.fake_tensor import FakeTensor
-    if isinstance(value, FakeTensor):
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or isinstance(value, FakeTensor):
         return None
     return value.untyped_storage().data_ptr()
