@@ -25,7 +25,6 @@ and a table last. About 2 minutes on an H100.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -40,22 +39,17 @@ from remat.bench import timed_steps
 from remat.head import default_chunk_tokens, head_peak_bytes
 from remat.presets import build_model, load_config
 
+from _args import bench_parser  # benchmarks/_args.py, beside this script
+
 GiB = 2 ** 30
 PEAK_LIMIT_GIB = 12.0
 SPEED_VS_HF_FULL = 0.97
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-1b", help="preset or config.json path")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
-    p.add_argument("--warmup", type=int, default=2)
+    p = bench_parser(__doc__)
     p.add_argument("--chunks", default="1024,4096,8192", help="extra chunk sizes for full+chunked")
     p.add_argument("--only", default="", help="comma-separated subset of strategy names")
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: smoke test of the script
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
 
@@ -77,10 +71,10 @@ def strategies(chunks):
 def run(name, setup, args, config):
     gc.collect()
     torch.cuda.empty_cache()
-    model = build_model(config, device=args.device, dtype=torch.bfloat16)
+    model = build_model(config, device="cuda", dtype=torch.bfloat16)
     setup(model)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(0)).to(args.device)
+                        generator=torch.Generator().manual_seed(0)).to("cuda")
 
     def step():
         model.zero_grad(set_to_none=True)

@@ -35,7 +35,6 @@ result and a table last. About 2 minutes on an H100.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -50,16 +49,13 @@ from remat.bench import timed_steps
 from remat.offload import GiB, engine_of, gpu_overhead_bytes
 from remat.presets import build_model, load_config
 
+from _args import bench_parser  # benchmarks/_args.py, beside this script
+
 STRATEGIES = ("none", "full", "offload", "full+offload", "save_on_cpu")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-1b", help="preset or config.json path")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
-    p.add_argument("--warmup", type=int, default=2)
+    p = bench_parser(__doc__)
     p.add_argument("--slow-steps", type=int, default=2, help="timed steps for save_on_cpu (~2.7 s each)")
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--max-pending-gib", type=float, default=None,
@@ -68,7 +64,6 @@ def parse_args(argv=None):
                    help="comma-separated windows in GiB: one more offload row each, named offload@W")
     p.add_argument("--prefetch-blocks", type=int, default=None)
     p.add_argument("--min-mib", type=float, default=None, help="engine min_bytes in MiB")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
 
