@@ -5,7 +5,7 @@ Run under torchrun, one process per GPU:
     PYTHONPATH=src torchrun --nproc_per_node 2 benchmarks/fsdp_validate.py --out $OUT
 
 Each rank builds the same model (same seed), profiles it unsharded on its GPU, turns the
-profile into one rank's view with :func:`remat.sharding.shard`, predicts each plan, then
+profile into one rank's view with :func:`remat.planning.sharding.shard`, predicts each plan, then
 applies the plan, shards every block and the root with ``fully_shard`` and measures
 ``torch.cuda.max_memory_allocated`` over timed steps (bench protocol: outputs dropped
 before backward, no optimizer). Rank 0 writes ``fsdp_validate.jsonl`` and prints a table.
@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.bench import timed_steps
-from remat.presets import build_model, load_config
-from remat.profiler import profile
-from remat.sharding import block_param_bytes, shard
-from remat.simulator import simulate
+from remat.prove.bench import timed_steps
+from remat.integrations.presets import build_model, load_config
+from remat.profiling.profiler import profile
+from remat.planning.sharding import block_param_bytes, shard
+from remat.planning.simulator import simulate
 
 GiB = 2 ** 30
 

@@ -14,7 +14,7 @@ under each strategy:
 Per strategy: peak (``max_memory_allocated`` after a reset, over the timed steps), static bytes
 (allocated before a step), step time (median and spread), tokens/s, ratio to eager and to
 ``hf_full``, loss and its relative difference to eager's, and for chunked rows the head's
-predicted peak (``remat.head.head_peak_bytes``) beside the plain head's. Then the issue's criteria
+predicted peak (``remat.treat.head.head_peak_bytes``) beside the plain head's. Then the issue's criteria
 with their numbers and pass/fail: ``full+chunked`` peak <= 12 GiB at >= 0.97x ``hf_full``;
 ``chunked`` alone: peak drop against ``none``.
 
@@ -35,9 +35,9 @@ import torch
 
 import remat
 from remat.api import current_plan
-from remat.bench import timed_steps
-from remat.head import default_chunk_tokens, head_peak_bytes
-from remat.presets import build_model, load_config
+from remat.prove.bench import timed_steps
+from remat.treat.head import default_chunk_tokens, head_peak_bytes
+from remat.integrations.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
 

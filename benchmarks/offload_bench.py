@@ -17,7 +17,7 @@ before backward as the HF Trainer does) under each strategy:
 Per strategy: peak (``max_memory_allocated`` after a reset), step time (median of timed steps),
 tokens/s, ratio to eager, loss; for the offload strategies also the engine's counters per step
 (bytes each way, achieved GB/s, copy time, exposed waits, bytes never moved, the window) and what
-``remat.offload.gpu_overhead_bytes`` says the engine adds at the head (where these steps peak),
+``remat.offload.engine.gpu_overhead_bytes`` says the engine adds at the head (where these steps peak),
 from the bytes each block handed it. Then the issue's
 criteria, each with its numbers and pass/fail:
 
@@ -45,9 +45,9 @@ import time
 import torch
 
 import remat
-from remat.bench import timed_steps
-from remat.offload import GiB, engine_of, gpu_overhead_bytes
-from remat.presets import build_model, load_config
+from remat.prove.bench import timed_steps
+from remat.offload.engine import GiB, engine_of, gpu_overhead_bytes
+from remat.integrations.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
 

@@ -35,12 +35,12 @@ import time
 import torch
 
 import remat
-from remat.bench import timed_steps
-from remat.discovery import discover
-from remat.plans import OFFLOADING_TREATMENTS
-from remat.presets import build_model, load_config
-from remat.simulator import simulate
-from remat.solver import NoPlanFits, solve
+from remat.prove.bench import timed_steps
+from remat.treat.discovery import discover
+from remat.planning.plans import OFFLOADING_TREATMENTS
+from remat.integrations.presets import build_model, load_config
+from remat.planning.simulator import simulate
+from remat.planning.solver import NoPlanFits, solve
 
 GiB = 2**30
 # name -> (preset, overrides, batch, seq)
@@ -80,7 +80,7 @@ def step_once(model, ids):
 
 def engine(model):
     try:
-        from remat.offload import engine_of
+        from remat.offload.engine import engine_of
     except ImportError:
         return None
     return engine_of(model)
@@ -198,7 +198,7 @@ def main():
     info.update(d2h_GBps=d2h / 1e9, h2d_GBps=h2d / 1e9)
     capacity = int(torch.cuda.get_device_properties(0).total_memory * 0.97)
     try:
-        importlib.import_module("remat.offload")
+        importlib.import_module("remat.offload.engine")
         offload = True
     except ImportError as e:
         offload, info["offload_skipped"] = False, str(e)
@@ -222,7 +222,7 @@ def main():
             prof = remat.profile(model, ids)  # measures its own copy rates
             profile_s = time.perf_counter() - t
             treatments = [u for u in UNIFORM if u in prof.treatments(0) and (offload or u not in OFFLOADING_TREATMENTS)]
-            runs = [(u, remat.plans.resolve(u, prof.block_names), None) for u in treatments]
+            runs = [(u, remat.planning.plans.resolve(u, prof.block_names), None) for u in treatments]
             for budget in budgets_for(prof, treatments, a.budgets, capacity):
                 try:
                     runs.append((f"plan@{budget / GiB:.2f}GiB", solve(prof, budget, treatments=treatments), budget))

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from remat import bench, report
+from remat.prove import bench, report
 from remat.cli import main
 
 
@@ -54,7 +54,7 @@ def test_out_of_memory_is_a_result_not_a_crash():
 def test_unknown_only_names_are_refused(tmp_path):
     import argparse
 
-    from remat.commands import bench as command
+    from remat.cli import bench as command
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     with pytest.raises(ValueError, match="unknown strategies"):

@@ -3,7 +3,7 @@ import pytest
 import torch.nn as nn
 
 import remat
-from remat.discovery import find_submodules
+from remat.treat.discovery import find_submodules
 
 from families import FAMILIES
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from remat import head
+from remat.treat import head
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

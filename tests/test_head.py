@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import remat
-from remat.head import (chunked_cross_entropy, choose_chunk_tokens, default_chunk_tokens,
+from remat.treat.head import (chunked_cross_entropy, choose_chunk_tokens, default_chunk_tokens,
                         disable_chunked_head, enable_chunked_head, head_peak_bytes)
-from remat.presets import build_model, load_config
+from remat.integrations.presets import build_model, load_config
 
 FP32_TOL = 1e-6
 BF16_FACTOR = 1.5  # ours vs fp64 may be at most this times the plain path's error vs fp64

@@ -4,7 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import remat
-from remat.memtrack import PeakTracker
+from remat.prove.memtrack import PeakTracker
 
 from families import FAMILIES
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import remat
-from remat.discovery import discover
-from remat.offload import MiB, OffloadEngine, PinnedPool, _Inline, engine_of, gpu_overhead_bytes
-from remat.presets import build_model, load_config
-from remat.treatments import apply_treatment
+from remat.treat.discovery import discover
+from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline, engine_of, gpu_overhead_bytes
+from remat.integrations.presets import build_model, load_config
+from remat.treat.treatments import apply_treatment
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -247,7 +247,7 @@ class _LaggingEvent:
 
 
 def test_copies_in_flight_at_backward_are_used_from_the_gpu():
-    from remat.offload import _Inline
+    from remat.offload.engine import _Inline
 
     class Lagging(_Inline):
         @staticmethod

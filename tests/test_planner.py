@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import remat
-from remat.memtrack import PeakTracker
-from remat.plans import OFFLOADING_TREATMENTS, Plan
-from remat.presets import build_model, load_config
-from remat.profiler import profile
-from remat.simulator import simulate
-from remat.solver import OFFLOAD_MARGIN, NoPlanFits, engine_bounds, plan_bound, plan_seconds, solve
+from remat.prove.memtrack import PeakTracker
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.integrations.presets import build_model, load_config
+from remat.profiling.profiler import profile
+from remat.planning.simulator import simulate
+from remat.planning.solver import OFFLOAD_MARGIN, NoPlanFits, engine_bounds, plan_bound, plan_seconds, solve
 from remat.units import format_size, parse_size
 
 
@@ -150,9 +150,9 @@ def test_dp_model_is_the_simulator_without_offload(bench3):
 
 
 def test_offload_bounds_cover_the_engine_rule_and_the_expected_peak(bench3):
-    """The DP's pairwise engine bytes are upper bounds of remat.offload's own rule, and the
+    """The DP's pairwise engine bytes are upper bounds of remat.offload.engine's own rule, and the
     simulator's bound covers its expected peak, for random plans."""
-    from remat.offload import gpu_overhead_bytes
+    from remat.offload.engine import gpu_overhead_bytes
     rng = random.Random(0)
     for _ in range(3000):
         sizes = [rng.choice([0, 0, 64, 500, 1780]) for _ in range(rng.randint(1, 7))]
@@ -297,10 +297,10 @@ def test_cuda_profile_predicts_max_memory_allocated(spec):
 def test_fsdp_shard_transform_is_identity_at_one_and_shrinks_static_and_gradients():
     import torch
 
-    from remat.presets import build_model, load_config
-    from remat.profiler import profile
-    from remat.sharding import block_param_bytes, shard
-    from remat.simulator import simulate
+    from remat.integrations.presets import build_model, load_config
+    from remat.profiling.profiler import profile
+    from remat.planning.sharding import block_param_bytes, shard
+    from remat.planning.simulator import simulate
     model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
     prof = profile(model, torch.zeros(2, 64, dtype=torch.long), gpu="h100", optimizer="adamw")
     per_class = block_param_bytes(model, prof)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 import remat
-from remat.plans import PLAN_VERSION, Plan, resolve
+from remat.planning.plans import PLAN_VERSION, Plan, resolve
 
 NAMES = [f"model.layers.{i}" for i in range(5)]
 

@@ -9,7 +9,7 @@ import torch
 
 import remat
 from remat.api import treatments
-from remat.treatments import treatment_of
+from remat.treat.treatments import treatment_of
 
 from families import FAMILIES
 
@@ -259,7 +259,7 @@ def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
 def test_tensor_keywords_become_checkpoint_inputs():
     """checkpoint restores the RNG of the devices of its positional tensors only: a module
     called with keywords only (HF attention) must still have its tensors seen there."""
-    from remat.treatments import _positional
+    from remat.treat.treatments import _positional
     seen = {}
 
     def forward(x, *, hidden_states, mask=None, scale=1.0):

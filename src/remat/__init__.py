@@ -16,16 +16,19 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "apply": ".api",
     "remove": ".api",
-    "Plan": ".plans",
-    "discover": ".discovery",
+    "current_plan": ".api",
+    "Plan": ".planning.plans",
+    "NoPlanFits": ".planning.solver",
+    "discover": ".treat.discovery",
     "plan": ".planner",
     "auto": ".planner",
-    "profile": ".profiler",
-    "simulate": ".simulator",
-    "solve": ".solver",
+    "profile": ".profiling.profiler",
+    "simulate": ".planning.simulator",
+    "solve": ".planning.solver",
 }
-# Module names differ from the public function names on purpose: importing a submodule
-# binds its name on the package, so a module remat/plan.py would shadow remat.plan().
+# Module and folder names differ from the public function names on purpose: importing a
+# submodule binds its name on the package, so a folder remat/profile/ would shadow
+# remat.profile() (hence profiling/ and planning/).
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch.nn as nn
 
-from .discovery import BlockSelector, discover
-from .plans import OFFLOADING_TREATMENTS, Plan, resolve
-from .treatments import apply_treatment, remove_treatment, treatment_of
+from remat.treat.discovery import BlockSelector, discover
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
+from remat.treat.treatments import apply_treatment, remove_treatment, treatment_of
 
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
@@ -30,8 +30,8 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"keep"``), ``"every:N[:treatment]"``,
     ``"first:N[:treatment]"``, a ``{block_name: treatment}`` mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
-    tokens at a time; see :mod:`remat.head`. ``offload_options`` go to
-    :class:`remat.offload.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
+    tokens at a time; see :mod:`remat.treat.head`. ``offload_options`` go to
+    :class:`remat.offload.engine.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
     """
     _refuse_hf_checkpointing(model)
     structure = discover(model, blocks)
@@ -41,13 +41,13 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     remove(model)
     engine = None
     if any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()):
-        from .offload import OffloadEngine
+        from remat.offload.engine import OffloadEngine
         options = offload_options if offload_options is not None else plan.notes.get("offload_options")
         engine = OffloadEngine(model, **dict(options or {}))
     for index, (name, block) in enumerate(structure.blocks(model)):
         apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index)
     if plan.head == "chunked":
-        from .head import enable_chunked_head
+        from remat.treat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
     _guard_hf_checkpointing(model)
     model.__dict__["_remat_plan"] = plan
@@ -65,7 +65,7 @@ def remove(model: nn.Module) -> nn.Module:
                 module.__dict__.pop(name, None)
     plan = model.__dict__.pop("_remat_plan", None)
     if plan is not None and plan.head == "chunked":
-        from .head import disable_chunked_head
+        from remat.treat.head import disable_chunked_head
         disable_chunked_head(model)
     return model
 

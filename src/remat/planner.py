@@ -1,7 +1,7 @@
 """``remat.plan`` and ``remat.auto``: profile, then solve, for a budget; ``auto`` also applies.
 
-This module only joins :mod:`remat.profiler` (what each block costs), :mod:`remat.solver`
-(the fastest plan within the budget, checked by :mod:`remat.simulator`) and
+This module only joins :mod:`remat.profiling.profiler` (what each block costs), :mod:`remat.planning.solver`
+(the fastest plan within the budget, checked by :mod:`remat.planning.simulator`) and
 :func:`remat.apply`. The prediction rides along in ``plan.notes`` (peak, step time, what
 sets the peak, GPU, batch shape) so that ``remat bench`` / ``doctor`` can put the
 measurement beside it.
@@ -9,8 +9,8 @@ measurement beside it.
 A model on the GPU is measured there (CUDA events, allocator statistics); any other
 model -- on the CPU, or on the ``meta`` device without weights -- is profiled with fake
 tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
-on a laptop. Offload treatments are only planned when :mod:`remat.offload` imports and the
-target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the model's loss.
+on a laptop. Offload treatments are only planned when :mod:`remat.offload.engine` imports and the
+target is a GPU; the chunked head only when :mod:`remat.treat.head` can reproduce the model's loss.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from typing import Optional, Sequence
 
 import torch.nn as nn
 
-from .plans import OFFLOADING_TREATMENTS, Plan
-from .profiler import profile as _profile
-from .sharding import block_param_bytes, shard
-from .solver import solve
-from .units import parse_size
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.profiling.profiler import profile as _profile
+from remat.planning.sharding import block_param_bytes, shard
+from remat.planning.solver import solve
+from remat.units import parse_size
 
 
 def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimizer: str = "none",
@@ -36,7 +36,7 @@ def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimize
     ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two fp32
     states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
     naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
-    that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.sharding`).
+    that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
     """
     budget_bytes = parse_size(budget)
     prof = _profile(model, batch, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
@@ -47,7 +47,7 @@ def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimize
 
 def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
     """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan."""
-    from .api import apply
+    from remat.api import apply
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))
     return chosen
@@ -64,7 +64,7 @@ def _allowed(prof, treatments) -> Optional[list]:
 
 def offload_available() -> bool:
     try:
-        from . import offload  # noqa: F401
+        from remat.offload import engine  # noqa: F401
     except ImportError:
         return False
     return True

@@ -1,12 +1,12 @@
 """``remat estimate``: predicted peak and speed of every uniform treatment and head mode.
 
-One profile (see :mod:`remat.profiler`), then :func:`remat.simulate` per strategy, so
+One profile (see :mod:`remat.profiling.profiler`), then :func:`remat.simulate` per strategy, so
 the whole table costs about as much as one plan. With ``--budget`` the planned plan is
 the last row.
 """
 from __future__ import annotations
 
-from .plan import add_model_arguments, describe, profile_from_args, treatments_from_args
+from remat.cli.plan import add_model_arguments, describe, profile_from_args, treatments_from_args
 
 HELP = "predicted peak and speed of every strategy (no GPU or weights needed)"
 EXAMPLES = """examples:
@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 
 
 def rows(prof, treatments) -> list:
-    from ..simulator import simulate
+    from remat.planning.simulator import simulate
     out = []
     for head in prof.heads:
         if head.mode == "chunked" and head is not prof.head("chunked"):
@@ -44,9 +44,9 @@ def _row(strategy, head, s, **extra) -> dict:
 def run(args) -> int:
     import json
 
-    from ..simulator import simulate
-    from ..solver import NoPlanFits, solve
-    from ..units import format_size, parse_size
+    from remat.planning.simulator import simulate
+    from remat.planning.solver import NoPlanFits, solve
+    from remat.units import format_size, parse_size
     prof = profile_from_args(args)
     treatments = treatments_from_args(prof, args)
     table = rows(prof, treatments)

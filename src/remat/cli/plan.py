@@ -42,8 +42,8 @@ def profile_from_args(args):
     """Build the model on the meta device and profile it; progress on stderr after ~2 s."""
     import torch
 
-    from ..presets import build_model, load_config
-    from ..profiler import profile, progress_printer
+    from remat.integrations.presets import build_model, load_config
+    from remat.profiling.profiler import profile, progress_printer
     if args.batch < 1 or args.seq < 1:
         raise ValueError(f"--batch and --seq must be at least 1, got {args.batch} and {args.seq}")
     say = progress_printer()
@@ -54,13 +54,13 @@ def profile_from_args(args):
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
     if args.fsdp != 1:
-        from ..sharding import block_param_bytes, shard
+        from remat.planning.sharding import block_param_bytes, shard
         prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
     return prof
 
 
 def treatments_from_args(prof, args):
-    from ..planner import _allowed
+    from remat.planner import _allowed
     allowed = _allowed(prof, None)
     if args.no_offload:
         allowed = [t for t in allowed if "offload" not in t]
@@ -81,7 +81,7 @@ def describe(plan) -> str:
 
 def explain(prof, sim, budget=None) -> list:
     """Lines that say what sets the peak, what it is made of, and where the step's time goes."""
-    from ..units import format_size as f
+    from remat.units import format_size as f
     terms = sim.peak_terms()
     lines = []
     head = f"{sim.head}" + (f"({sim.chunk_tokens} tokens a chunk)" if sim.head == "chunked" else "")
@@ -107,7 +107,7 @@ def explain(prof, sim, budget=None) -> list:
 
 
 def timeline_lines(sim) -> list:
-    from ..units import format_size as f
+    from remat.units import format_size as f
     lines = [f"{'phase':<72} {'start s':>8} {'dur ms':>7} {'peak':>11} {'engine':>10}"]
     for p in sim.timeline:
         lines.append(f"{p.name[:72]:<72} {p.start_s:8.4f} {1e3 * (p.end_s - p.start_s):7.2f} "
@@ -118,9 +118,9 @@ def timeline_lines(sim) -> list:
 def run(args) -> int:
     import json
 
-    from ..simulator import simulate
-    from ..solver import solve
-    from ..units import format_size, parse_size
+    from remat.planning.simulator import simulate
+    from remat.planning.solver import solve
+    from remat.units import format_size, parse_size
     budget = parse_size(args.budget)
     prof = profile_from_args(args)
     plan = solve(prof, budget, treatments=treatments_from_args(prof, args))

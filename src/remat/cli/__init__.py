@@ -1,4 +1,4 @@
-"""The ``remat`` command line: one subcommand per module under ``remat.commands``.
+"""The ``remat`` command line: one subcommand per module in this package.
 
 Only the chosen subcommand's module is imported, so ``remat --help`` imports neither
 torch nor transformers and answers at once. Each command module defines ``HELP`` (one
@@ -12,10 +12,10 @@ from importlib import import_module
 
 # name -> (module, one-line help); kept here so the top-level help needs no imports
 COMMANDS = {
-    "bench": ("remat.commands.bench", "measure remat's plans beside the stock strategies"),
-    "plan": ("remat.commands.plan", "the fastest plan that fits a memory budget"),
-    "estimate": ("remat.commands.estimate", "predicted peak and speed of every strategy"),
-    "env": ("remat.commands.env", "versions, GPU and host memory limits"),
+    "bench": ("remat.cli.bench", "measure remat's plans beside the stock strategies"),
+    "plan": ("remat.cli.plan", "the fastest plan that fits a memory budget"),
+    "estimate": ("remat.cli.estimate", "predicted peak and speed of every strategy"),
+    "env": ("remat.cli.env", "versions, GPU and host memory limits"),
 }
 
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         print(_top_level_help())
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from remat import __version__
         print(f"remat {__version__}")
         return 0
     name = argv[0]

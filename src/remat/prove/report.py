@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .units import format_size
+from remat.units import format_size
 
 GiB = 2 ** 30
 

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .costs import Rates
+from remat.planning.costs import Rates
 
 # Roofline efficiencies and launch cost, calibrated once against the H100 anchors
 # (eager 0.355 s, full checkpointing 0.434 s on the bench model).

@@ -1,7 +1,7 @@
 """The offload engine's GPU memory rule as a pure function, for the planner and the simulator.
 
 Memory the engine adds. Beyond what a block holds while it runs (its own saved tensors, back
-on the GPU during its backward), :class:`remat.offload.OffloadEngine` holds GPU memory for other
+on the GPU during its backward), :class:`remat.offload.engine.OffloadEngine` holds GPU memory for other
 blocks in two ways only.
 (1) Forward and head: GPU bytes of saved tensors whose host copy has not been seen to land are at
 most the *window* ``W`` (``max_pending_bytes``; default ``DEFAULT_WINDOW_RECORDS`` = 1 times the
@@ -13,7 +13,7 @@ before the current offloaded block) are fully on the GPU, plus whatever of the f
 ``min(W, all)`` bytes belongs to blocks older still. Nothing else: the pool is host memory, and a
 record's GPU copies go when the next record becomes current. :func:`gpu_overhead_bytes` is this
 rule as a pure function, for the planner. Why one record: it still keeps the copy stream busy
-(the copy queue is refilled to ``remat.offload._ISSUE_WINDOW`` at every pack; measured on an
+(the copy queue is refilled to ``remat.offload.engine._ISSUE_WINDOW`` at every pack; measured on an
 H200, offloading every block of the bench model ran within 6% of the bus time), and it keeps ``full+offload``'s
 saving at all but one block input (15/16 measured); a window of a fraction of the card (the first
 version's 1/20) left gigabytes on the GPU at the head, where the step's peak is. A larger window
@@ -21,7 +21,7 @@ trades peak for bus bytes (the tail it holds is never moved): ``offload_bench --
 
 Why a module of its own: the rule is plain arithmetic over byte counts and imports nothing (no
 torch), so it reads apart from the streams and events that enforce it, and it is the one place the
-engine's default window (``DEFAULT_WINDOW_RECORDS``) is defined. ``remat.offload`` re-exports both.
+engine's default window (``DEFAULT_WINDOW_RECORDS``) is defined. ``remat.offload.engine`` re-exports both.
 
 Limits: upper bounds, not a timeline; they assume the engine's own behaviour (one current record,
 landed copies released at the next pack, block end or first unpack) and say nothing of the

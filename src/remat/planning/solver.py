@@ -4,7 +4,7 @@ How: dynamic programming over the block sequence, in forward order, for each hea
 (plain, and chunked at each profiled chunk size). The state after block i is (bytes the
 blocks 0..i keep, rounded *up* to 1/``resolution`` of the budget; the treatment of block
 i; whether any block before it was offloaded), and its value the least step time to reach
-it. Every peak that :mod:`remat.simulator` bounds is a function of that state and of
+it. Every peak that :mod:`remat.planning.simulator` bounds is a function of that state and of
 block i's own treatment:
 
 - forward of block i: static + embeddings + kept(0..i-1) + its forward peak + what the
@@ -48,9 +48,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .plans import OFFLOADING_TREATMENTS, Plan
-from .simulator import offload_sizes, simulate, window_bytes
-from .units import format_size, parse_size
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.simulator import offload_sizes, simulate, window_bytes
+from remat.units import format_size, parse_size
 
 OFFLOAD_MARGIN = 0.02
 
@@ -186,7 +186,7 @@ def engine_bounds(window: float, largest: float, previous: float, earlier: bool,
 
     ``previous``: the block before's offloaded bytes; ``earlier``: whether any block before
     that one offloaded; ``largest``: the largest offloaded block. Upper bounds of the engine's
-    own rule (:func:`remat.offload.gpu_overhead_bytes`: ``min(W, bytes before)`` in forward,
+    own rule (:func:`remat.offload.engine.gpu_overhead_bytes`: ``min(W, bytes before)`` in forward,
     the prefetched block plus the older part of the forward's last ``W`` bytes in backward)
     that depend on the previous block only, which is what the DP's state carries.
     """

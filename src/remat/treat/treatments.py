@@ -23,7 +23,7 @@ Treatments:
   recomputed. No matmul runs twice.
 - ``attention`` / ``mlp``: ``full`` applied to that sub-module only.
 - ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
-  checkpointed inputs) go to pinned host memory through :mod:`remat.offload`.
+  checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
 
 Non-reentrant checkpointing gives parameter gradients even when no input requires grad
 (LoRA over frozen embeddings), so ``enable_input_require_grads`` is not needed.
@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from .discovery import find_submodules
-from .plans import OFFLOADING_TREATMENTS, TREATMENTS
+from remat.treat.discovery import find_submodules
+from remat.planning.plans import OFFLOADING_TREATMENTS, TREATMENTS
 
 # Cache arguments must not be updated twice by a recompute; in training they are unused.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")

@@ -21,7 +21,7 @@ def collect() -> dict:
 
     import torch
 
-    from .. import __version__
+    from remat import __version__
     info = {"remat": __version__, "python": platform.python_version(), "torch": torch.__version__}
     try:
         import transformers

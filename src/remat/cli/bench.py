@@ -44,8 +44,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from .. import bench, report
-    from ..units import parse_size
+    from remat.prove import bench
+    from remat.prove import report
+    from remat.units import parse_size
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -5,7 +5,7 @@ batch, and is measured with one protocol, the one the anchors in DESIGN.md use: 
 ``zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
 ``loss.backward()`` (the outputs are dropped before backward, as the HF Trainer does; no
 optimizer step), ``warmup`` steps, then the peak over ``steps`` timed steps
-(``torch.cuda.max_memory_allocated`` after a reset; :class:`~remat.memtrack.PeakTracker`
+(``torch.cuda.max_memory_allocated`` after a reset; :class:`~remat.prove.memtrack.PeakTracker`
 on the CPU) and the median step time with its spread. Each record carries the planner's
 prediction beside the measurement and whether the loss equals eager's.
 
@@ -54,7 +54,7 @@ def _hf_full(model, batch):
 
 
 def _hf_sac(model, batch):
-    from .treatments import selective_context
+    from remat.treat.treatments import selective_context
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": selective_context})
     return model, contextlib.nullcontext, None
@@ -63,7 +63,7 @@ def _hf_sac(model, batch):
 def _every2(model, batch):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    from .discovery import discover
+    from remat.treat.discovery import discover
     names = discover(model).block_names[::2]
     for name in names:
         parent_name, _, child = name.rpartition(".")
@@ -104,8 +104,8 @@ def _remat_spec(spec: str):
 def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict):
     def prepare(model, batch):
         import remat
-        from .profiler import profile
-        from .solver import solve
+        from remat.profiling.profiler import profile
+        from remat.planning.solver import solve
         key = tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()))
         if key not in profiles:  # one profile serves every budget: it depends on shapes only
             profiles[key] = profile(model, batch, gpu=gpu)
@@ -137,7 +137,7 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
 
 
 def _fmt_gib(n: int) -> str:
-    from .units import format_size
+    from remat.units import format_size
     return format_size(n).replace(" ", "").replace(".00", "")
 
 
@@ -200,7 +200,7 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
         if cuda:
             peak = torch.cuda.max_memory_allocated()
         else:  # no allocator statistics on the CPU: one more step, counted tensor by tensor
-            from .memtrack import PeakTracker
+            from remat.prove.memtrack import PeakTracker
             model.zero_grad(set_to_none=True)
             with PeakTracker(baseline=list(model.parameters()) + list(model.buffers())) as tracker:
                 _step(forward, context, batch)
@@ -243,7 +243,7 @@ def environment(device: torch.device) -> dict:
 def run(model_name: str, *, batch_size: int, seq: int, device: str, dtype, strategy_list: list,
         warmup=2, steps=5, progress=sys.stderr, out_jsonl: Optional[str] = None) -> list:
     """Measure every strategy on one model and batch; returns the records (eager first)."""
-    from .presets import build_model, load_config
+    from remat.integrations.presets import build_model, load_config
     config = load_config(model_name)
     dev = torch.device(device)
     env = environment(dev)

@@ -37,7 +37,7 @@ back as the same views (``view(dtype).as_strided`` over one byte buffer).
   after its backward node ran; on garbage collection for a forward that never saw backward), its
   pinned buffers go back to the pool, fenced by the last host-to-device copy that read them.
 - Pinned pool: buffers in power-of-two size classes, reused from step to step, bounded by a host
-  memory limit that raises a ValueError before it is passed (:mod:`remat.pinned`).
+  memory limit that raises a ValueError before it is passed (:mod:`remat.offload.pinned`).
 - Without CUDA (or with the model on the CPU) ``saved_tensors`` is a no-op and the engine warns once.
 
 Memory the engine adds. Beyond what a block holds while it runs, the engine holds GPU memory for
@@ -45,8 +45,8 @@ other blocks in two ways only: at most the *window* ``W`` (``max_pending_bytes``
 ``DEFAULT_WINDOW_RECORDS`` times the largest record packed) of saved tensors whose host copy has
 not been seen to land, and during a block's backward the ``prefetch_blocks`` records fetched ahead.
 The rule, why the window is one record, and its pure form :func:`gpu_overhead_bytes` (for the
-planner) are in :mod:`remat.overhead`; the device objects that run the copies are in
-:mod:`remat.streams`. This module re-exports the names callers import from it.
+planner) are in :mod:`remat.offload.overhead`; the device objects that run the copies are in
+:mod:`remat.offload.streams`. This module re-exports the names callers import from it.
 
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 copies synchronously on the compute stream (measured 0.13x eager on the bench model) and allocates
@@ -79,9 +79,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .overhead import DEFAULT_WINDOW_RECORDS, gpu_overhead_bytes  # noqa: F401  (re-exported)
-from .pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
-from .streams import _Cuda, _Inline
+from remat.offload.overhead import DEFAULT_WINDOW_RECORDS, gpu_overhead_bytes  # noqa: F401  (re-exported)
+from remat.offload.pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
+from remat.offload.streams import _Cuda, _Inline
 
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
 _ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle

@@ -9,11 +9,11 @@ simulator assumes of the offload engine.
 
 Why apart from the profiler: the simulator, the solver and the reports only need these
 numbers, never the meters that fill them; importing this module imports neither torch nor
-the measuring code (:func:`engine_model` reads :mod:`remat.offload` when called).
+the measuring code (:func:`engine_model` reads :mod:`remat.offload.engine` when called).
 
 Limits: the GPU rates are fixed anchors (measured once, not datasheet numbers); a profile
 taken on a GPU replaces the copy rates by its own measurement and marks itself
-``measured``. Bytes are what the meters read (see :mod:`remat.profiler`), not a model.
+``measured``. Bytes are what the meters read (see :mod:`remat.profiling.profiler`), not a model.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def rates_for(gpu: str) -> Rates:
 
 @dataclass(frozen=True)
 class EngineModel:
-    """What :mod:`remat.simulator` assumes of :class:`remat.offload.OffloadEngine` (its defaults).
+    """What :mod:`remat.planning.simulator` assumes of :class:`remat.offload.engine.OffloadEngine` (its defaults).
 
     ``window_bytes``: the most GPU bytes of offloaded tensors the engine holds before the host
     waits for copies (its ``max_pending_bytes``); None: ``window_records`` times the largest
@@ -88,7 +88,7 @@ class EngineModel:
 def engine_model() -> EngineModel:
     """The offload engine's defaults as :class:`EngineModel` (see "Memory the engine adds" there)."""
     try:
-        from . import offload
+        from remat.offload import engine as offload
     except ImportError:
         return EngineModel()
     return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),

@@ -13,7 +13,7 @@ which every block is ``x.clone()`` (:func:`_stub_run`): six marks, embeddings, h
 forward and backward, and the embeddings' backward.
 
 Why a block at a time: blocks of one class cost the same, so a deep model costs one
-block plus its head, and :mod:`remat.simulator` assembles any plan from the pieces
+block plus its head, and :mod:`remat.planning.simulator` assembles any plan from the pieces
 instead of running the whole model per treatment.
 
 Limits: a block must take its hidden state as the first floating-point positional
@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._meters import _chain
-from .costs import DERIVED, MEASURED_TREATMENTS, BlockCost, HeadCost
-from .treatments import apply_treatment, remove_treatment
+from remat.profiling._meters import _chain
+from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, BlockCost, HeadCost
+from remat.treat.treatments import apply_treatment, remove_treatment
 
 
 def _profile_body(model, batch, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1):
@@ -271,13 +271,13 @@ def _block_chain(block, args, kwargs, count: int) -> tuple:
 
 def _head_cost(model, batch, named, templates, mode, chunk, meter, repeats) -> HeadCost:
     if mode == "chunked":
-        from .head import enable_chunked_head
+        from remat.treat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)
     try:
         (m,) = _chain(meter, lambda: (_stub_run(model, batch, named, templates, meter),), repeats)
     finally:
         if mode == "chunked":
-            from .head import disable_chunked_head
+            from remat.treat.head import disable_chunked_head
             disable_chunked_head(model)
     (pre_end, pre_peak, _), _, (hf_end, hf_peak, _), (hb_end, hb_peak, _), _, (pb_end, pb_peak, _) = m
     t = [x[2] for x in m]

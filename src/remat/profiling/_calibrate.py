@@ -23,9 +23,9 @@ from functools import partial
 
 import torch
 
-from ._measure import _hidden_of
-from .costs import MEASURED_TREATMENTS, Profile
-from .treatments import apply_treatment, remove_treatment
+from remat.profiling._measure import _hidden_of
+from remat.planning.costs import MEASURED_TREATMENTS, Profile
+from remat.treat.treatments import apply_treatment, remove_treatment
 
 
 def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
@@ -64,7 +64,7 @@ def _calibrate(model, batch, named, prof, say) -> Profile:
     ratio for all treatments: recompute-heavy ones come out a few percent high (llama-1b
     ``full`` +2.7%). Skipped (noted) when no uniform plan fits.
     """
-    from .simulator import simulate
+    from remat.planning.simulator import simulate
     device = next(model.parameters()).device
     free, _ = torch.cuda.mem_get_info(device)
     room = torch.cuda.memory_allocated(device) + 0.85 * free
@@ -78,7 +78,7 @@ def _calibrate(model, batch, named, prof, say) -> Profile:
     for _, block in named:
         apply_treatment(block, treatment)
     if head.mode == "chunked":
-        from .head import enable_chunked_head
+        from remat.treat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
     try:
         _staged_step(model, batch, named)  # warm-up
@@ -87,7 +87,7 @@ def _calibrate(model, batch, named, prof, say) -> Profile:
         for _, block in named:
             remove_treatment(block)
         if head.mode == "chunked":
-            from .head import disable_chunked_head
+            from remat.treat.head import disable_chunked_head
             disable_chunked_head(model)
         model.zero_grad(set_to_none=True)
     costs = [prof.cost(i, treatment) for i in range(len(named))]

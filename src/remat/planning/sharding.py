@@ -1,6 +1,6 @@
 """FSDP2: what sharding over ``world`` ranks changes in one rank's memory, as a profile transform.
 
-How: :func:`shard` returns a new :class:`~remat.costs.Profile` whose static bytes and
+How: :func:`shard` returns a new :class:`~remat.planning.costs.Profile` whose static bytes and
 per-block gradient bytes are those of one rank under FSDP2 ``fully_shard`` applied to every
 block and then to the root (after ``remat.apply``, as remat requires), with the defaults
 (``reshard_after_forward=True``, one block prefetched). The simulator and the solver read
@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch.nn as nn
 
-from .costs import Profile
+from remat.planning.costs import Profile
 
 
 def block_param_bytes(model: nn.Module, profile: Profile) -> tuple:

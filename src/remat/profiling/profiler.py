@@ -7,7 +7,7 @@ boundaries: its forward peak, what it keeps for backward, its backward peak (rec
 included) and what it leaves (parameter gradients, the input gradient). The rest of the
 model is measured by one more forward+backward per head mode in which every block is a
 stub (``x.clone()``): embeddings, then the final norm, LM head and loss, and their backward.
-:mod:`remat.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
+:mod:`remat.planning.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
 one block, so it is profiled as one block plus its head.
 
 Two meters. Without a GPU (or with ``device="fake"``) parameters and inputs are replaced by
@@ -41,10 +41,10 @@ bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
 counted as bytes per parameter, and its step's temporaries are not modelled.
 
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
-``progress=`` printer). The numbers it returns are in :mod:`remat.costs`; the meters in
-:mod:`remat._meters`; the fake-tensor swap and CUDA-attention stand-in in
-:mod:`remat._fake`; the block and head runs in :mod:`remat._measure`; the copy rates and
-the in-step calibration in :mod:`remat._calibrate`.
+``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
+:mod:`remat.profiling._meters`; the fake-tensor swap and CUDA-attention stand-in in
+:mod:`remat.profiling._fake`; the block and head runs in :mod:`remat.profiling._measure`; the copy rates and
+the in-step calibration in :mod:`remat.profiling._calibrate`.
 """
 from __future__ import annotations
 
@@ -56,15 +56,15 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._calibrate import _calibrate, _copy_rates
-from ._fake import _cuda_attention, _swap_to_fake
-from ._measure import _profile_body
-from ._meters import _CudaMeter, _Tracker, _TrackerMeter
-from .costs import (  # noqa: F401  (re-exported: remat.profiler is where these were defined)
+from remat.profiling._calibrate import _calibrate, _copy_rates
+from remat.profiling._fake import _cuda_attention, _swap_to_fake
+from remat.profiling._measure import _profile_body
+from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
+from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_BYTES_PER_PARAM, BlockCost,
     EngineModel, HeadCost, Profile, Rates, engine_model, rates_for,
 )
-from .discovery import discover
+from remat.treat.discovery import discover
 
 
 def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optional[str] = None,
@@ -121,7 +121,7 @@ def _known_gpu(name: str) -> bool:
 
 def _default_min_offload_bytes() -> int:
     try:
-        from . import offload
+        from remat.offload import engine as offload
         return int(getattr(offload, "DEFAULT_MIN_BYTES", 2**20))
     except ImportError:
         return 2**20

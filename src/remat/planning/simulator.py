@@ -1,6 +1,6 @@
 """``remat.simulate``: the peak memory and step time of one training step under a plan.
 
-How: a pure walk over the profile (:mod:`remat.profiler`), phase by phase, in the order the
+How: a pure walk over the profile (:mod:`remat.profiling.profiler`), phase by phase, in the order the
 step runs: embeddings, each block's forward, the head's forward, the head's backward, each
 block's backward in reverse, the embeddings' backward. It carries the live bytes from one
 phase to the next and adds each phase's own peak on top:
@@ -24,7 +24,7 @@ chain as a step runs them, or the roofline's), one after the other on the GPU; t
 taken to run ahead of the GPU except where the offload engine makes it wait for copies,
 and a phase whose data is still being copied waits for it.
 
-Offload is a model of :class:`remat.offload.OffloadEngine` (its docstring's "Memory the
+Offload is a model of :class:`remat.offload.engine.OffloadEngine` (its docstring's "Memory the
 engine adds"), with the copy rates of the profile's GPU:
 
 - forward: a block's offloaded bytes are copied to the host on a side stream in the
@@ -41,9 +41,9 @@ engine adds"), with the copy rates of the profile's GPU:
 
 That gives an *expected* peak (``peak_bytes``: copies the engine has seen land by the time
 the host reaches its next check are released), and a *bound* (``bound_bytes``) that holds
-whatever the timing: the engine's own rule, :func:`remat.offload.gpu_overhead_bytes`
+whatever the timing: the engine's own rule, :func:`remat.offload.engine.gpu_overhead_bytes`
 (at most the window in forward and head; the prefetched block and the older part of the
-forward's last window in backward). Without offload the two are equal. :mod:`remat.solver`
+forward's last window in backward). Without offload the two are equal. :mod:`remat.planning.solver`
 keeps an upper bound of it (plus a margin) within the budget.
 
 Limits: offload is modelled per block (a block's copies start when it starts and end no
@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from .plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 
 
 class Phase(NamedTuple):
@@ -153,14 +153,14 @@ def window_bytes(profile, off) -> int:
 
 
 def engine_overhead(profile, off) -> dict:
-    """The engine's bound per phase ("Memory the engine adds"): :func:`remat.offload.gpu_overhead_bytes`."""
+    """The engine's bound per phase ("Memory the engine adds"): :func:`remat.offload.engine.gpu_overhead_bytes`."""
     if not any(off):
         n = len(off)
         return {"window": 0, "forward": [0] * n, "head": 0, "backward": [0] * n}
     try:
-        from .offload import gpu_overhead_bytes
+        from remat.offload.engine import gpu_overhead_bytes
     except ImportError as e:
-        raise ValueError(f"a plan with offload treatments needs remat.offload, which does not import: {e}") from e
+        raise ValueError(f"a plan with offload treatments needs remat.offload.engine, which does not import: {e}") from e
     return gpu_overhead_bytes([int(o) for o in off], window_bytes(profile, off), profile.engine.prefetch_blocks)
 
 

@@ -1,6 +1,6 @@
 """Where the offload engine's copies run: one CUDA device's streams and events, or a CPU stand-in.
 
-How it works. :class:`remat.offload.OffloadEngine` never calls ``torch.cuda`` directly; every
+How it works. :class:`remat.offload.engine.OffloadEngine` never calls ``torch.cuda`` directly; every
 stream, event, allocation and copy goes through a small device object with the same few methods
 (``current``, ``key``, ``empty``, ``copy``, ``free_after``, ``event``, ``on``, ``sleep`` and the
 ``d2h``/``h2d`` streams). :class:`_Cuda` is the real one: two side streams per device, one per
