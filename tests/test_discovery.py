@@ -88,3 +88,105 @@ def test_submodules(family, attention, mlp):
 def test_t5_decoder_block_has_self_and_cross_attention():
     model, _ = FAMILIES["t5"]()
     assert [n for n, _ in find_submodules(model.decoder.block[0], "attention")] == ["layer.0", "layer.1"]
+
+
+class Residual(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("container", [nn.Sequential, nn.ModuleList])
+def test_model_that_is_its_block_list(container):
+    blocks = [Residual() for _ in range(3)]
+    model = nn.Sequential(*blocks) if container is nn.Sequential else nn.ModuleList(blocks)
+    structure = remat.discover(model)
+    assert structure.block_lists == ("",)
+    assert structure.block_names == ("0", "1", "2")
+    assert [m for _, m in structure.blocks(model)] == list(model)
+    assert remat.discover(model, blocks="").block_names == ("0", "1", "2")
+
+
+def test_root_sequential_of_blocks_is_treated_exactly():
+    import copy
+
+    import torch
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Residual() for _ in range(3))).train()
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full")
+    x = torch.randn(4, 8)
+    results = []
+    for m in (model, reference):
+        torch.manual_seed(1)
+        m(x).square().mean().backward()
+        results.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert remat.api.treatments(model) == {"0": "full", "1": "full", "2": "full"}
+
+
+def test_root_blocks_win_over_lists_inside_them():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Residual() for _ in range(2))
+
+    assert remat.discover(nn.Sequential(Block(), Block())).block_names == ("0", "1")
+
+
+class OneBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Residual()])
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.layers[0](x))
+
+
+@pytest.mark.parametrize("blocks", ["layers", "layers.0", ["layers.0"], lambda name, m: isinstance(m, Residual)])
+def test_single_named_block_is_treated(blocks):
+    model = OneBlock()
+    assert remat.discover(model, blocks=blocks).block_names == ("layers.0",)
+    remat.apply(model, "full", blocks=blocks)
+    assert remat.api.treatments(model, blocks=blocks) == {"layers.0": "full"}
+
+
+def test_single_block_is_not_discovered_automatically_and_the_message_says_how():
+    with pytest.raises(ValueError) as info:
+        remat.discover(OneBlock())
+    message = str(info.value)
+    assert "layers (ModuleList): 1 x ['Residual'] -- not taken: only one module" in message
+    assert "blocks='layers'" in message
+
+
+def test_message_names_a_root_sequential():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ValueError) as info:
+        remat.discover(model)
+    message = str(info.value)
+    assert "the model itself (Sequential): 3 x ['Linear', 'ReLU']" in message
+    assert "no nn.ModuleList or nn.Sequential at all" not in message
+    assert "single layers" in message
+
+
+def test_message_when_there_is_no_container():
+    with pytest.raises(ValueError, match="Linear holds no nn.ModuleList or nn.Sequential at all"):
+        remat.discover(nn.Linear(3, 4))
+
+
+def test_mixed_classes_are_explained():
+    model = nn.Module()
+    model.stages = nn.Sequential(Residual(), OneBlock())
+    with pytest.raises(ValueError, match=r"stages \(Sequential\): 2 x \['OneBlock', 'Residual'\] -- not taken: mixed"):
+        remat.discover(model)
+
+
+def test_root_cannot_be_a_block():
+    with pytest.raises(ValueError, match="names the model itself"):
+        remat.discover(OneBlock(), blocks="")
+    with pytest.raises(ValueError, match="the model itself"):
+        remat.discover(OneBlock(), blocks=["", "layers.0"])

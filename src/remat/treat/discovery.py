@@ -7,12 +7,15 @@ models). Of all such lists, only the outermost are kept: the experts list inside
 Mixtral layer is not a block list, because it lives inside one. This needs no
 per-model code and covers decoder-only LMs (``model.layers``, ``transformer.h``,
 ``gpt_neox.layers``), encoders (``encoder.layer``), encoder-decoders (two lists),
-vision transformers, PEFT wrappers (the lists are found wherever they are nested)
-and plain ``nn.Module`` stacks.
+vision transformers, PEFT wrappers (the lists are found wherever they are nested),
+plain ``nn.Module`` stacks and a model that *is* its block list (a root ``nn.Sequential``
+of residual blocks: the blocks are then named ``"0"``, ``"1"`` ... and the container ``""``).
 
 The obvious alternative, a table of known attribute paths per architecture, breaks on
 every new model family; the structural rule breaks only on models without repeated
-blocks, and then the error lists what was found and how to pass ``blocks=``.
+blocks, and then the error lists what was found, why each container was not taken, and
+how to pass ``blocks=``. Automatic discovery needs two blocks; a model with one block (or
+blocks that change shape, as in a UNet) is treated by naming them with ``blocks=``.
 
 The LM head is ``get_output_embeddings()`` where a Hugging Face model has one, else a
 top-level ``nn.Linear`` named like a head.
@@ -52,8 +55,11 @@ class Structure:
 def discover(model: nn.Module, blocks: BlockSelector = None) -> Structure:
     """Find the blocks (and LM head) of ``model``.
 
-    ``blocks`` overrides discovery: a qualified container name (``"model.layers"``), a
-    list of block names, or a predicate ``(name, module) -> bool`` selecting blocks.
+    ``blocks`` overrides discovery: a qualified name -- of an ``nn.ModuleList`` or
+    ``nn.Sequential`` (``"model.layers"``; ``""`` is the model itself), whose children are
+    then the blocks, or of any other module, which is then the one block -- a list of
+    block names, or a predicate ``(name, module) -> bool`` selecting blocks. One block is
+    enough when it is named; automatic discovery needs two.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat expects a torch.nn.Module, got {type(model).__name__}")
@@ -61,7 +67,7 @@ def discover(model: nn.Module, blocks: BlockSelector = None) -> Structure:
         lists = _outermost(_candidate_lists(model))
         if not lists:
             raise ValueError(_not_found_message(model))
-        names = tuple(f"{list_name}.{child}" for list_name, container in lists
+        names = tuple(_join(list_name, child) for list_name, container in lists
                       for child, _ in container.named_children())
         return Structure(tuple(name for name, _ in lists), names, find_head(model))
     return Structure((), _select(model, blocks), find_head(model))
@@ -70,11 +76,20 @@ def discover(model: nn.Module, blocks: BlockSelector = None) -> Structure:
 def _select(model: nn.Module, selector: BlockSelector) -> tuple:
     modules = dict(model.named_modules(remove_duplicate=False))
     if isinstance(selector, str):
-        container = modules.get(selector)
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"blocks={selector!r} is not an nn.ModuleList/nn.Sequential in this "
+        if selector not in modules:
+            raise ValueError(f"blocks={selector!r} names no module of {type(model).__name__}; "
+                             f"containers found: {_container_names(model) or 'none'}")
+        container = modules[selector]
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            names = tuple(_join(selector, child) for child, _ in container.named_children())
+            if not names:
+                raise ValueError(f"blocks={selector!r} is an empty {type(container).__name__}")
+            return names
+        if not selector:
+            raise ValueError(f"blocks='' names the model itself, a {type(model).__name__}, which is not an "
+                             "nn.ModuleList/nn.Sequential: remat treats blocks inside a model, not the whole "
                              f"model; containers found: {_container_names(model) or 'none'}")
-        return tuple(f"{selector}.{child}" for child, _ in container.named_children())
+        return (selector,)
     if callable(selector):
         names = tuple(name for name, module in modules.items() if name and selector(name, module))
     else:
@@ -82,6 +97,10 @@ def _select(model: nn.Module, selector: BlockSelector) -> tuple:
         missing = [name for name in names if name not in modules]
         if missing:
             raise ValueError(f"blocks= names not found in the model: {missing[:5]}")
+        if "" in names:
+            raise ValueError("blocks= lists '' (the model itself): remat treats blocks inside a model; "
+                             "name the blocks, or pass blocks='' alone if the model is an "
+                             "nn.Sequential/nn.ModuleList of blocks")
     if not names:
         raise ValueError("blocks= selected no module; check the predicate or names against "
                          "[name for name, _ in model.named_modules()]")
@@ -93,18 +112,23 @@ def _select(model: nn.Module, selector: BlockSelector) -> tuple:
 
 
 def _candidate_lists(model: nn.Module) -> list:
-    found = []
-    for name, module in model.named_modules():
-        if not name or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < 2 or not all(_is_block_like(c) for c in children):
-            continue
-        classes = {type(c) for c in children}
-        if len(classes) == 1 or (isinstance(module, nn.ModuleList)
-                                 and all(_LAYERISH.search(c.__name__) for c in classes)):
-            found.append((name, module))
-    return found
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (nn.ModuleList, nn.Sequential)) and _rejection(module) is None]
+
+
+def _rejection(container: nn.Module) -> Optional[str]:
+    """Why ``container`` is not a block list, or None if it is one."""
+    children = list(container.children())
+    if len(children) < 2:
+        return "only one module" if children else "empty"
+    if not all(_is_block_like(c) for c in children):
+        plain = sorted({type(c).__name__ for c in children if not _is_block_like(c)})
+        return f"holds single layers or modules without parameters ({', '.join(plain[:4])})"
+    classes = {type(c) for c in children}
+    if len(classes) == 1 or (isinstance(container, nn.ModuleList)
+                             and all(_LAYERISH.search(c.__name__) for c in classes)):
+        return None
+    return "mixed classes"
 
 
 def _is_block_like(module: nn.Module) -> bool:
@@ -113,26 +137,47 @@ def _is_block_like(module: nn.Module) -> bool:
     return has_children and has_params
 
 
+def _join(prefix: str, child: str) -> str:
+    return f"{prefix}.{child}" if prefix else child
+
+
 def _outermost(lists: list) -> list:
     names = [name for name, _ in lists]
+    if "" in names:  # the model is its own block list: every other list lies inside its blocks
+        return [(name, m) for name, m in lists if name == ""]
     return [(name, m) for name, m in lists
             if not any(name.startswith(other + ".") for other in names if other != name)]
 
 
+def _describe(name: str, container: nn.Module) -> str:
+    where = f"the model itself ({type(container).__name__})" if not name else \
+        f"{name} ({type(container).__name__})"
+    classes = sorted({type(c).__name__ for c in container.children()})
+    return f"{where}: {len(container)} x {classes}"
+
+
 def _container_names(model: nn.Module) -> list:
-    return [f"{name} ({type(m).__name__}, {len(m)} x {sorted({type(c).__name__ for c in m})})"
-            for name, m in model.named_modules()
-            if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
+    return [_describe(name, m) for name, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
 
 
 def _not_found_message(model: nn.Module) -> str:
-    found = _container_names(model)
-    listing = "\n  ".join(found[:12]) if found else "no nn.ModuleList or nn.Sequential at all"
+    containers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
+    found = [f"{_describe(name, m)} -- not taken: {_rejection(m)}" for name, m in containers[:12]]
+    if len(containers) > 12:
+        found.append(f"... and {len(containers) - 12} more")
+    listing = "\n  ".join(found) if found else (
+        f"none: {type(model).__name__} holds no nn.ModuleList or nn.Sequential at all")
+    single = [name for name, m in containers if len(m) == 1 and _is_block_like(next(m.children()))]
+    example = repr(single[0]) if single else repr(containers[0][0]) if containers else "'layers.0'"
     return ("remat could not find repeated blocks in "
-            f"{type(model).__name__}: it looks for an nn.ModuleList/nn.Sequential of two or more "
-            "same-class modules with parameters. Containers found:\n  " + listing +
-            "\nPass them explicitly, e.g. remat.apply(model, 'full', blocks='model.layers') or "
-            "blocks=lambda name, module: isinstance(module, MyBlock).")
+            f"{type(model).__name__}: automatic discovery looks for an nn.ModuleList/nn.Sequential "
+            "(the model itself included) of two or more same-class modules with parameters. "
+            "Containers found:\n  " + listing +
+            f"\nName the blocks explicitly (one is enough), e.g. remat.apply(model, 'full', blocks={example}) "
+            "for a container's children or a single module, blocks=['down.0', 'up.0'] for a list of "
+            "modules, or blocks=lambda name, module: isinstance(module, MyBlock).")
 
 
 def find_head(model: nn.Module) -> Optional[str]:
