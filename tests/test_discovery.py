@@ -190,3 +190,17 @@ def test_root_cannot_be_a_block():
         remat.discover(OneBlock(), blocks="")
     with pytest.raises(ValueError, match="the model itself"):
         remat.discover(OneBlock(), blocks=["", "layers.0"])
+
+
+def test_moe_in_a_class_name_marks_only_the_mlp():
+    """Qwen2-MoE's block holds Qwen2MoeAttention, Qwen2MoeSparseMoeBlock and Qwen2MoeRMSNorm."""
+    def named(cls_name, base=nn.Linear):
+        return type(cls_name, (base,), {})
+
+    block = nn.Module()
+    block.self_attn = named("FooMoeAttention")(4, 4)
+    block.mlp = named("FooSparseMoeBlock")(4, 4)
+    block.input_layernorm = named("FooMoeRMSNorm", nn.LayerNorm)(4)
+    block.post_attention_layernorm = named("FooMoeRMSNorm", nn.LayerNorm)(4)
+    assert [n for n, _ in find_submodules(block, "mlp")] == ["mlp"]
+    assert [n for n, _ in find_submodules(block, "attention")] == ["self_attn"]

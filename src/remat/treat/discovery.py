@@ -35,6 +35,9 @@ _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "SelfAtt
 _ATTENTION_CLASS = re.compile(r"Attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "ff", "block_sparse_moe", "intermediate")
 _MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|LayerFF|Intermediate|MoE|Moe)")
+# a class named like one kind is not the other: Qwen2MoeAttention and Qwen2MoeRMSNorm carry "Moe"
+_NOT_CLASS = {"attention": re.compile(r"(Norm|Embedding)"),
+              "mlp": re.compile(r"(Attention|Norm|Embedding)")}
 _HEAD_NAMES = ("lm_head", "head", "output", "embed_out", "classifier")
 
 
@@ -215,7 +218,8 @@ def find_submodules(block: nn.Module, kind: str) -> list:
         for prefix, parent in level:
             for child_name, child in parent.named_children():
                 full = f"{prefix}{child_name}"
-                if child_name in names or pattern.search(type(child).__name__):
+                cls = type(child).__name__
+                if child_name in names or (pattern.search(cls) and not _NOT_CLASS[kind].search(cls)):
                     matches.append((full, child))
                 else:
                     next_level.append((full + ".", child))
