@@ -41,6 +41,12 @@ def _treat(model, spec, **engine_kwargs):
     return engine
 
 
+def _use(engine, dev):
+    """Put a test double in place of the engine's CPU device object; returns it."""
+    engine._devs = {dev.device: dev}
+    return dev
+
+
 def _ids(device="cpu", batch=2, seq=37):
     torch.manual_seed(11)
     return torch.randint(0, 512, (batch, seq), device=device)
@@ -257,7 +263,7 @@ def test_copies_in_flight_at_backward_are_used_from_the_gpu():
     model = _tiny()
     reference = copy.deepcopy(model)
     engine = _treat(model, "offload", min_bytes=0, _inline=True)
-    engine._dev = Lagging()
+    _use(engine, Lagging())
     engine.max_pending_bytes = 1 << 40
     for _ in range(2):
         assert_same_step(model, reference, _ids())
@@ -408,7 +414,7 @@ def test_deferred_copies_gradients_equal_and_no_hazards(spec, window, progress):
     model = _tiny()
     reference = copy.deepcopy(model)
     engine = _treat(model, spec, min_bytes=0, _inline=True, max_pending_bytes=window)
-    engine._dev = dev = Deferred(seed=len(spec) + progress, progress=progress)
+    dev = _use(engine, Deferred(seed=len(spec) + progress, progress=progress))
     ids = _ids()
     assert_same_step(model, reference, ids)
     first = engine.stats()
@@ -431,7 +437,7 @@ def test_deferred_partial_views_read_from_the_original_storage():
     """A span that starts inside its storage, used from the GPU tensor while its copy is queued."""
     model = torch.nn.Linear(8, 8)
     engine = OffloadEngine(model, min_bytes=0, _inline=True, max_pending_bytes=1 << 40)
-    engine._dev = dev = Deferred()
+    dev = _use(engine, Deferred())
 
     def run(big):
         return (big[700:710] * big[700:710].exp()).sum()  # saves a 10-element view 700 elements in
@@ -471,7 +477,7 @@ def test_engine_holds_no_more_than_the_rule_says():
     """Under maximal lag, what the engine holds for earlier records at each pack and at the head."""
     model = _tiny()
     engine = _treat(model, "offload", min_bytes=0, _inline=True)
-    engine._dev = Deferred()
+    _use(engine, Deferred())
     held = []
     pack = engine._pack
 
