@@ -11,14 +11,16 @@ Applying again replaces the previous plan; a block is never wrapped twice.
 """
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import torch.nn as nn
 
-from remat.treat.discovery import BlockSelector, discover
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
-from remat.treat.treatments import apply_treatment, remove_treatment, treatment_of
+from remat.treat import patches
+from remat.treat.discovery import BlockSelector, discover
+from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
+
+_PLAN = "_remat_plan"
 
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
@@ -32,47 +34,59 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
     tokens at a time; see :mod:`remat.treat.head`. ``offload_options`` go to
     :class:`remat.offload.engine.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
+
+    All or nothing: the spec, the head and every block's treatment are checked before the
+    model is touched, and if installing fails anyway the model is put back exactly as it
+    was, its previous plan included.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.apply expects a torch.nn.Module as its first argument, got "
+                        f"{type(model).__name__}; call remat.apply(model, spec)")
     _refuse_hf_checkpointing(model)
     structure = discover(model, blocks)
     plan = resolve(spec, structure.block_names)
     if head is not None or chunk_tokens is not None:
-        plan = Plan(plan.blocks, head or plan.head, chunk_tokens or plan.chunk_tokens, plan.notes)
-    remove(model)
-    engine = None
-    if any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()):
-        from remat.offload.engine import OffloadEngine
-        options = offload_options if offload_options is not None else plan.notes.get("offload_options")
-        engine = OffloadEngine(model, **dict(options or {}))
-    for index, (name, block) in enumerate(structure.blocks(model)):
-        apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index)
+        plan = Plan(plan.blocks, head if head is not None else plan.head,
+                    chunk_tokens if chunk_tokens is not None else plan.chunk_tokens, plan.notes)
+    named = structure.blocks(model)
+    offloading = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
+    for name, block in named:
+        check_treatment(block, plan.blocks.get(name, "keep"))
     if plan.head == "chunked":
-        from remat.treat.head import enable_chunked_head
-        enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
-    _guard_hf_checkpointing(model)
-    model.__dict__["_remat_plan"] = plan
+        from remat.treat.head import check_chunked_head
+        check_chunked_head(model, chunk_tokens=plan.chunk_tokens)
+    previous = patches.remove(model)
+    try:
+        engine = None
+        if offloading:
+            from remat.offload.engine import OffloadEngine
+            options = offload_options if offload_options is not None else plan.notes.get("offload_options")
+            engine = OffloadEngine(model, **dict(options or {}))
+        for index, (name, block) in enumerate(named):
+            apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index)
+        if plan.head == "chunked":
+            from remat.treat.head import enable_chunked_head
+            enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
+        _guard_hf_checkpointing(model)
+        patches.install_value(model, _PLAN, plan, tag="plan")
+    except BaseException:
+        patches.remove(model)
+        patches.reinstall(previous)
+        raise
     return model
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every module gets back its original forward."""
-    for module in model.modules():
-        remove_treatment(module)
-        for name, (had, previous) in module.__dict__.pop("_remat_hf_guard", {}).items():
-            if had:
-                module.__dict__[name] = previous
-            else:
-                module.__dict__.pop(name, None)
-    plan = model.__dict__.pop("_remat_plan", None)
-    if plan is not None and plan.head == "chunked":
-        from remat.treat.head import disable_chunked_head
-        disable_chunked_head(model)
+    """Undo :func:`apply`: every change remat made is undone, newest first. A wrapper that
+    another library installed over remat's (accelerate's autocast ``forward``) stays, and
+    remat's part inside it passes calls straight through."""
+    patches.remove(model)
     return model
 
 
 def current_plan(model: nn.Module) -> Optional[Plan]:
     """The plan last applied to ``model`` by :func:`apply`, or None."""
-    return model.__dict__.get("_remat_plan")
+    return model.__dict__.get(_PLAN)
 
 
 def treatments(model: nn.Module, blocks: BlockSelector = None) -> dict:
@@ -98,15 +112,12 @@ _HF_ENABLE_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing
 
 def _guard_hf_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
-        names = [n for n in _HF_ENABLE_METHODS if callable(getattr(type(module), n, None))]
-        if not names:
-            continue
-        module.__dict__["_remat_hf_guard"] = {n: (n in module.__dict__, module.__dict__.get(n)) for n in names}
-        for name in names:
-            module.__dict__[name] = types.MethodType(_refuse_enable, module)
+        for name in _HF_ENABLE_METHODS:
+            if callable(getattr(type(module), name, None)):
+                patches.install(module, name, _refuse_enable, tag="hf-guard")
 
 
-def _refuse_enable(self, *args, **kwargs):
+def _refuse_enable(patch, *args, **kwargs):
     raise ValueError(
         "remat is applied to this model, so Hugging Face gradient checkpointing must stay off: "
         "it would checkpoint every block a second time. Set gradient_checkpointing=False in "

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,7 +60,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_STATE = "_remat_head"
+from remat.treat import patches
+
+_TAG = "head"
 _GiB = 2 ** 30
 _ROUND = 128            # chunk sizes are multiples of this (tensor-core friendly)
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
@@ -338,9 +339,6 @@ def _scaled(acc, scale, dtype, rows=_SCALE_ROWS):
 
 @dataclass
 class _HeadState:
-    original_forward: Any
-    had_instance_forward: bool
-    instance_forward: Any
     signature: Any
     chunk_tokens: Optional[int]
     masked: bool            # masked LM: labels are not shifted
@@ -349,18 +347,14 @@ class _HeadState:
     verified: set = field(default_factory=set)
 
 
-def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) -> nn.Module:
-    """Compute ``model``'s LM loss a chunk of tokens at a time (in place; returns ``model``).
-
-    ``chunk_tokens``: rows per chunk; None picks :func:`default_chunk_tokens` for the vocab
-    (the planner passes :func:`choose_chunk_tokens` for a budget). Raises ValueError or
-    TypeError for a model whose head or loss this module cannot reproduce exactly.
-    """
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or int(chunk_tokens) != chunk_tokens
+def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
+    """Raise the error :func:`enable_chunked_head` would raise, without changing ``model``;
+    returns the LM module and the state the head would run with."""
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens <= 0):
-        raise ValueError(f"chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
+        raise ValueError(f"chunk_tokens must be a positive integer or None (None: chosen for the "
+                         f"vocabulary), got {chunk_tokens!r}")
     lm = _find_lm(model)
-    disable_chunked_head(lm)
     head = lm.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise TypeError(
@@ -368,27 +362,32 @@ def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) ->
             f"got {type(head).__name__} (LoRA/quantisation on lm_head?); leave lm_head out of "
             "target_modules or use head='plain'")
     masked, num_items, aux = _loss_semantics(lm)
-    signature = inspect.signature(lm.forward)
+    signature = inspect.signature(type(lm).forward).replace(
+        parameters=list(inspect.signature(type(lm).forward).parameters.values())[1:])
     if "labels" not in signature.parameters:
         raise ValueError(f"{type(lm).__name__}.forward has no 'labels' parameter; the chunked head "
                          "replaces the loss computed from labels: use head='plain'")
-    had = "forward" in lm.__dict__
-    lm.__dict__[_STATE] = _HeadState(lm.forward, had, lm.__dict__.get("forward"), signature,
-                                     chunk_tokens, masked, num_items, aux)
-    lm.__dict__["forward"] = types.MethodType(_chunked_forward, lm)
+    return lm, _HeadState(signature, chunk_tokens, masked, num_items, aux)
+
+
+def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) -> nn.Module:
+    """Compute ``model``'s LM loss a chunk of tokens at a time (in place; returns ``model``).
+
+    ``chunk_tokens``: rows per chunk; None picks :func:`default_chunk_tokens` for the vocab
+    (the planner passes :func:`choose_chunk_tokens` for a budget). Raises ValueError or
+    TypeError for a model whose head or loss this module cannot reproduce exactly, before
+    changing anything. The LM's ``forward`` keeps its signature (``inspect.signature``), so
+    the Trainer's ``remove_unused_columns`` sees the model's real arguments.
+    """
+    lm, state = check_chunked_head(model, chunk_tokens)
+    disable_chunked_head(lm)
+    patches.install(lm, "forward", _chunked_forward, tag=_TAG, state=state)
     return model
 
 
 def disable_chunked_head(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_chunked_head`; a no-op on a model without it."""
-    for module in model.modules():
-        state = module.__dict__.pop(_STATE, None)
-        if state is None:
-            continue
-        if state.had_instance_forward:
-            module.__dict__["forward"] = state.instance_forward
-        else:
-            module.__dict__.pop("forward", None)
+    patches.remove(model, tag=_TAG)
     return model
 
 
@@ -448,32 +447,26 @@ def _logit_transform(lm: nn.Module):
     return ("identity",), None
 
 
-def _chunked_forward(self, *args, **kwargs):
-    state: _HeadState = self.__dict__[_STATE]
+def _capture(patch, hidden, *args, **kwargs):
+    """Stands in for ``lm_head.forward`` during the model's forward: keeps the hidden states
+    and returns a small probe instead of the logits (see :func:`_verify`)."""
+    patch.state.append(hidden)
+    dtype = _compute_dtype(hidden, patch.module.weight)
+    probe = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+    return probe.expand(*hidden.shape[:-1], len(_PROBE)).clone()
+
+
+def _chunked_forward(patch, *args, **kwargs):
+    self, state = patch.module, patch.state
     bound = state.signature.bind_partial(*args, **kwargs)
     labels = bound.arguments.get("labels")
     if labels is None or not torch.is_grad_enabled():
-        return state.original_forward(*args, **kwargs)
+        return patch.call_previous(*args, **kwargs)
     bound.arguments["labels"] = None
     head = self.get_output_embeddings()
     captured = []
-
-    def capture(module_self, hidden, *rest, **kw):
-        captured.append(hidden)
-        dtype = _compute_dtype(hidden, module_self.weight)
-        probe = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
-        return probe.expand(*hidden.shape[:-1], len(_PROBE)).clone()
-
-    had = "forward" in head.__dict__
-    previous = head.__dict__.get("forward")
-    head.__dict__["forward"] = types.MethodType(capture, head)
-    try:
-        out = state.original_forward(*bound.args, **bound.kwargs)
-    finally:
-        if had:
-            head.__dict__["forward"] = previous
-        else:
-            head.__dict__.pop("forward", None)
+    with patches.temporarily(head, "forward", _capture, tag="head-capture", state=captured):
+        out = patch.call_previous(*bound.args, **bound.kwargs)
     if len(captured) != 1:
         raise ValueError(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
                          "chunked head handles one call per forward: use head='plain'")

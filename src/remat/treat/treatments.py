@@ -1,14 +1,16 @@
 """Per-block treatments: what a block keeps for backward and what it redoes.
 
 How: a treated block keeps its class, its children and its parameters; only its
-``forward`` is replaced, by an instance attribute that is a bound method
-(``types.MethodType``) running the original forward under the treatment. Because the
-module tree does not change, ``state_dict`` keys stay the same (checkpoints load either
-way), FSDP2's ``fully_shard`` and ``Module.compile()`` applied afterwards see the block
-they expect, and ``remove`` restores exactly what was there, including an instance
-``forward`` that another library (accelerate's hooks) had set before us. A bound method,
-unlike a closure, is re-bound by ``copy.deepcopy``, so a copied model is treated on its
-own parameters.
+``forward`` is replaced, through :mod:`remat.treat.patches`, by an instance attribute that
+runs the original forward under the treatment. Because the module tree does not change,
+``state_dict`` keys stay the same (checkpoints load either way), FSDP2's ``fully_shard`` and
+``Module.compile()`` applied afterwards see the block they expect, ``remove`` restores
+exactly what was there (an instance ``forward`` another library set before remat included),
+and a treated model pickles and deep-copies (the copy is treated on its own parameters).
+
+Training forwards never carry a KV cache through a treated block (:func:`_without_cache`),
+and a recompute leaves BatchNorm-style running statistics alone (:func:`_stats_once`), so
+a treated block updates them once per forward, as an untreated one does.
 
 The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level
 into every parameter name; that is what breaks state-dict loading in many stacks.
@@ -31,9 +33,10 @@ Non-reentrant checkpointing gives parameter gradients even when no input require
 from __future__ import annotations
 
 import functools
-import types
+import itertools
+import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,95 +46,97 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from remat.treat.discovery import find_submodules
 from remat.planning.plans import OFFLOADING_TREATMENTS, TREATMENTS
+from remat.treat import patches
+from remat.treat.discovery import find_submodules
 
-# Cache arguments must not be updated twice by a recompute; in training they are unused.
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
-
+_TAG = "treatment"
+_MARK = "_remat"  # on a treated block: its TreatmentState (what treatment_of reads)
 
 @dataclass
-class _BlockState:
-    """What remat changed on one module, enough to run the treatment and to undo it."""
+class TreatmentState:
+    """What a treated block (or the sub-module a treatment checkpoints) runs with."""
 
     treatment: str
-    original_forward: Any
-    had_instance_forward: bool
-    instance_forward: Any = None
-    engine: Any = None
-    key: int = 0
-    patched_submodules: list = field(default_factory=list)
+    engine: Any = None        # the OffloadEngine of offloading treatments
+    key: int = 0              # the block's index: the engine's record key
+    running_stats: tuple = ()  # modules whose running statistics the recompute must not update
 
 
 def treatment_of(block: nn.Module) -> str:
-    state = block.__dict__.get("_remat")
+    state = block.__dict__.get(_MARK)
     return state.treatment if state is not None else "keep"
 
 
-def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0) -> None:
-    """Treat ``block`` in place; a block that already has a treatment gets the new one."""
+def check_treatment(block: nn.Module, treatment: str) -> None:
+    """Raise the error :func:`apply_treatment` would raise, without changing ``block``."""
     if treatment not in TREATMENTS:
         raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)}")
+    if treatment in ("attention", "mlp") and not find_submodules(block, treatment):
+        children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
+        raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
+                         f"{type(block).__name__} (children: {children}); use 'full' or "
+                         "'selective' for this block")
+
+
+def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0) -> None:
+    """Treat ``block`` in place; a block that already has a treatment gets the new one.
+
+    Every change goes through :mod:`remat.treat.patches`: the block's (or its attention/MLP
+    sub-modules') ``forward``, and a ``_remat`` marker on the block holding the state."""
+    check_treatment(block, treatment)
+    if treatment in OFFLOADING_TREATMENTS and engine is None:
+        raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
     remove_treatment(block)
     if treatment == "keep":
         return
+    state = TreatmentState(treatment, engine, key)
+    targets = [block]
     if treatment in ("attention", "mlp"):
-        subs = find_submodules(block, treatment)
-        if not subs:
-            children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
-            raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
-                             f"{type(block).__name__} (children: {children}); use 'full' or "
-                             "'selective' for this block")
-        for _, sub in subs:
-            _patch(sub, "full")
-        _mark(block, _BlockState(treatment, None, False, patched_submodules=[s for _, s in subs]))
-        return
-    if treatment in OFFLOADING_TREATMENTS and engine is None:
-        raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
-    _patch(block, treatment, engine=engine, key=key)
+        targets = [sub for _, sub in find_submodules(block, treatment)]
+        state = TreatmentState("full", None, key)
+    for target in targets:
+        stats = tuple(m for m in target.modules() if _has_running_stats(m))
+        patches.install(target, "forward", _treated_forward, tag=_TAG,
+                        state=TreatmentState(state.treatment, state.engine, state.key, stats))
+    patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
 
 
 def remove_treatment(block: nn.Module) -> None:
     """Undo :func:`apply_treatment`; a no-op on an untreated block."""
-    state = block.__dict__.pop("_remat", None)
-    if state is None:
-        return
-    for sub in state.patched_submodules:
-        remove_treatment(sub)
-    if state.original_forward is None:
-        return
-    if state.had_instance_forward:
-        block.__dict__["forward"] = state.instance_forward
-    else:
-        block.__dict__.pop("forward", None)
+    patches.remove(block, tag=_TAG)
 
 
-def _mark(module: nn.Module, state: _BlockState) -> None:
-    # __dict__ directly: nn.Module.__setattr__ would be fine too, but this makes the
-    # intent explicit: plain attributes, never submodules, parameters or buffers.
-    module.__dict__["_remat"] = state
+def engine_of(model: nn.Module):
+    """The offload engine :func:`remat.apply` attached to ``model``'s blocks, or None."""
+    for patch in patches.patches(model, tag=_TAG):
+        if patch.state is not None and getattr(patch.state, "engine", None) is not None:
+            return patch.state.engine
+    return None
 
 
-def _patch(module: nn.Module, treatment: str, *, engine=None, key: int = 0) -> None:
-    had_instance = "forward" in module.__dict__
-    state = _BlockState(treatment, module.forward, had_instance,
-                        instance_forward=module.__dict__.get("forward"), engine=engine, key=key)
-    _mark(module, state)
-    module.__dict__["forward"] = types.MethodType(_treated_forward, module)
+def _has_running_stats(module: nn.Module) -> bool:
+    return any(name.startswith("running_") or name == "num_batches_tracked"
+               for name, b in module.named_buffers(recurse=False) if b is not None)
 
 
-def _treated_forward(self: nn.Module, *args, **kwargs):
-    state: _BlockState = self.__dict__["_remat"]
+def _treated_forward(patch: patches.Patch, *args, **kwargs):
+    state: TreatmentState = patch.state
+    self = patch.module
     if not torch.is_grad_enabled():
-        return state.original_forward(*args, **kwargs)
+        return patch.call_previous(*args, **kwargs)
     if self.training and getattr(self, "gradient_checkpointing", False) is True:
         raise ValueError(
             f"{type(self).__name__} has Hugging Face gradient checkpointing switched on while remat "
             f"treats it ({state.treatment!r}): the block would be checkpointed twice. Call "
             "model.gradient_checkpointing_disable() (Trainer: gradient_checkpointing=False) and "
             "let remat do it.")
-    kwargs = _drop_cache(kwargs) if self.training else kwargs
-    function, args = _positional(state.original_forward, args, kwargs)
+    _refuse_replica(self, args, kwargs)
+    if self.training:
+        args, kwargs = _without_cache(args, kwargs)
+    function, args = _positional(patch.call_previous, args, kwargs)
+    if state.running_stats:
+        function = _stats_once(function, state.running_stats)
     if state.treatment == "full":
         return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     if state.treatment == "selective":
@@ -143,7 +148,42 @@ def _treated_forward(self: nn.Module, *args, **kwargs):
     if state.treatment == "full+offload":
         with state.engine.saved_tensors(state.key):
             return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
-    raise AssertionError(f"unhandled treatment {state.treatment}")  # apply_treatment validated it
+    raise AssertionError(f"unhandled treatment {state.treatment}")  # check_treatment validated it
+
+
+def _refuse_replica(module: nn.Module, args, kwargs) -> None:
+    """``nn.DataParallel`` copies ``__dict__`` into its replicas, so a replica would run this
+    patch on the original module (device 0): refuse, with the fix, instead of a device error."""
+    first = next((v for v in itertools.chain(args, kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    if first is None or first.device.type != "cuda":
+        return
+    param = next(module.parameters(), None)
+    if param is not None and param.device.type == "cuda" and param.device != first.device:
+        raise ValueError(
+            f"{type(module).__name__} (treated by remat) got inputs on {first.device} but its parameters are "
+            f"on {param.device}: torch.nn.DataParallel replicas are not supported by remat's treatments. "
+            "Use DistributedDataParallel or FSDP2 (apply remat before wrapping), or one GPU.")
+
+
+def _stats_once(function, modules):
+    """``function`` whose second and later calls (checkpoint's recompute) leave the running
+    statistics of ``modules`` (BatchNorm's running mean/var and batch count) as they were, so a
+    recomputed block updates them exactly once per forward, as without remat."""
+    calls = [0]
+
+    def run(*flat):
+        calls[0] += 1
+        if calls[0] == 1:
+            return function(*flat)
+        saved = [(b, b.detach().clone()) for m in modules for name, b in m.named_buffers(recurse=False)
+                 if b is not None and (name.startswith("running_") or name == "num_batches_tracked")]
+        try:
+            return function(*flat)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+    return run
 
 
 def _positional(forward, args: tuple, kwargs: dict):
@@ -167,12 +207,42 @@ def _positional(forward, args: tuple, kwargs: dict):
     return function, args + tuple(kwargs[k] for k in tensor_keys)
 
 
-def _drop_cache(kwargs: dict) -> dict:
-    if not any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-        return kwargs
-    warnings.warn("remat: a KV cache was passed to a treated block in training; it is dropped (as "
-                  "Hugging Face does under gradient checkpointing). Set use_cache=False.", stacklevel=3)
-    return {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+def _without_cache(args: tuple, kwargs: dict):
+    """A training forward never carries a KV cache through a treated block: a recompute would
+    append to it a second time (Gemma-2 crashed, Llama's cache grew to twice the sequence) and
+    ``selective`` would save the cache's views. Any argument that *is* a cache (a Hugging Face
+    ``Cache`` object, whatever its keyword is called in the installed transformers) becomes
+    None, ``use_cache`` becomes False, as Hugging Face does under gradient checkpointing, with
+    one warning."""
+    cache_types = _cache_types()
+    found = [k for k, v in kwargs.items() if isinstance(v, cache_types)]
+    positional = [i for i, v in enumerate(args) if isinstance(v, cache_types)]
+    if not found and not positional and kwargs.get("use_cache") is not True:
+        return args, kwargs
+    if found or positional:
+        _warn_cache_once()
+    kwargs = {k: (None if k in found else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache") is True:
+        kwargs["use_cache"] = False
+    args = tuple(None if i in positional else v for i, v in enumerate(args))
+    return args, kwargs
+
+
+def _cache_types() -> tuple:
+    cache_utils = sys.modules.get("transformers.cache_utils")  # imported by any HF model that has one
+    cache = getattr(cache_utils, "Cache", None)
+    return (cache,) if isinstance(cache, type) else ()
+
+
+_WARNED = set()
+
+
+def _warn_cache_once() -> None:
+    if "cache" not in _WARNED:
+        _WARNED.add("cache")
+        warnings.warn("remat: a KV cache reached a treated block in a training forward; remat runs the "
+                      "block without it (as Hugging Face does under gradient checkpointing). Pass "
+                      "use_cache=False when training to silence this.", stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)
