@@ -1,15 +1,24 @@
-"""``remat bench``: measure remat's plans beside the stock strategies, in one process."""
+"""``remat bench``: measure remat's plans beside the stock strategies, in one process.
+
+The measuring is :mod:`remat.prove.bench`; this module picks defaults for the device
+(the DESIGN.md bench model on a GPU, ``llama-tiny`` in about a minute on the CPU),
+checks every option before any model is built (budgets with
+:func:`remat.units.parse_budget`, counts >= 1, ``--only`` names), and writes the
+records, a markdown table and a plot into ``--out``. Progress goes to stderr, the
+table to stdout.
+"""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpointing, every-2, "
         "op-level SAC, save_on_cpu, torch.compile budgets) on one model and batch")
 EXAMPLES = """examples:
   remat bench                                   # CPU: llama-tiny, a minute; GPU: the bench model
-  remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/
-  remat bench --model ./my-model/config.json --batch 8 --seq 2048 --compile
+  remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/  # GPU
+  remat bench --model qwen-1.5b --batch 8 --seq 2048 --compile                                  # GPU
   remat bench --only eager,hf_full,remat:full,remat:selective
 
 Writes bench.jsonl (one JSON record per strategy), bench.md (a table) and bench.png (peak GiB
@@ -22,8 +31,8 @@ AUTO_FRACTIONS = (0.45, 0.65, 0.85)  # of what eager adds above weights + gradie
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", help="preset or config.json path (default: llama-1b on a GPU, "
-                                        "llama-tiny on the CPU)")
+    parser.add_argument("--model", help="preset, JSON config file or folder holding config.json (default: "
+                                        "llama-1b on a GPU, llama-tiny on the CPU)")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--budgets", help="comma-separated memory budgets (e.g. 10,16,32GiB), or 'auto' "
@@ -46,8 +55,9 @@ def run(args) -> int:
 
     from remat.prove import bench
     from remat.prove import report
-    from remat.units import parse_size
+    from remat.units import parse_budget
 
+    _check_counts(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA GPU is visible; leave --device out to run on the CPU")
@@ -57,7 +67,7 @@ def run(args) -> int:
     budgets_arg = args.budgets or defaults["budgets"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device == "cuda" else "fp32")]
-    budgets = [] if budgets_arg == "auto" else [parse_size(b) for b in _split_budgets(budgets_arg)]
+    budgets = [] if budgets_arg == "auto" else [parse_budget(b) for b in _split_budgets(budgets_arg)]
     uniform = [s for s in args.uniform.split(",") if s]
     for name in (args.only or "").split(","):  # --only remat:<spec> implies measuring that spec
         if name.startswith("remat:") and name[len("remat:"):] not in uniform:
@@ -107,8 +117,15 @@ def run(args) -> int:
     return 0
 
 
+def _check_counts(args) -> None:
+    for option, least in (("batch", 1), ("seq", 1), ("steps", 1), ("warmup", 0)):
+        value = getattr(args, option)
+        if value is not None and value < least:
+            raise ValueError(f"--{option} must be a whole number >= {least}, got {value}")
+
+
 def _split_budgets(text: str) -> list:
     """'10,16,32GiB' -> ['10GiB', '16GiB', '32GiB']: a unit on the last applies to bare numbers."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    unit = "".join(ch for ch in parts[-1] if ch.isalpha()) if parts else ""
-    return [p if any(ch.isalpha() for ch in p) else p + unit for p in parts]
+    unit = re.search(r"[A-Za-z]*$", parts[-1]).group() if parts else ""  # the suffix: '1e3GiB' -> 'GiB'
+    return [p if re.search(r"[A-Za-z]$", p) else p + unit for p in parts]

@@ -1,4 +1,10 @@
-"""``remat env``: what this machine offers remat: versions, GPU, host and pinned memory."""
+"""``remat env``: what this machine offers remat: versions, GPU, host and pinned memory.
+
+Sizes are collected as byte counts (``*_bytes`` keys, so ``--json`` gives numbers a
+script can compare) and printed with :func:`remat.units.format_size`, so an 8 MiB
+memlock limit reads ``8.00 MiB``, not ``0.01 GiB``. The memlock limit bounds how much
+memory a process may pin; offload needs pinned host memory, so a small limit matters.
+"""
 from __future__ import annotations
 
 import json
@@ -13,10 +19,11 @@ EXAMPLES = """examples:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
 
 
 def collect() -> dict:
+    """Versions and limits; sizes in bytes under ``*_bytes`` keys (memlock: None if unlimited)."""
     import resource
 
     import torch
@@ -31,12 +38,11 @@ def collect() -> dict:
     info["cuda_available"] = torch.cuda.is_available()
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
-                    gpu_memory_GiB=round(props.total_memory / 2**30, 2),
+        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=props.total_memory,
                     compute_capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
     info.update(_host_memory())
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    info["memlock_limit"] = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
+    info["memlock_limit_bytes"] = None if soft == resource.RLIM_INFINITY else soft
     info["cpu_count"] = os.cpu_count()
     return info
 
@@ -51,8 +57,20 @@ def _host_memory() -> dict:
                 values[key] = int(rest.split()[0]) * 1024
     except OSError:
         return {}
-    return {"host_memory_GiB": round(values.get("MemTotal", 0) / 2**30, 2),
-            "host_available_GiB": round(values.get("MemAvailable", 0) / 2**30, 2)}
+    return {"host_memory_bytes": values.get("MemTotal", 0), "host_available_bytes": values.get("MemAvailable", 0)}
+
+
+def text_lines(info: dict) -> list:
+    """``key  value`` lines, sizes in the unit that fits them."""
+    from remat.units import format_size
+    shown = {}
+    for key, value in info.items():
+        if key.endswith("_bytes"):
+            key = key[:-len("_bytes")]
+            value = "unlimited" if value is None else format_size(value)
+        shown[key] = value
+    width = max(map(len, shown))
+    return [f"{key:<{width}}  {value}" for key, value in shown.items()]
 
 
 def run(args) -> int:
@@ -60,7 +78,6 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
-    width = max(map(len, info))
-    for key, value in info.items():
-        print(f"{key:<{width}}  {value}")
+    for line in text_lines(info):
+        print(line)
     return 0

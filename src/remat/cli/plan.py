@@ -1,24 +1,49 @@
-"""``remat plan``: the fastest plan that fits a memory budget, from a preset or config.json.
+"""``remat plan``: the fastest plan that fits a memory budget, from a preset or a config file.
 
 The model is built on the ``meta`` device (no weights, no GPU) and profiled with fake
 tensors at the rates of ``--gpu``; see :mod:`remat.planner`. ``--out`` writes the plan as
-JSON for ``remat.apply(model, remat.Plan.load(path))``.
+JSON for ``remat.apply(model, remat.Plan.load(path))``; ``--json`` prints the same JSON
+on stdout and nothing else, for scripts.
+
+Everything cheap is checked before the model is built (``--budget`` with
+:func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``, ``--gpu``, the
+``--out`` folder), so a typo fails at once rather than after a minute of profiling.
+Once a step has run for two seconds, each stage (build, profile, shard, solve,
+simulate) prints a line on stderr, and a stage still running says so every few
+seconds: a 70B solve takes tens of seconds and would otherwise look hung.
+
+When nothing fits, the error names the smallest budget that does and why it sits a
+little above that plan's predicted peak (the solver's margins), and which options to
+change. This module also holds the helpers :mod:`remat.cli.estimate` shares.
 """
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 HELP = "the fastest plan that fits a memory budget (no GPU or weights needed)"
 EXAMPLES = """examples:
   remat plan --model llama-8b --batch 4 --seq 4096 --budget 40GiB
   remat plan --model llama-1b --batch 4 --seq 4096 --budget 24GiB --gpu h100 --out plan.json
-  remat plan --model path/to/config.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw
-  remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 8
+  remat plan --model mistral-7b.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw8bit
+  remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 16
+  remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
+
+--model takes a preset, a Hugging Face JSON config file of any name (mistral-7b.json) or a
+folder holding config.json. --json prints the plan on stdout in the format --out writes.
 """
+
+PROGRESS_AFTER_S = 2.0  # quiet for quick runs; a line per stage once a run takes longer
+HEARTBEAT_S = 5.0
 
 
 def add_model_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="a preset (llama-1b, llama-8b, ...) or a config.json path")
+    parser.add_argument("--model", required=True,
+                        help="a preset (llama-tiny, llama-1b, llama-8b, ...), a JSON config file or a folder "
+                             "holding config.json")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--gpu", default="h100", help="rates to plan for: h100, h200, a100 (default h100)")
@@ -32,21 +57,56 @@ def add_model_arguments(parser) -> None:
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--budget", required=True, help="peak memory budget, e.g. 24GiB or 80GB")
+    parser.add_argument("--budget", required=True,
+                        help="peak memory budget of one device, e.g. 24GiB or 80GB (at most 64 TiB)")
     parser.add_argument("--out", help="write the plan as JSON here")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan as JSON on stdout (the --out format) and nothing else")
     parser.add_argument("--phases", action="store_true", help="also print every phase of the step (timeline)")
 
 
-def profile_from_args(args):
-    """Build the model on the meta device and profile it; progress on stderr after ~2 s."""
+def check_model_arguments(args) -> None:
+    """Refuse bad numbers before anything slow runs; ValueError says which option and what to pass."""
+    from remat.planning.costs import rates_for
+    for option in ("batch", "seq", "fsdp"):
+        value = getattr(args, option)
+        if value < 1:
+            raise ValueError(f"--{option} must be a whole number >= 1, got {value}"
+                             + ("; leave --fsdp out (or pass 1) to plan without sharding" if option == "fsdp" else ""))
+    rates_for(args.gpu)  # ValueError naming the known GPUs
+
+
+def progress(stream=None):
+    """The ``say`` callback: a stderr line per stage once the command has run ``PROGRESS_AFTER_S``."""
+    from remat.profiling.profiler import progress_printer
+    return progress_printer(stream, after_s=PROGRESS_AFTER_S)
+
+
+@contextmanager
+def working(say, message: str, every_s: float = HEARTBEAT_S):
+    """Say ``message``, then that its first word (``solving``) is still running every ``every_s``
+    seconds until the block ends."""
+    say(message)
+    stop, start, doing = threading.Event(), time.perf_counter(), message.split()[0]
+
+    def beat():
+        while not stop.wait(every_s):
+            say(f"still {doing} after {time.perf_counter() - start:.0f} s")
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def profile_from_args(args, say):
+    """Build the model on the meta device and profile it, telling ``say`` each stage."""
     import torch
 
     from remat.integrations.presets import build_model, load_config
-    from remat.profiling.profiler import profile, progress_printer
-    if args.batch < 1 or args.seq < 1:
-        raise ValueError(f"--batch and --seq must be at least 1, got {args.batch} and {args.seq}")
-    say = progress_printer()
+    from remat.profiling.profiler import block_param_bytes, profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = load_config(args.model)
     say(f"building {args.model} on the meta device")
@@ -54,7 +114,8 @@ def profile_from_args(args):
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
     if args.fsdp != 1:
-        from remat.planning.sharding import block_param_bytes, shard
+        from remat.planning.sharding import shard
+        say(f"sharding for {args.fsdp} FSDP ranks")
         prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
     return prof
 
@@ -65,6 +126,44 @@ def treatments_from_args(prof, args):
     if args.no_offload:
         allowed = [t for t in allowed if "offload" not in t]
     return allowed
+
+
+def solve_from_args(prof, budget, treatments, say):
+    """:func:`remat.planning.solver.solve`, with a heartbeat on stderr while it runs."""
+    from remat.planning.solver import solve
+    from remat.units import format_size
+    with working(say, f"solving for {format_size(budget)}: {len(prof.block_names)} blocks, "
+                      f"{len(treatments)} treatments, {len(prof.heads)} head options"):
+        return solve(prof, budget, treatments=treatments)
+
+
+def no_fit_message(error, budget, args) -> str:
+    """The CLI's words for :class:`~remat.planning.solver.NoPlanFits`: the smallest budget that
+    fits, why it is above that plan's predicted peak, and the options that would help."""
+    from remat.planning.plans import OFFLOADING_TREATMENTS
+    from remat.planning.solver import OFFLOAD_MARGIN
+    from remat.units import format_size as f
+    plan, smallest = error.plan, error.smallest_peak
+    peak = plan.notes["predicted_peak_bytes"]
+    text = (f"no plan fits {f(budget)}. The smallest budget that fits is {f(smallest)}, with the plan "
+            f"{plan.summary()} (predicted peak {f(peak)}, set in {plan.notes.get('peak_at')}).")
+    if smallest > peak:
+        offloads = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
+        why = (f"keeps {OFFLOAD_MARGIN:.0%} of the budget free for plans that offload, in case copies run late"
+               if offloads else "rounds each block's memory up to a small step of the budget while it searches")
+        text += f" The budget is above the peak because the solver {why}."
+    fixes = [f"raise --budget to at least {f(smallest)}", "lower --batch or --seq"]
+    if args.optimizer == "adamw":
+        fixes.append("count 8-bit optimizer state (--optimizer adamw8bit)")
+    if args.fsdp == 1:
+        fixes.append("shard the model over ranks (--fsdp WORLD)")
+    return text + " To fit: " + ", ".join(fixes) + "."
+
+
+def check_out_path(path) -> None:
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"--out {path}: the folder {os.path.dirname(os.path.abspath(path))} does not exist; "
+                         "create it or write the plan elsewhere")
 
 
 def describe(plan) -> str:
@@ -118,18 +217,27 @@ def timeline_lines(sim) -> list:
 def run(args) -> int:
     import json
 
-    from remat.planning.simulator import simulate
-    from remat.planning.solver import solve
-    from remat.units import format_size, parse_size
-    budget = parse_size(args.budget)
-    prof = profile_from_args(args)
-    plan = solve(prof, budget, treatments=treatments_from_args(prof, args))
+    from remat.planning.solver import NoPlanFits
+    from remat.units import format_size, parse_budget
+    budget = parse_budget(args.budget)
+    check_model_arguments(args)
+    check_out_path(args.out)
+    say = progress()
+    prof = profile_from_args(args, say)
+    treatments = treatments_from_args(prof, args)
+    try:
+        plan = solve_from_args(prof, budget, treatments, say)
+    except NoPlanFits as e:
+        raise ValueError(no_fit_message(e, budget, args)) from None
     if args.out:
         plan.save(args.out)
+        print(f"written    {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1, sort_keys=True))
         return 0
-    sim = simulate(prof, plan)
+    from remat.planning.simulator import simulate
+    with working(say, "simulating the plan"):
+        sim = simulate(prof, plan)
     source = "measured" if prof.rates.measured else "roofline estimate"
     print(f"model      {args.model}  batch {args.batch} x {args.seq} tokens, {args.dtype}, "
           f"optimizer {args.optimizer}, rates {prof.rates.name} ({source})")
@@ -141,6 +249,4 @@ def run(args) -> int:
     if args.phases:
         for line in timeline_lines(sim):
             print(line)
-    if args.out:
-        print(f"written    {args.out}", file=sys.stderr)
     return 0

@@ -1,15 +1,19 @@
 """Built-in model presets: Hugging Face configs only, never weights.
 
-Every CLI command takes ``--model`` as a preset name or a path to a ``config.json`` (or
-a folder holding one), so "what fits, and how fast?" can be answered without a GPU and
-without downloading anything. Models are built from the config with random weights,
-on the meta device when only shapes matter.
+Every CLI command takes ``--model`` as a preset name, a path to a JSON config file of any
+name (``mistral-7b.json``) or a folder holding ``config.json``, so "what fits, and how
+fast?" can be answered without a GPU and without downloading anything. Models are built
+from the config with random weights, on the meta device when only shapes matter, with the
+attention implementation the model supports (:func:`attention_for`). Configs that are not
+decoder-only causal LMs (T5, BERT) are refused in one line rather than with transformers'
+list of every config class.
 
 ``llama-1b`` is the DESIGN.md bench model (the shape of Llama-3.2-1B with an untied
 head, as the anchors measured it).
 """
 from __future__ import annotations
 
+import json
 import os
 
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -40,33 +44,95 @@ def preset_names() -> list:
 
 
 def load_config(name_or_path: str):
-    """A ``transformers`` config from a preset name or a local config.json / folder."""
+    """A ``transformers`` config from a preset name, a JSON config file of any name, or a folder
+    holding ``config.json``. Every problem is a ValueError naming the file and the fix."""
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise ImportError("model presets and config.json files need transformers: "
-                          "pip install 'remat[hf]'") from None
+        raise ImportError("model presets and config files need transformers: pip install 'remat[hf]'",
+                          name="transformers") from None
     if name_or_path in PRESETS:
         kwargs = dict(PRESETS[name_or_path])
         config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    elif os.path.exists(name_or_path):
-        path = os.path.dirname(name_or_path) if os.path.isfile(name_or_path) else name_or_path
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"{name_or_path}: no config.json there; pass a preset "
-                             f"({', '.join(preset_names())}) or a path to a Hugging Face config.json")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    elif os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{name_or_path} is a folder without a config.json; pass a preset "
+                             f"({', '.join(preset_names())}), a JSON config file or a folder holding config.json")
+        config = _config_from_file(path)
+    elif os.path.isfile(name_or_path):
+        config = _config_from_file(name_or_path)
+    elif os.sep in name_or_path or name_or_path.endswith(".json"):
+        raise ValueError(f"no such file: {name_or_path}; pass a preset ({', '.join(preset_names())}), "
+                         "a JSON config file or a folder holding config.json")
     else:
         raise ValueError(f"unknown model {name_or_path!r}: not a preset ({', '.join(preset_names())}) "
-                         "and no such file; pass a preset name or a path to a config.json")
+                         "and no such file; pass a preset name or a path to a JSON config file")
     config.use_cache = False
     return config
 
 
-def build_model(config, *, device="cpu", dtype=None, attn_implementation="sdpa", seed=0):
-    """A causal LM with random weights from ``config``, in training mode."""
+def _config_from_file(path: str):
+    # Read the JSON here rather than with AutoConfig.from_pretrained, which wants the name
+    # config.json and answers a broken file with a page about the Hugging Face Hub.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}; pass a readable Hugging Face config file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json, as "
+                         "`config.save_pretrained(folder)` writes it") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError(f"{path} is not a Hugging Face model config: expected a JSON object with a "
+                         f"'model_type' string such as \"llama\", got "
+                         f"{type(data).__name__ if not isinstance(data, dict) else 'no model_type'}")
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+        raise ValueError(f"{path}: model_type {model_type!r} is not known to transformers "
+                         f"{transformers.__version__}; upgrade transformers or correct the model_type")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"{path}: transformers cannot make a {model_type} config from it "
+                         f"({type(e).__name__}: {e}); correct the file") from None
+
+
+def attention_for(config) -> str:
+    """The attention implementation to build ``config``'s model with: the one the config names,
+    else ``sdpa`` where the model class supports it, else ``eager``.
+
+    Gemma-2 (attention logit softcapping) refuses ``sdpa`` on transformers 5, so forcing
+    ``sdpa`` on every model, as remat once did, cannot build it.
+    """
+    named = getattr(config, "_attn_implementation_internal", None)
+    if named:
+        return named
+    return "sdpa" if getattr(_causal_lm_class(config), "_supports_sdpa", False) else "eager"
+
+
+def _causal_lm_class(config):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = "an encoder-decoder model" if getattr(config, "is_encoder_decoder", False) else \
+            "not a causal language model transformers knows"
+        raise ValueError(f"{type(config).__name__} (model_type {config.model_type!r}) is {kind}; remat plans "
+                         "decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...): pass such a config")
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def build_model(config, *, device="cpu", dtype=None, attn_implementation=None, seed=0):
+    """A causal LM with random weights from ``config``, in training mode.
+
+    ``attn_implementation``: default :func:`attention_for` (sdpa where the model allows it).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    _causal_lm_class(config)  # a short error for T5 and the like, before transformers' long one
+    attn_implementation = attn_implementation or attention_for(config)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     # default dtype rather than from_config(dtype=...): the keyword was renamed in transformers 5

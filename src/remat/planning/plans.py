@@ -13,6 +13,7 @@ Short string specs are turned into plans here too, against a model's discovered 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -22,6 +23,7 @@ PLAN_VERSION = 1
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")
 OFFLOADING_TREATMENTS = ("offload", "full+offload")
 HEAD_MODES = ("plain", "chunked")
+_FIELDS = ("version", "blocks", "head", "chunk_tokens", "notes")
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,27 @@ class Plan:
     notes: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self):
+        if not isinstance(self.blocks, Mapping):
+            raise TypeError(f"'blocks' must be a mapping of block name to treatment, such as "
+                            f"{{\"model.layers.0\": \"full\"}}; got a {type(self.blocks).__name__}")
+        bad_names = [name for name in self.blocks if not isinstance(name, str)]
+        if bad_names:
+            raise TypeError(f"'blocks' must be keyed by block names (strings); got {bad_names[:3]!r}")
         bad = {name: t for name, t in self.blocks.items() if t not in TREATMENTS}
         if bad:
-            raise ValueError(f"unknown treatments in plan: {bad}; expected one of {', '.join(TREATMENTS)}")
+            raise ValueError(f"unknown treatments in plan: {bad}; each value of 'blocks' must be a treatment "
+                             f"name (a string), one of {', '.join(TREATMENTS)}")
         if self.head not in HEAD_MODES:
-            raise ValueError(f"unknown head mode {self.head!r}; expected one of {HEAD_MODES}")
-        if self.chunk_tokens is not None and int(self.chunk_tokens) <= 0:
-            raise ValueError(f"chunk_tokens must be a positive integer, got {self.chunk_tokens}")
+            raise ValueError(f"'head' must be a head mode (a string), one of {', '.join(HEAD_MODES)}; "
+                             f"got {self.head!r} ({type(self.head).__name__})")
+        c = self.chunk_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Integral) or c <= 0):
+            # 0, False or 2.5 are mistakes, not a request for the default: None asks for that
+            raise ValueError(f"'chunk_tokens' must be a positive integer, or None to choose it for the "
+                             f"vocabulary at apply time; got {c!r} ({type(c).__name__})")
+        if not isinstance(self.notes, Mapping):
+            raise TypeError(f"'notes' must be a mapping; got a {type(self.notes).__name__}")
+        object.__setattr__(self, "chunk_tokens", None if c is None else int(c))
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
@@ -56,15 +72,24 @@ class Plan:
                 "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> "Plan":
+    def from_dict(cls, data: Mapping, *, source: str = "plan") -> "Plan":
+        """A plan from its :meth:`to_dict` form; ValueError naming ``source`` and the field if wrong."""
         if not isinstance(data, Mapping) or "blocks" not in data:
-            raise ValueError("not a remat plan: expected a JSON object with 'version' and 'blocks'")
+            raise ValueError(f"{source} is not a remat plan: expected a JSON object with 'version' and "
+                             f"'blocks', got {_describe(data)}; write plans with Plan.save or `remat plan --out`")
         version = data.get("version")
         if version != PLAN_VERSION:
-            raise ValueError(f"plan version {version!r} is not supported by this remat "
+            raise ValueError(f"{source}: plan version {version!r} is not supported by this remat "
                              f"(reads version {PLAN_VERSION}); re-create it with `remat plan`")
-        return cls(dict(data["blocks"]), data.get("head", "plain"), data.get("chunk_tokens"),
-                   dict(data.get("notes") or {}))
+        unknown = sorted(set(data) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"{source}: unknown fields {unknown}; a plan has {', '.join(_FIELDS)}")
+        notes = data.get("notes")
+        try:
+            return cls(data["blocks"], data.get("head", "plain"), data.get("chunk_tokens"),
+                       {} if notes is None else notes)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
 
     def save(self, path: str) -> None:
         tmp = f"{path}.tmp"
@@ -81,7 +106,7 @@ class Plan:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} is not valid JSON ({e}); expected a plan written by "
                                  "Plan.save or `remat plan --out`") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, source=path)
 
     def summary(self) -> str:
         counts = {}
@@ -111,9 +136,17 @@ def resolve(spec, block_names) -> Plan:
     kind, _, rest = spec.partition(":")
     count, _, treatment = rest.partition(":")
     treatment = treatment or "full"
-    if kind not in ("every", "first") or not count.isdigit() or int(count) < 1 or treatment not in TREATMENTS:
-        raise ValueError(f"cannot read spec {spec!r}: expected one of {', '.join(TREATMENTS)}, "
-                         "'every:N[:treatment]' or 'first:N[:treatment]' with N >= 1")
+    grammar = f"expected one of {', '.join(TREATMENTS)}, 'every:N[:treatment]' or 'first:N[:treatment]' with N >= 1"
+    if kind not in ("every", "first"):
+        raise ValueError(f"cannot read spec {spec!r}: {kind!r} is neither a treatment nor 'every'/'first'; {grammar}")
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"cannot read spec {spec!r}: N must be a whole number >= 1, got {count!r}; {grammar}")
+    if treatment not in TREATMENTS:
+        raise ValueError(f"cannot read spec {spec!r}: unknown treatment {treatment!r}; {grammar}")
     n = int(count)
     chosen = block_names[::n] if kind == "every" else block_names[:n]
     return Plan({name: (treatment if name in chosen else "keep") for name in block_names})
+
+
+def _describe(value) -> str:
+    return "an object without 'blocks'" if isinstance(value, Mapping) else f"a JSON {type(value).__name__}"

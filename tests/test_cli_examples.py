@@ -1,0 +1,54 @@
+"""Every example in every ``remat <command> --help`` runs and succeeds, as printed.
+
+The lines are read from each command module's ``EXAMPLES`` (the text ``--help`` shows) and run
+in-process through ``remat.cli.main`` in a scratch folder, where ``mistral-7b.json`` (the
+example of a config file of any name) is written first. An example whose comment says
+``GPU`` needs CUDA and is skipped without it; the others run on the CPU. Big models are
+planned on the meta device, so they cost seconds, not memory; they carry the ``slow`` mark.
+"""
+import json
+import shlex
+from importlib import import_module
+
+import pytest
+
+from remat.cli import COMMANDS, main
+
+QUICK = ("llama-tiny", "remat env", "remat bench --only")  # seconds; everything else is marked slow
+
+
+def _examples():
+    for name, (module_name, _) in COMMANDS.items():
+        for line in import_module(module_name).EXAMPLES.splitlines():
+            if not line.startswith("  remat "):
+                continue
+            command, _, comment = line.strip().partition("#")
+            marks = [pytest.mark.gpu] if "GPU" in comment else []
+            if not any(word in command for word in QUICK):
+                marks.append(pytest.mark.slow)
+            yield pytest.param(command.strip(), marks=marks, id=command.strip())
+
+
+EXAMPLES = list(_examples())
+
+
+def test_every_command_has_examples():
+    commands = {shlex.split(p.values[0])[1] for p in EXAMPLES}
+    assert commands == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", EXAMPLES)
+def test_example_runs(command, tmp_path, monkeypatch, capsys):
+    from transformers import MistralConfig
+    monkeypatch.chdir(tmp_path)
+    MistralConfig().to_json_file("mistral-7b.json")  # Mistral-7B's shape, the config-file example
+    argv = shlex.split(command)[1:]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    if "--json" in argv:
+        json.loads(out)
+    if argv[0] == "bench":
+        out_dir = argv[argv.index("--out") + 1] if "--out" in argv else "remat-bench"
+        with open(f"{out_dir}/bench.jsonl") as f:
+            failed = [r for r in map(json.loads, f) if r.get("status") == "error"]
+        assert not failed, [(r["strategy"], r.get("reason")) for r in failed]
