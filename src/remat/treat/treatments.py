@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor  # already loaded by torch itself
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
@@ -175,12 +175,14 @@ def _stats_once(function, modules):
         calls[0] += 1
         if calls[0] == 1:
             return function(*flat)
-        saved = [(b, b.detach().clone()) for m in modules for name, b in m.named_buffers(recurse=False)
-                 if b is not None and (name.startswith("running_") or name == "num_batches_tracked")]
+        # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
+        with _disable_current_modes():
+            saved = [(b, b.detach().clone()) for m in modules for name, b in m.named_buffers(recurse=False)
+                     if b is not None and (name.startswith("running_") or name == "num_batches_tracked")]
         try:
             return function(*flat)
         finally:
-            with torch.no_grad():
+            with _disable_current_modes(), torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
     return run
