@@ -315,43 +315,59 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7),
-                    reason="FSDP2 on the CPU needs torch >= 2.7")
-def test_offload_then_fully_shard_keeps_fsdp_storages_and_gives_same_gradients():
+def _run_fsdp_worker(device):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = subprocess.run([sys.executable, __file__, "fsdp"], capture_output=True, text=True, env=env,
-                            timeout=300, cwd=os.path.dirname(__file__))
+    result = subprocess.run([sys.executable, __file__, "fsdp", device], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=os.path.dirname(__file__))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "OK", result.stdout
 
 
-def _fsdp_worker():
-    """remat.apply(offload) with the inline engine, then FSDP2 fully_shard (world size 1, gloo):
-    parameters are DTensors between uses and FSDP2 frees their unsharded storages."""
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7),
+                    reason="FSDP2 on the CPU needs torch >= 2.7")
+def test_offload_then_fully_shard_keeps_fsdp_storages_and_gives_same_gradients():
+    _run_fsdp_worker("cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_offload_then_fully_shard():
+    _run_fsdp_worker("cuda")
+
+
+def _fsdp_worker(device):
+    """remat.apply(offload), then FSDP2 fully_shard (world size 1): parameters are DTensors between
+    uses and FSDP2 frees their unsharded storages. On the CPU the engine runs inline (gloo)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from families import FAMILIES
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
     model, make_inputs = FAMILIES["llama"]()
+    inputs = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in make_inputs().items()}
+    model.to(device)
     reference = copy.deepcopy(model)
-    inputs = make_inputs()
-    remat.apply(model, "offload", offload_options={"_inline": True, "min_bytes": 0})
-    mesh = init_device_mesh("cpu", (1,))
+    remat.apply(model, "offload", offload_options={"_inline": not on_gpu, "min_bytes": 0})
+    mesh = init_device_mesh(device, (1,))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     problems = []
-    for m in (model, reference):
-        torch.manual_seed(3)
-        m(**inputs).loss.backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        grad = p.grad.full_tensor() if p.grad is not None and hasattr(p.grad, "full_tensor") else p.grad
-        if (grad is None) != (q.grad is None) or (grad is not None and not torch.equal(grad, q.grad)):
-            problems.append(f"{name}: gradient differs")
+    for _ in range(2):
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
+            m(**inputs).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            grad = p.grad.full_tensor() if p.grad is not None and hasattr(p.grad, "full_tensor") else p.grad
+            if (grad is None) != (q.grad is None) or (grad is not None and not torch.equal(grad, q.grad)):
+                problems.append(f"{name}: gradient differs")
     s = engine_of(model).stats()
-    if not (s["slots"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0):
+    if not (s["bytes_d2h"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0):
         problems.append(f"engine stats: {s}")
     dist.destroy_process_group()
     print("OK" if not problems else "\n".join(problems))
@@ -406,5 +422,5 @@ def test_gpu_inplace_write_to_a_saved_tensor_raises(settings):
     assert clean_engine.stats()["bytes_packed"] > 0
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["fsdp"]:
-    _fsdp_worker()
+if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:
+    _fsdp_worker(sys.argv[2])

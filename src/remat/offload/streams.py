@@ -4,7 +4,9 @@ How it works. :class:`remat.offload.engine.OffloadEngine` never calls ``torch.cu
 stream, event, allocation and copy goes through a small device object with the same few methods
 (``current``, ``key``, ``empty``, ``copy``, ``free_after``, ``event``, ``on``, ``sleep`` and the
 ``d2h``/``h2d`` streams). :class:`_Cuda` is the real one: two side streams per device, one per
-copy direction, so the two copy engines can run at once. :class:`_Inline` runs on CPU tensors
+copy direction, so the two copy engines can run at once; the engine makes one for each CUDA device
+its saved tensors are on, so a model spread over several GPUs copies each block from its own
+device. :class:`_Inline` runs on CPU tensors
 with synchronous copies and events that have always completed, so all of the engine's
 bookkeeping (records, slots, prefetch order, pool reuse) runs in CPU tests; tests subclass it to
 model lagging or deferred streams.
@@ -14,8 +16,10 @@ is the part that goes wrong (a missing wait reads garbage, an early free corrupt
 and a device object is the seam where a test can put streams that misbehave on purpose.
 
 Limits: :class:`_Cuda` takes the identity of a stream from its handle (``cuda_stream``) because
-``torch.Stream`` compares unequal-to-None as False; ``free_after`` is the one ``record_stream``
-the engine uses. :class:`_Inline` proves bookkeeping, not stream ordering on a real GPU.
+``torch.Stream`` compares unequal-to-None as False; ``free_after`` is ``record_stream``, which the
+engine uses only where it lets go of memory another stream may still use (a copy's source given up
+before the copy ran; a slot read by a stream other than the one that allocated it). :class:`_Inline`
+proves bookkeeping, not stream ordering on a real GPU.
 """
 from __future__ import annotations
 
