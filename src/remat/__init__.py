@@ -17,6 +17,7 @@ _PUBLIC = {
     "apply": ".api",
     "remove": ".api",
     "current_plan": ".api",
+    "Guard": ".guard",
     "Plan": ".planning.plans",
     "NoPlanFits": ".planning.solver",
     "discover": ".treat.discovery",

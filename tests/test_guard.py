@@ -1,0 +1,143 @@
+"""remat.Guard (issue 14): a step that runs out of memory is re-planned and redone, and the
+loss curve equals a run that never ran out; every new longest batch is planned before it runs.
+
+The out-of-memory error is injected by a forward pre-hook that raises
+``torch.OutOfMemoryError`` at a chosen step, as the CUDA allocator would.
+"""
+import copy
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import remat
+from remat.api import current_plan
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=0.1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).train()
+
+
+def _batches(count=20, lengths=(8, 12, 6, 16, 10)):
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(count):
+        ids = torch.randint(0, 64, (2, lengths[i % len(lengths)]), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _train(model, batches, run_step, accumulate=2):
+    """AdamW, two micro-batches per optimizer step: the curve of losses, bit for bit."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(11)
+    losses = []
+    for index, batch in enumerate(batches):
+        losses.append(run_step(batch))
+        if index % accumulate == accumulate - 1:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _step_fn(model):
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+class _OOMAt:
+    """A forward hook that makes the backward of the training steps numbered in ``calls``
+    (counted from 0) raise torch.OutOfMemoryError half way, after the later blocks' parameter
+    gradients were accumulated: the guard must put ``.grad`` back as it was. The planner's
+    profiling forwards (fake tensors) are not counted."""
+
+    def __init__(self, calls):
+        self.calls, self.count = set(calls), 0
+
+    def __call__(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, FakeTensor) or not hidden.requires_grad:
+            return
+        self.count += 1
+        if self.count - 1 in self.calls:
+            hidden.register_hook(self.raise_oom)
+
+    @staticmethod
+    def raise_oom(grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def _keep_peak(model, batch):
+    return remat.plan(copy.deepcopy(model), batch, "64GiB", heads=["plain"]).notes["predicted_peak_bytes"]
+
+
+def test_injected_oom_is_recovered_and_the_loss_curve_is_unchanged():
+    batches = _batches()
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    expected = _train(reference, batches, _step_fn(reference))
+
+    longest = max(batches, key=lambda b: b["input_ids"].numel())
+    budget = int(_keep_peak(model, longest) * 1.02)          # keep fits; 0.85 of it needs treatments
+    guard = remat.Guard(model, budget=budget, heads=["plain"])
+    injected = _OOMAt(calls=[3, 4])            # step 3 (the longest batch) fails twice, then runs
+    handle = model.model.layers[2].register_forward_hook(injected)
+    got = _train(model, batches, lambda batch: guard(_step_fn(model), batch))
+    handle.remove()
+
+    assert [g.item() for g in got] == [e.item() for e in expected]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    assert guard.recovered == 2 and guard.budget < budget
+    assert set(current_plan(model).blocks.values()) != {"keep"}       # the re-plan checkpoints
+
+
+def test_longer_batches_are_planned_before_they_run():
+    model = _llama()
+    guard = remat.Guard(model, budget="1GiB", heads=["plain"])
+    seen = []
+    for batch in _batches(count=6, lengths=(8, 6, 12, 12, 16, 4)):
+        guard(_step_fn(model), batch)
+        seen.append(guard.planned_tokens)
+    assert seen == [16, 16, 24, 24, 32, 32] and guard.replans == 3
+
+
+def test_gives_up_with_the_budgets_tried():
+    model = _llama()
+    guard = remat.Guard(model, budget="1GiB", heads=["plain"], max_retries=2)
+    model.model.layers[0].register_forward_hook(_OOMAt(calls=range(100)))
+    with pytest.raises(RuntimeError, match="budgets tried: 1.00 GiB, 870.40 MiB, 739.84 MiB"):
+        guard(_step_fn(model), _batches(count=1)[0])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_other_errors_are_not_swallowed():
+    model = _llama()
+    guard = remat.Guard(model, budget="1GiB", heads=["plain"])
+
+    def broken(batch):
+        raise KeyError("labels")
+    with pytest.raises(KeyError):
+        guard(broken, _batches(count=1)[0])
+    assert guard.recovered == 0
+
+
+@pytest.mark.parametrize("bad", [dict(budget="-1GiB"), dict(budget=float("inf")), dict(budget="1GiB", shrink=1.5),
+                                 dict(budget="1GiB", max_retries=-1)])
+def test_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        remat.Guard(_llama(), **bad)
+
+
+def test_budget_none_needs_a_gpu_model():
+    with pytest.raises(ValueError, match="not on a GPU"):
+        remat.Guard(_llama())
