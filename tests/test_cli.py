@@ -179,4 +179,6 @@ def test_env_prints_sizes_in_the_unit_that_fits(capsys):
     (["--only", "eager,nonsense"], "unknown strategies ['nonsense']"),
 ])
 def test_bench_refuses_bad_options_before_measuring(capsys, tmp_path, argv, match):
-    assert match in _error(capsys, ["bench", "--out", str(tmp_path), *argv], command="bench")
+    out = tmp_path / "out"
+    assert match in _error(capsys, ["bench", "--out", str(out), *argv], command="bench")
+    assert not out.exists()  # refused before writing anything

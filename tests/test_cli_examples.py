@@ -3,7 +3,7 @@
 The lines are read from each command module's ``EXAMPLES`` (the text ``--help`` shows) and run
 in-process through ``remat.cli.main`` in a scratch folder, where ``mistral-7b.json`` (the
 example of a config file of any name) is written first. An example whose comment says
-``GPU`` needs CUDA and is skipped without it; the others run on the CPU. Big models are
+is ``GPU`` needs CUDA and is skipped without it; the others run on the CPU. Big models are
 planned on the meta device, so they cost seconds, not memory; they carry the ``slow`` mark.
 """
 import json
@@ -23,7 +23,7 @@ def _examples():
             if not line.startswith("  remat "):
                 continue
             command, _, comment = line.strip().partition("#")
-            marks = [pytest.mark.gpu] if "GPU" in comment else []
+            marks = [pytest.mark.gpu] if comment.strip() == "GPU" else []
             if not any(word in command for word in QUICK):
                 marks.append(pytest.mark.slow)
             yield pytest.param(command.strip(), marks=marks, id=command.strip())

@@ -16,7 +16,7 @@ import sys
 HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpointing, every-2, "
         "op-level SAC, save_on_cpu, torch.compile budgets) on one model and batch")
 EXAMPLES = """examples:
-  remat bench                                   # CPU: llama-tiny, a minute; GPU: the bench model
+  remat bench                 # llama-tiny on the CPU (a minute); on a GPU, the bench model
   remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/  # GPU
   remat bench --model qwen-1.5b --batch 8 --seq 2048 --compile                                  # GPU
   remat bench --only eager,hf_full,remat:full,remat:selective
@@ -76,10 +76,6 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     plan_rates = None if device == "cuda" else "cpu"  # on a GPU the planner measures it
 
-    os.makedirs(args.out, exist_ok=True)
-    jsonl = os.path.join(args.out, "bench.jsonl")
-    if os.path.exists(jsonl):
-        os.replace(jsonl, jsonl + ".previous")  # keep the last run's records, never append to them
     chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
                                                gpu=plan_rates)
     if args.only:
@@ -89,10 +85,14 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"--only names unknown strategies {sorted(unknown)}; known: "
                              f"{', '.join(s.name for s in strategies)}")
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, "bench.jsonl")
+    if os.path.exists(jsonl):
+        os.replace(jsonl, jsonl + ".previous")  # keep the last run's records, never append to them
     print(f"remat bench: {model}, batch {batch} x {seq}, {str(dtype).replace('torch.', '')} on "
           f"{gpu or device}; {len(chosen)} strategies", file=sys.stderr)
     records = bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype, strategy_list=chosen,
-                        warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
+                        warmup=args.warmup, steps=args.steps, out_jsonl=jsonl, progress=sys.stderr)
     if budgets_arg == "auto" and (not args.only or "remat@auto" in args.only):
         eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
         if eager is None:
@@ -102,7 +102,8 @@ def run(args) -> int:
             auto = [int(floor + (eager["peak_bytes"] - floor) * f) for f in AUTO_FRACTIONS]
             more = bench.strategies(auto, uniform=(), anchors=False, gpu=plan_rates)
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
-                                 strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl)
+                                 strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl,
+                                 progress=sys.stderr)
             bench.relate_all(records)
     table = report.markdown(records, title="remat bench")
     per_budget = report.budget_table(records)
