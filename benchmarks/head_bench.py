@@ -13,9 +13,9 @@ under each strategy:
 
 Per strategy: peak (``max_memory_allocated`` after a reset, over the timed steps), static bytes
 (allocated before a step), step time (median and spread), tokens/s, ratio to eager and to
-``hf_full``, loss and its relative difference to eager's, and for chunked rows the head's
-predicted peak (``remat.treat.head.head_peak_bytes``) beside the plain head's. Then the issue's criteria
-with their numbers and pass/fail: ``full+chunked`` peak <= 12 GiB at >= 0.97x ``hf_full``;
+``hf_full``, loss and its relative difference to eager's, and for chunked rows the chunk size
+(the planner predicts the head's peak from a profile of it, not from a formula). Then the issue's
+criteria with their numbers and pass/fail: ``full+chunked`` peak <= 12 GiB at >= 0.97x ``hf_full``;
 ``chunked`` alone: peak drop against ``none``.
 
 Usage (on the GPU machine, from the repository root):
@@ -36,7 +36,7 @@ import torch
 import remat
 from remat.api import current_plan
 from remat.prove.bench import timed_steps
-from remat.treat.head import default_chunk_tokens, head_peak_bytes
+from remat.treat.chunked_loss import default_chunk_tokens
 from remat.integrations.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
@@ -96,11 +96,7 @@ def run(name, setup, args, config):
                loss=float(loss), model=args.model, batch=args.batch, seq=args.seq)
     plan = current_plan(model)
     if plan is not None and plan.head == "chunked":
-        chunk = plan.chunk_tokens or default_chunk_tokens(config.vocab_size)
-        shape = (args.batch * args.seq, config.vocab_size, config.hidden_size, torch.bfloat16)
-        row.update(chunk_tokens=chunk,
-                   predicted_head_peak_GiB=head_peak_bytes(*shape, "chunked", chunk) / GiB,
-                   predicted_plain_head_peak_GiB=head_peak_bytes(*shape, "plain") / GiB)
+        row.update(chunk_tokens=plan.chunk_tokens or default_chunk_tokens(config.vocab_size))
     del model, ids, loss
     gc.collect()
     torch.cuda.empty_cache()

@@ -13,14 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import remat
-from remat.treat.head import (chunked_cross_entropy, choose_chunk_tokens, default_chunk_tokens,
-                        disable_chunked_head, enable_chunked_head, head_peak_bytes)
 from remat.integrations.presets import build_model, load_config
+from remat.prove.memtrack import PeakTracker
+from remat.treat.chunked_loss import chunked_cross_entropy, default_chunk_tokens
+from remat.treat.head import disable_chunked_head, enable_chunked_head
 
 FP32_TOL = 1e-6
 BF16_FACTOR = 1.5  # ours vs fp64 may be at most this times the plain path's error vs fp64
@@ -166,76 +164,50 @@ def test_frozen_head_gets_no_gradient_and_frozen_everything_still_gives_the_loss
     assert model.lm_head.weight.grad is None
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Live bytes of storages created inside the mode, after every op (storage weak refs,
-    so views and in-place ops are counted once and freeing is seen exactly)."""
-
-    def __init__(self, *existing):
-        super().__init__()
-        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
-        self.refs, self.trace = {}, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata not in self.refs and ref.cdata not in self.existing:
-                    self.refs[ref.cdata] = (ref, t.untyped_storage().nbytes())
-        self.trace.append({k: n for k, (r, n) in self.refs.items() if not r.expired()})
-        return out
-
-    def peak(self, exclude=()):
-        return max(sum(n for k, n in live.items() if k not in exclude) for live in self.trace)
-
-
 def _head_peak(mode, tokens, vocab, hidden=32, dtype=torch.float32, chunk=None):
+    """Peak bytes the head allocates over forward and backward (inputs and weight not
+    counted; the weight gradient is)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
     torch.manual_seed(0)
     h = torch.randn(2, tokens // 2, hidden, dtype=dtype, requires_grad=True)
     w = (torch.randn(vocab, hidden, dtype=dtype) / hidden ** 0.5).requires_grad_()
     labels = torch.randint(0, vocab, (2, tokens // 2))
-    with _LiveBytes(h, w, labels) as live:
+    with PeakTracker() as tracker:
         if mode == "plain":
             loss = ForCausalLMLoss(F.linear(h, w), labels, vocab)
         else:
             targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
             loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=chunk)
         loss.backward()
-    return live.peak(exclude={StorageWeakRef(w.grad.untyped_storage()).cdata})
+        del loss
+    return tracker.peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_peak_bytes_measured_grow_with_chunk_not_tokens(dtype):
-    hidden, chunk = 32, 64
-    sizes = [(512, 1000), (2048, 1000), (512, 4000)]
-    for tokens, vocab in sizes:
-        for mode, c in (("plain", None), ("chunked", chunk)):
-            measured = _head_peak(mode, tokens, vocab, hidden, dtype, c)
-            predicted = head_peak_bytes(tokens, vocab, hidden, dtype, mode, c)
-            assert abs(measured - predicted) <= 0.02 * predicted, (mode, tokens, vocab, measured, predicted)
-    # bound independent of tokens x vocab: logits of one chunk + what scales with tokens x hidden
-    # or vocab x hidden. 4x the tokens adds no chunk x vocab term.
+def test_measured_peak_grows_with_the_chunk_not_with_tokens_times_vocab(dtype):
+    hidden, vocab, chunk = 32, 1000, 64
     d = torch.empty((), dtype=dtype).element_size()
-    for tokens, vocab in sizes:
-        bound = (d + 4) * chunk * vocab + (4 + d) * vocab * hidden + 2 * d * tokens * hidden + 16 * tokens + 48 * chunk
-        assert _head_peak("chunked", tokens, vocab, hidden, dtype, chunk) <= bound
-        assert _head_peak("plain", tokens, vocab, hidden, dtype) >= 12 * tokens * vocab
+    base = _head_peak("chunked", 512, vocab, hidden, dtype, chunk)
+    # 4x the tokens adds only [tokens x hidden] buffers (grad_h kept for backward, its scaled
+    # copy, the input gradient) and per-token labels: 1/8 of the logits those tokens would take
+    more_tokens = _head_peak("chunked", 2048, vocab, hidden, dtype, chunk)
+    assert more_tokens - base <= 3 * d * (2048 - 512) * hidden + 16 * 2048
+    # the peak holds one whole chunk's fp32 logits: 4x the chunk adds about 3 chunks' worth
+    bigger_chunk = _head_peak("chunked", 512, vocab, hidden, dtype, 4 * chunk)
+    assert bigger_chunk >= 4 * (4 * chunk) * vocab
+    assert bigger_chunk - base >= 0.5 * 4 * (4 * chunk - chunk) * vocab
+    # a bound with no tokens x vocab term: one chunk's logits (and their fp32 copy), the fp32
+    # weight-gradient accumulator and the weight gradient, the [tokens x hidden] buffers
+    for tokens, v in ((512, vocab), (2048, vocab), (512, 4 * vocab)):
+        bound = ((d + 4) * chunk * v + (4 + d) * v * hidden + 3 * d * tokens * hidden
+                 + 16 * tokens + 48 * chunk)
+        assert _head_peak("chunked", tokens, v, hidden, dtype, chunk) <= bound, (tokens, v)
+        assert _head_peak("plain", tokens, v, hidden, dtype) >= 12 * tokens * v
 
 
-def test_choose_chunk_tokens_fits_the_budget():
-    args = (16384, 128256, 2048, torch.bfloat16)
-    previous = 0
-    for gib in (2, 3, 4, 8):
-        chunk = choose_chunk_tokens(*args, gib * 2 ** 30)
-        assert chunk % 128 == 0 and chunk >= previous
-        assert head_peak_bytes(*args, "chunked", chunk) <= gib * 2 ** 30
-        previous = chunk
-    assert choose_chunk_tokens(100, 1000, 64, torch.float32, 2 ** 30) == 100  # all tokens in one chunk
-    with pytest.raises(ValueError, match="at least"):
-        choose_chunk_tokens(*args, 2 ** 20)
+def test_default_chunk_tokens():
     assert default_chunk_tokens(128256) == 2048
-    assert head_peak_bytes(*args, "plain") > 8 * head_peak_bytes(*args, "chunked", 2048)
+    assert default_chunk_tokens(10 ** 9) == 128 and default_chunk_tokens(100) == 8192
 
 
 def test_other_calls_are_untouched_and_disable_restores():
@@ -309,7 +281,7 @@ def test_refuses_what_it_cannot_reproduce():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_matches_and_peak_is_predicted():
+def test_gpu_bf16_matches_and_peak_is_one_chunk():
     model = build_model(load_config("llama-tiny"), device="cuda", dtype=torch.bfloat16)
     plain, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     enable_chunked_head(model, chunk_tokens=100)
@@ -328,5 +300,6 @@ def test_gpu_bf16_matches_and_peak_is_predicted():
     torch.cuda.reset_peak_memory_stats()
     chunked_cross_entropy(h, w, None, targets, chunk_tokens=chunk).backward()
     measured = torch.cuda.max_memory_allocated() - base - w.grad.numel() * 2
-    predicted = head_peak_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", chunk)
-    assert measured <= 1.1 * predicted
+    d = 2  # bf16: grad_h and the fp32 weight-gradient accumulator kept; one chunk's logits at a time
+    bound = d * tokens * hidden + 4 * vocab * hidden + max((d + 4) * chunk * vocab, d * chunk * vocab + d * vocab * hidden)
+    assert measured <= 1.1 * (bound + d * tokens * hidden + 16 * tokens)
