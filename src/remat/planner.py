@@ -19,19 +19,26 @@ from typing import Optional, Sequence
 import torch.nn as nn
 
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
-from remat.profiling.profiler import profile as _profile
-from remat.planning.sharding import block_param_bytes, shard
+from remat.planning.sharding import shard
 from remat.planning.solver import solve
+from remat.profiling.profiler import block_param_bytes
+from remat.profiling.profiler import profile as _profile
+from remat.treat.discovery import discover
 from remat.units import parse_size
 
 
-def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimizer: str = "none",
+def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, progress=None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
-    ``batch``: a dict of tensors (``input_ids``, ``labels`` ...) or a tensor of input ids,
-    with the shapes of training (values do not matter). ``budget``: bytes or "24GiB".
+    ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
+    (values do not matter). ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
+    Without it, a dict batch means a Hugging Face model, ``model(**batch).loss`` (``labels``
+    default to ``input_ids``), a tensor of integer ids a causal LM trained on them
+    (``labels=ids``); any other batch raises TypeError asking for ``loss_fn``. A model with no
+    LM head plans with the plain head only. The model is left exactly as it was found (an
+    applied plan, gradients, buffers, RNG ...; see :func:`remat.profile`). ``budget``: bytes or "24GiB".
     ``gpu``: rates to plan for when the model is not on a GPU (h100, h200, a100).
     ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two fp32
     states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
@@ -39,7 +46,7 @@ def plan(model: nn.Module, batch, budget, *, gpu: Optional[str] = None, optimize
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
     """
     budget_bytes = parse_size(budget)
-    prof = _profile(model, batch, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
+    prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     return solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
@@ -51,6 +58,32 @@ def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))
     return chosen
+
+
+def adapt(plan: Plan, model: nn.Module, blocks=None) -> Plan:
+    """``plan`` with its block names mapped onto ``model``'s blocks, for a plan made on a
+    model under another name: on a base model and applied to its PEFT wrapper
+    (``model.layers.0`` -> ``base_model.model.model.layers.0``), or the other way round.
+
+    A plan name maps to the one block name that equals it, ends with ``"." + name`` or is a
+    suffix of it the same way; ValueError if any maps to none or to several, or two to one.
+    """
+    names = list(discover(model, blocks).block_names)
+    planned = list(plan.blocks)
+    if all(name in names for name in planned):
+        return plan
+    mapping = {}
+    for name in planned:
+        found = [n for n in names if n == name or n.endswith("." + name) or name.endswith("." + n)]
+        if len(found) != 1:
+            raise ValueError(f"plan block {name!r} matches {'no' if not found else len(found)} block(s) of "
+                             f"{type(model).__name__} ({found[:3] or names[:3]} ...); the plan was made for a "
+                             "model with other blocks")
+        mapping[name] = found[0]
+    if len(set(mapping.values())) != len(mapping):
+        raise ValueError(f"two plan blocks map to one block of {type(model).__name__}; names are ambiguous")
+    return Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
+                chunk_tokens=plan.chunk_tokens, notes=plan.notes)
 
 
 def _allowed(prof, treatments) -> Optional[list]:

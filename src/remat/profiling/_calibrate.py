@@ -12,7 +12,7 @@ under-predicted by 4-6% on the bench model.
 
 Limits: one ratio per phase for all treatments, so recompute-heavy treatments come out a
 few percent high; skipped (noted in ``notes["calibration"]``) when no uniform plan fits
-or the hooks cannot fire (frozen embeddings). Needs CUDA; never runs on a fake profile.
+or a block's output needs no gradient. Needs CUDA; never runs on a fake profile.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
     return tuple(rates)
 
 
-def _calibrate(model, batch, named, prof, say) -> Profile:
+def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     """Scale the blocks' and the head's seconds to what they take inside a real step.
 
     Measured on an H200: a block ran 0-10% slower inside a whole step than alone, even
@@ -81,8 +81,8 @@ def _calibrate(model, batch, named, prof, say) -> Profile:
         from remat.treat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
     try:
-        _staged_step(model, batch, named)  # warm-up
-        steps = [_staged_step(model, batch, named) for _ in range(2)]
+        _staged_step(model, batch, loss_fn, named)  # warm-up
+        steps = [_staged_step(model, batch, loss_fn, named) for _ in range(2)]
     finally:
         for _, block in named:
             remove_treatment(block)
@@ -103,7 +103,7 @@ def _calibrate(model, batch, named, prof, say) -> Profile:
     return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
 
 
-def _staged_step(model, batch, named) -> dict:
+def _staged_step(model, batch, loss_fn, named) -> dict:
     """One training step with CUDA events around each block's forward and backward and the head."""
     event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     n = len(named)
@@ -134,9 +134,11 @@ def _staged_step(model, batch, named) -> dict:
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(**batch).loss
+        loss = loss_fn(model, batch)
         loss.backward()
         del loss
+        if grad_at[n] is None:  # nothing before the blocks needs a gradient (frozen embeddings)
+            grad_at[n] = recorded()
         torch.cuda.synchronize()
         step = time.perf_counter() - t0
     finally:

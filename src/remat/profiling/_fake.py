@@ -8,11 +8,15 @@ the length of a fake run, calling the CUDA flash or memory-efficient ops, whose 
 functions run on fake CPU tensors: a CPU-only profile then sees what the GPU kernels save
 (output, log-sum-exp and the inputs) rather than what the CPU kernels save. (The chunked
 head skips its probe of the model's logit transform on fake tensors itself.)
+:class:`_AnyDtypeKernels` lets ``aten._grouped_mm`` (the MoE experts' grouped matmul in
+transformers) take the dtypes its CPU kernel takes: its fake-tensor (meta) function copies the
+CUDA kernel's checks and refuses anything but bf16, so an fp32 MoE that trains on the CPU
+could not be profiled.
 
 Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
 tracker could not tell a view from a new tensor; fake tensors keep storages.
 
-Limits: only SDPA is redirected; a model calling its own attention kernels is measured
+Limits: only SDPA and the grouped matmul are redirected; a model calling its own attention kernels is measured
 with whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a
 mask, the efficient one equal query and key heads; anything else falls back to the CPU
 op. Hugging Face's packed-sequence check is told "not packed" unless the batch passes
@@ -26,6 +30,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -93,3 +98,28 @@ def _swap_to_fake(model: nn.Module, fake_mode):
         for table, name, value in saved:
             table[name] = value
     return undo
+
+
+class _AnyDtypeKernels(TorchDispatchMode):
+    """Fake runs of ops whose meta function is stricter than the kernel a model really runs.
+
+    ``aten._grouped_mm``'s meta function mirrors the CUDA kernel's dtype check (bf16 only),
+    while the CPU kernel (what an fp32 MoE on the CPU runs) takes fp32 and fp16 too. Here a
+    grouped matmul of another dtype is shaped by the bf16 meta function and handed back in its
+    own dtype: same shape, same strides, new storage, as the real kernel returns. Enter it
+    *below* the byte tracker (after the ``FakeTensorMode``, before the tracker) so the tracker
+    sees only the op and its result, not the casts made here.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
+            a, b = bound["self"], bound["mat2"]
+            if a.dtype != torch.bfloat16 and a.dtype == b.dtype and a.is_floating_point():
+                out_dtype = bound.pop("out_dtype", None) or a.dtype
+                bias = bound.get("bias")
+                shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), bound.get("offs"),
+                              None if bias is None else bias.to(torch.bfloat16))
+                return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=shaped.device)
+        return func(*args, **kwargs)

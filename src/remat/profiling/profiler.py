@@ -1,12 +1,16 @@
 """``remat.profile``: what each block costs under each treatment, in bytes and seconds.
 
-How: one forward call captures the first block's inputs (hidden states, rotary tables,
-mask). Then each *block class* (same module class, same parameter shapes) is run once per
-treatment, alone, forward then backward, with a meter reading live bytes at the phase
+How: one forward without gradients captures each block's inputs (hidden states, rotary
+tables, mask) and output shape. Then each *block class* (same module class, parameter
+shapes, attention configuration and input shape) is run once per treatment, alone, on the
+input its first block really received, forward then backward, with a meter reading live bytes at the phase
 boundaries: its forward peak, what it keeps for backward, its backward peak (recompute
 included) and what it leaves (parameter gradients, the input gradient). The rest of the
 model is measured by one more forward+backward per head mode in which every block is a
-stub (``x.clone()``): embeddings, then the final norm, LM head and loss, and their backward.
+stub (a fresh tensor of the block's output shape): embeddings, then the final norm, LM head
+and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
+or a Hugging Face model's ``.loss``. Profiling changes nothing in the model: see
+:mod:`remat.profiling.snapshot` and :func:`remat.treat.patches.suspended`.
 :mod:`remat.planning.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
 one block, so it is profiled as one block plus its head.
 
@@ -34,8 +38,8 @@ Why not profile the whole model per treatment, or use ``torch.cuda.memory._recor
 Whole-model runs cost depth x treatments and need the real model on a real GPU; the block
 decomposition is exact for sequential block stacks and costs one block.
 
-Limits: blocks of one class are assumed to cost the same (Gemma-2's alternating
-sliding-window layers share one profile); offload costs are derived, not measured: the
+Limits: blocks of one class are assumed to cost the same (a configuration attribute not
+in :data:`remat.profiling._measure.CONFIG_ATTRIBUTES` is not seen); offload costs are derived, not measured: the
 bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
 ``full+offload``) of at least ``min_offload_bytes``, excluding parameters; optimizer state is
 counted as bytes per parameter, and its step's temporaries are not modelled.
@@ -48,30 +52,46 @@ the in-step calibration in :mod:`remat.profiling._calibrate`.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import time
+import warnings
 from dataclasses import replace
 from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.profiling._calibrate import _calibrate, _copy_rates
-from remat.profiling._fake import _cuda_attention, _swap_to_fake
-from remat.profiling._measure import _profile_body
+from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fake
+from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_BYTES_PER_PARAM, BlockCost,
-    EngineModel, HeadCost, Profile, Rates, engine_model, rates_for,
+    HeadCost, Profile, Rates, rates_for,
 )
+from remat.planning.offload_model import EngineModel
+from remat.profiling.snapshot import preserved
+from remat.treat import patches
 from remat.treat.discovery import discover
 
 
-def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optional[str] = None,
+def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
             progress=None, calibrate: bool = True) -> Profile:
-    """Profile ``model`` on ``batch`` (a dict of tensors with ``input_ids``, or input ids).
+    """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
+
+    ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
+    ``loss_fn(model, batch) -> scalar loss``: one training step's loss. Without it: a dict
+    batch is a Hugging Face model's, ``model(**batch).loss`` (labels default to
+    ``input_ids``); a tensor of integer ids is ``model(input_ids=ids, labels=ids).loss``;
+    anything else raises TypeError asking for ``loss_fn``.
+
+    The model comes back exactly as it was: remat patches (an applied plan, the chunked head)
+    are taken off while profiling and put back, and parameters, gradients, buffers, training
+    flags, ``requires_grad`` and the random states are restored (:mod:`remat.profiling.snapshot`).
 
     ``calibrate`` (GPU only): run one real step to scale the profiled GPU seconds to
     in-step ones (see ``_calibrate``); its ratios are in ``notes["calibration"]``.
@@ -82,7 +102,7 @@ def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optio
     """
     if optimizer not in OPTIMIZER_BYTES_PER_PARAM:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES_PER_PARAM)}, got {optimizer!r}")
-    batch = _as_batch(batch)
+    batch, loss_fn = model_loss(batch, loss_fn)
     first = next(model.parameters(), None)
     if first is None:
         raise ValueError(f"{type(model).__name__} has no parameters; remat profiles trainable models")
@@ -101,18 +121,15 @@ def profile(model: nn.Module, batch, *, gpu: Optional[str] = None, device: Optio
     if min_offload_bytes is None:
         min_offload_bytes = _default_min_offload_bytes()
     say = progress or (lambda message: None)
-    structure = discover(model, blocks)
-    named = structure.blocks(model)
-    was_training = model.training
-    model.train()
-    try:
+    with preserved(model) as held, patches.suspended(model):
+        structure = discover(model, blocks)
+        named = structure.blocks(model)
+        model.train()
         if device == "fake":
-            return _profile_fake(model, batch, named, rates, optimizer, head_modes, chunk_candidates,
+            return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
                                  min_offload_bytes, say)
-        return _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, calibrate)
-    finally:
-        model.train(was_training)
+        return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
+                             min_offload_bytes, say, calibrate, held.held_grad_bytes)
 
 
 def _known_gpu(name: str) -> bool:
@@ -127,15 +144,61 @@ def _default_min_offload_bytes() -> int:
         return 2**20
 
 
-def _as_batch(batch) -> dict:
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch, "labels": batch}
-    if isinstance(batch, dict) and "input_ids" in batch or isinstance(batch, dict) and "inputs_embeds" in batch:
+def model_loss(batch, loss_fn=None) -> tuple:
+    """``(batch, loss_fn)`` for one training step: ``loss_fn(model, batch)`` is its loss.
+
+    Without ``loss_fn``, a dict is a Hugging Face batch (``model(**batch).loss``; ``labels``
+    default to ``input_ids``) and a tensor of integer ids a causal LM's (``labels=ids``).
+    """
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable loss_fn(model, batch) -> scalar loss, "
+                            f"got {type(loss_fn).__name__}")
+        return batch, loss_fn
+    if isinstance(batch, torch.Tensor) and not batch.is_floating_point() and not batch.is_complex():
+        return {"input_ids": batch, "labels": batch}, hf_loss
+    if isinstance(batch, dict):
         batch = dict(batch)
-        batch.setdefault("labels", batch.get("input_ids"))
-        return batch
-    raise TypeError(f"batch must be a tensor of input ids or a dict with 'input_ids' (and 'labels'), "
-                    f"got {type(batch).__name__}")
+        if "input_ids" in batch:
+            batch.setdefault("labels", batch["input_ids"])
+        return batch, hf_loss
+    raise TypeError(f"remat cannot tell how to compute a loss from a batch of type {type(batch).__name__}"
+                    f"{' (' + str(batch.dtype).replace('torch.', '') + ')' if isinstance(batch, torch.Tensor) else ''}: "
+                    "without loss_fn it expects a dict for a Hugging Face model (model(**batch).loss) or a "
+                    "tensor of token ids; pass loss_fn=lambda model, batch: <scalar loss>, e.g. "
+                    "loss_fn=lambda m, b: m(b).pow(2).mean()")
+
+
+def hf_loss(model, batch):
+    """The default loss of a dict batch: ``model(**batch).loss``."""
+    out = model(**batch)
+    loss = getattr(out, "loss", None) if not isinstance(out, dict) else out.get("loss")
+    if loss is None:
+        raise MissingLoss(f"{type(model).__name__}(**batch) returned {type(out).__name__} without a loss "
+                          f"(batch keys: {sorted(batch)}); add 'labels' to the batch or pass "
+                          "loss_fn=lambda model, batch: <scalar loss>")
+    return loss
+
+
+def _batch_shape(batch) -> tuple:
+    """(sequences, tokens per sequence) of a batch: ``input_ids``/``inputs_embeds`` where a dict
+    has them, else the first tensor's first dimension, and its second for 2-d and 3-d tensors
+    (tokens, or tokens x features); 1 for images and vectors."""
+    if isinstance(batch, dict):
+        for key in ("input_ids", "inputs_embeds"):
+            if isinstance(batch.get(key), torch.Tensor) and batch[key].dim() >= 2:
+                return int(batch[key].shape[0]), int(batch[key].shape[1])
+    first = next((t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if first is None:
+        return 1, 1
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() in (2, 3) else 1
+
+
+def _to_fake(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+    return fake.requires_grad_(value.requires_grad) if value.is_floating_point() else fake
 
 
 def _storage_bytes(tensors) -> int:
@@ -145,7 +208,7 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _profile_fake(model, batch, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
+def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     param_bytes = _storage_bytes(model.parameters())
@@ -153,13 +216,13 @@ def _profile_fake(model, batch, named, rates, optimizer, head_modes, chunks, min
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
     restore = _swap_to_fake(model, fake_mode)
     try:
-        with fake_mode:
-            fbatch = {k: (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
-                          if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        with fake_mode, _AnyDtypeKernels():
+            fbatch = tree_map(_to_fake, batch)
             tracker = _Tracker(rates)
-            with tracker, _cuda_attention(packed="position_ids" in batch):
+            with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch):
                 meter = _TrackerMeter(tracker)
-                body = _profile_body(model, fbatch, named, meter, rates, head_modes, chunks, min_bytes, say)
+                body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
+                                     say)
     finally:
         restore()
     optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer] * trainable
@@ -167,37 +230,64 @@ def _profile_fake(model, batch, named, rates, optimizer, head_modes, chunks, min
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
 
 
-def _profile_cuda(model, batch, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True) -> Profile:
+def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
+                  calibrate=True, held_grad_bytes=0) -> Profile:
     device = next(model.parameters()).device
-    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
     meter = _CudaMeter()
-    body = _profile_body(model, batch, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=3)
+    body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
+                         repeats=3)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
     optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer] * trainable
-    static = torch.cuda.memory_allocated(device) + optimizer_bytes
+    # the user's gradients, set aside while profiling, are not part of a step's static memory
+    static = torch.cuda.memory_allocated(device) - held_grad_bytes + optimizer_bytes
     prof = _finish(model, body, batch, rates, "cuda", optimizer, optimizer_bytes,
                    _storage_bytes(model.parameters()), _storage_bytes(model.buffers()), static)
     if not calibrate:
         return prof
     try:
-        return _calibrate(model, batch, named, prof, say)
-    except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # e.g. frozen embeddings: no hooks fire
+        return _calibrate(model, batch, loss_fn, named, prof, say)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)
+        warnings.warn(f"remat: calibration on a real step failed ({type(e).__name__}: {str(e)[:200]}); the "
+                      "profile's seconds are not scaled to in-step ones", stacklevel=3)
         return replace(prof, notes=dict(prof.notes, calibration=f"skipped: {type(e).__name__}: {str(e)[:200]}"))
 
 
 def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param_bytes, buffer_bytes,
             static) -> Profile:
-    ids = batch.get("input_ids", batch.get("inputs_embeds"))
-    classes, block_class, heads, hidden_bytes, notes, names = body
+    sequences, tokens = _batch_shape(batch)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return Profile(type(model).__name__, names, block_class, classes, heads, param_bytes, buffer_bytes,
-                   optimizer, optimizer_bytes, static, hidden_bytes, int(ids.shape[0]), int(ids.shape[1]),
-                   dtype, device, rates, notes, engine_model())
+    return Profile(model=type(model).__name__, block_names=body.block_names, block_class=body.block_class,
+                   classes=body.classes, heads=body.heads, param_bytes=param_bytes, buffer_bytes=buffer_bytes,
+                   optimizer=optimizer, optimizer_bytes=optimizer_bytes, static_bytes=static,
+                   hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
+                   device=device, rates=rates, notes=body.notes, engine=engine_model())
+
+
+def engine_model() -> EngineModel:
+    """The offload engine's settings (its defaults) as the planner's :class:`EngineModel`."""
+    try:
+        from remat.offload import engine as offload
+    except ImportError:
+        return EngineModel()
+    prefetch = inspect.signature(offload.OffloadEngine).parameters["prefetch_blocks"].default
+    return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),
+                       issue_bytes=int(offload._ISSUE_WINDOW), prefetch_blocks=int(prefetch))
+
+
+def block_param_bytes(model: nn.Module, profile: Profile) -> tuple:
+    """Parameter bytes of one block of each block class in ``profile``, in class order
+    (what :func:`remat.planning.sharding.shard` takes)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    first = {}
+    for name, cls in zip(profile.block_names, profile.block_class):
+        first.setdefault(cls, name)
+    return tuple(sum(p.numel() * p.element_size() for p in modules[first[cls]].parameters())
+                 for cls in range(len(profile.classes)))
 
 
 def progress_printer(stream=None, after_s: float = 2.0):
