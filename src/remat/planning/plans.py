@@ -9,6 +9,13 @@ Short string specs are turned into plans here too, against a model's discovered 
 ``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...),
 ``"first:8"`` (``full`` on the first eight), and either with another treatment:
 ``"every:2:offload"``.
+
+Plans read from JSON are checked field by field before use: :meth:`Plan.load` and
+:meth:`Plan.from_dict` answer a wrong field (``blocks`` not an object, an unknown
+treatment, a ``head`` that is not ``plain``/``chunked``, a ``chunk_tokens`` of ``"abc"``,
+``0``, ``False`` or ``2.5``, an unknown top-level field) with a ValueError that names the
+file, the field, what it must be and what it was. ``chunk_tokens=None`` is the only way
+to ask for the default chunk; no other falsy value stands in for it.
 """
 from __future__ import annotations
 
