@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 import remat
 from remat.api import treatments
@@ -271,3 +272,19 @@ def test_tensor_keywords_become_checkpoint_inputs():
     function, args = _positional(forward, (torch.zeros(1),), {"hidden_states": h, "mask": m, "scale": 3.0})
     assert len(args) == 3 and args[1] is h and args[2] is m
     assert torch.equal(function(*args), h * 3.0) and seen["mask"] is m and seen["scale"] == 3.0
+
+
+def test_a_tensor_passed_twice_is_one_checkpoint_input():
+    """``mha(x, x, x)`` under saved-tensor hooks: each saved input comes back as its own alias,
+    so the recompute must rebuild the aliasing from one input, or it takes another path."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(layer, copy.deepcopy(layer))
+    reference = copy.deepcopy(model)
+    remat.apply(model, "attention", blocks="")
+    x = torch.randn(2, 5, 16)
+    with torch.autograd.graph.save_on_cpu():
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)

@@ -189,24 +189,40 @@ def _stats_once(function, modules):
 
 
 def _positional(forward, args: tuple, kwargs: dict):
-    """``(function, args)`` such that ``function(*args)`` is ``forward(*args, **kwargs)`` and
-    every tensor keyword is one of ``args``.
+    """``(function, inputs)`` such that ``function(*inputs)`` is ``forward(*args, **kwargs)``,
+    every tensor keyword is one of ``inputs`` and each distinct tensor is there once.
 
     ``checkpoint`` saves and restores the RNG state only of the devices of its *positional*
     tensors; a sub-module called with keywords only (Hugging Face attention:
     ``self_attn(hidden_states=...)``) would otherwise recompute its dropout on the GPU with
     a different mask. As positional inputs, they are also the checkpoint's saved inputs, so
-    ``full+offload`` moves them. Non-tensor keywords ride along in a closure.
+    ``full+offload`` moves them. A tensor passed twice (``mha(x, x, x)``) is one input:
+    under saved-tensor hooks each saved input comes back as its own alias, and a recompute
+    that sees ``query is not key`` takes another path than the forward did. Non-tensor
+    arguments ride along in a closure.
     """
     tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    if not tensor_keys:
+    given = list(args) + [kwargs[k] for k in tensor_keys]
+    inputs, slot = [], []
+    for value in given:
+        if not isinstance(value, torch.Tensor):
+            slot.append(None)
+            continue
+        index = next((i for i, seen in enumerate(inputs) if seen is value), None)
+        if index is None:
+            index = len(inputs)
+            inputs.append(value)
+        slot.append(index)
+    if not tensor_keys and len(inputs) == sum(s is not None for s in slot) and all(
+            isinstance(a, torch.Tensor) for a in args):
         return (functools.partial(forward, **kwargs) if kwargs else forward), args
     rest = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     count = len(args)
 
     def function(*flat):
-        return forward(*flat[:count], **rest, **dict(zip(tensor_keys, flat[count:])))
-    return function, args + tuple(kwargs[k] for k in tensor_keys)
+        values = [given[i] if s is None else flat[s] for i, s in enumerate(slot)]
+        return forward(*values[:count], **rest, **dict(zip(tensor_keys, values[count:])))
+    return function, tuple(inputs)
 
 
 def _without_cache(args: tuple, kwargs: dict):
