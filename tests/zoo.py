@@ -440,14 +440,16 @@ def run_treatment(name: str, spec: str, steps: int = 2) -> str:
 
 @_one_thread
 def run_plan(name: str, budget="1GiB"):
-    """``remat.plan`` a fresh zoo model on its batch (fake tensors on the CPU) and check that
+    """``remat.plan`` a fresh zoo model on its batch (fake tensors on the CPU), with the case's
+    loss as ``loss_fn`` where the model computes none of its own, and check that
     planning left the model, its gradients and the RNG as they were; returns the plan."""
     import remat
     case = CASES[name]
     model = build(name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    plan = remat.plan(model, case.batch(model), budget=budget, blocks=case.blocks)
+    kwargs = {} if case.loss is _hf_loss else {"loss_fn": case.loss}  # what a user must pass: no loss of its own
+    plan = remat.plan(model, case.batch(model), budget=budget, blocks=case.blocks, **kwargs)
     assert set(plan.blocks) == set(remat.discover(model, case.blocks).block_names), "plan misses blocks"
     assert torch.equal(torch.get_rng_state(), rng), "planning changed the RNG state"
     for key, value in model.state_dict().items():
