@@ -1,0 +1,149 @@
+"""The fused chunk kernel's shape-stable padding and its error handling (issue 11), on CPU.
+
+The kernel is compiled only on CUDA; here its function runs uncompiled, which is what the
+padding and the fallback rules are about. tests/test_gpu_head.py checks the compiled one.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat.treat import chunked_loss
+from remat.treat.chunked_loss import _eager_kernel, _kernel_rows, _run_fused, _softmax_xent, chunked_cross_entropy
+
+
+def _chunk(rows, vocab=53, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    y = torch.randint(0, vocab, (rows,), generator=g)
+    y[::5] = -100
+    return z, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_add_nothing_to_the_kernels_loss_and_gradient(dtype):
+    z, y = _chunk(37, dtype=dtype)
+    pre = torch.tensor(1 / 29.0)
+    loss, g = _softmax_xent(z, y, -100, pre)
+    padded_z = torch.cat([z, torch.zeros(91, z.shape[1], dtype=dtype)])
+    padded_loss, padded_g = _softmax_xent(padded_z, F.pad(y, (0, 91), value=-100), -100, pre)
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=0)
+    assert torch.equal(padded_g[:37], g)  # rows are independent: the same ops, the same bits
+    assert torch.equal(padded_g[37:], torch.zeros_like(padded_g[37:]))
+    eager_loss, eager_g = _eager_kernel(z.clone(), y, -100, pre)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g.float(), eager_g.float(), rtol=1e-5, atol=1e-7 if dtype == torch.float32 else 1e-2)
+
+
+def _loss_and_grads(monkeypatch, kernel, n, chunk, bias=True):
+    g = torch.Generator().manual_seed(n)
+    h = torch.randn(n, 16, generator=g, requires_grad=True)
+    w = (torch.randn(61, 16, generator=g) / 4).requires_grad_()
+    b = torch.randn(61, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, 61, (n,), generator=g)
+    targets[::3] = -100
+    with monkeypatch.context() as m:
+        m.setattr(chunked_loss, "_fused_kernel", lambda device: kernel)
+        loss = chunked_cross_entropy(h, w, b, targets, chunk_tokens=chunk)
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in (h, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("n, chunk", [(135, 37), (20, 37), (74, 37), (300, 256), (1, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_chunked_loss_through_the_padded_kernel_path_matches_the_eager_path(monkeypatch, n, chunk, bias):
+    shapes = []
+
+    def kernel(z, y, ignore_index, pre):  # the fused path's kernel, run uncompiled
+        shapes.append(tuple(z.shape))
+        return _softmax_xent(z, y, ignore_index, pre)
+
+    padded = _loss_and_grads(monkeypatch, kernel, n, chunk, bias)
+    eager = _loss_and_grads(monkeypatch, None, n, chunk, bias)
+    for a, b in zip(padded, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)  # n=1: no valid target
+    assert set(shapes) == {(_kernel_rows(n, chunk), 61)}  # one shape, the tail padded to it
+
+
+def test_kernel_rows_are_few_shapes():
+    assert {_kernel_rows(n, 2048) for n in range(1, 20000, 7)} == {128, 256, 512, 1024, 2048}
+    assert {_kernel_rows(n, 37) for n in range(1, 500)} == {37}
+    assert _kernel_rows(5, 1000) == 128 and _kernel_rows(129, 1000) == 256 and _kernel_rows(999, 1000) == 1000
+
+
+@pytest.fixture
+def kernel_state(monkeypatch):
+    """A fresh kernel registry whose compiled function the test supplies."""
+    monkeypatch.setattr(chunked_loss, "_KERNEL", {})
+    monkeypatch.setattr(chunked_loss, "_EAGER_SHAPES", {})
+    return chunked_loss
+
+
+def _raising(error, calls):
+    def compiled(z, y, ignore_index, pre):
+        calls.append(tuple(z.shape))
+        raise error
+    return compiled
+
+
+def test_out_of_memory_inside_the_kernel_propagates(kernel_state):
+    z, y = _chunk(8)
+    calls = []
+    kernel_state._KERNEL["fn"] = _raising(torch.OutOfMemoryError("CUDA out of memory (test)"), calls)
+    with pytest.raises(torch.OutOfMemoryError):
+        _run_fused(z, y, -100, torch.tensor(1.0))
+    # an out-of-memory error that a compile error wraps (autotuning) is not a compile failure
+    from torch._dynamo.exc import BackendCompilerFailed
+    wrapped = BackendCompilerFailed(_softmax_xent, torch.OutOfMemoryError("CUDA out of memory (test)"), None)
+    kernel_state._KERNEL["fn"] = _raising(wrapped, calls)
+    with pytest.raises(BackendCompilerFailed):
+        _run_fused(z, y, -100, torch.tensor(1.0))
+    # errors unrelated to compiling propagate too
+    kernel_state._KERNEL["fn"] = _raising(RuntimeError("device-side assert triggered (test)"), calls)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        _run_fused(z, y, -100, torch.tensor(1.0))
+    assert len(calls) == 3 and not kernel_state._EAGER_SHAPES  # nothing was switched off
+
+
+def _compile_errors():
+    from torch._dynamo import exc
+    return {
+        "backend": exc.BackendCompilerFailed(_softmax_xent, RuntimeError("Cannot find a working triton"), None),
+        "recompile_limit": exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True"),
+        "no_triton": ImportError("No module named 'triton'"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["backend", "recompile_limit", "no_triton"])
+def test_a_compile_error_falls_back_for_that_shape_only_with_one_warning(kernel_state, kind):
+    error = _compile_errors()[kind]
+    calls = []
+
+    def compiled(z, y, ignore_index, pre):
+        calls.append(tuple(z.shape))
+        if z.shape[0] == 8:
+            raise error
+        return _softmax_xent(z, y, ignore_index, pre)
+
+    kernel_state._KERNEL["fn"] = compiled
+    z, y = _chunk(8)
+    pre = torch.tensor(0.25)
+    expected = _eager_kernel(z.clone(), y, -100, pre)  # (it works in place on fp32 logits)
+    with pytest.warns(UserWarning, match=type(error).__name__) as caught:
+        loss, g = _run_fused(z, y, -100, pre)
+    assert len(caught) == 1 and "[8, 53]" in str(caught[0].message)
+    assert torch.equal(loss, expected[0]) and torch.equal(g, expected[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run_fused(z.clone(), y, -100, pre)  # the same shape: eager, not tried again, no warning
+        z16, y16 = _chunk(16)
+        _run_fused(z16, y16, -100, pre)      # another shape still uses the compiled kernel
+    assert calls == [(8, 53), (16, 53)]
+    assert list(kernel_state._EAGER_SHAPES) == [((8, 53), torch.float32, "cpu")]
+
+
+def test_the_fused_kernel_is_for_cuda_only():
+    assert chunked_loss._fused_kernel(torch.device("cpu")) is None
