@@ -1,0 +1,311 @@
+"""remat inside the Hugging Face ``Trainer`` (and TRL's ``SFTTrainer``): one callback.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[RematCallback(budget="40GiB")])   # or spec="full", head="chunked"
+
+How it fits the Trainer's order of events (transformers 5.x, ``Trainer.train``):
+
+1. ``Trainer.__init__`` ends with ``on_init_end``. If ``TrainingArguments`` ask for Hugging
+   Face checkpointing (``gradient_checkpointing=True``, renamed ``activation_checkpointing``
+   in transformers 5; TRL's ``SFTConfig`` turns it on by default), the callback takes it
+   over here: both switches are set to False and one message says so. ``train()`` calls
+   ``activation_checkpointing_enable`` *before* any callback's ``on_train_begin``, so this is
+   the last moment at which the Trainer can be stopped from checkpointing every block a
+   second time (``remat.apply`` guards that method and would raise). A callback added later
+   with ``trainer.add_callback`` finds checkpointing already on at ``on_train_begin``, and
+   switches it off there with the same message.
+2. ``on_train_begin`` (the model is prepared, the optimizer exists): with ``spec=`` the spec
+   is applied now; with ``batch=`` a plan is made from it now. Otherwise nothing is planned
+   yet: a watcher is installed on the model's ``forward`` through the patch registry
+   (:mod:`remat.treat.patches`, tag ``"hf-callback"``), and the first *training* forward --
+   the first real batch, exactly as the Trainer collated it -- is planned and applied before
+   it runs. That is why the callback never draws a batch from the data loader itself: a
+   second iterator would advance the sampler's RNG (a different data order and dropout than
+   the run without remat) and leave accelerate's ``GradientState`` with a loader that never
+   ended.
+3. Every later training forward whose batch holds more tokens (elements of its largest
+   tensor, as :class:`remat.Guard` counts them) than any planned so far is re-planned before
+   it runs, with the head mode kept (the loss is computed the same way).
+4. ``on_step_end`` after ``report_after_steps`` steps: on CUDA the measured peak
+   (``torch.cuda.max_memory_allocated``) is printed beside the plan's prediction.
+5. ``on_train_end`` removes the watcher; the plan stays applied (``remat.remove(model)``
+   takes it off).
+
+TRL 1.x adds its own fused LM head after ``Trainer.__init__`` (``add_fused_lm_head``: an
+instance ``forward`` whose training path calls the backbone and computes log-probabilities
+in tiles, never calling the model's ``forward`` nor its ``lm_head``). remat's chunked head
+installed under it would never run; installed over it, it would hand TRL ``labels=None``.
+So when TRL's head is found the callback plans the blocks with remat's ``plain`` head mode
+(remat leaves the head alone; TRL's fused head already avoids the full logits, so the
+plain-head prediction is an upper bound of the head's memory), says so once, and, if remat's
+chunked head was applied before the trainer was built, takes it off with a message rather
+than leave it silently bypassed.
+
+Budget: ``budget=None`` on CUDA is 90% of what the device can give this process (free memory
+plus what torch already holds); on the CPU a budget or a ``spec`` must be given. The optimizer
+state counted is ``adamw`` for the Trainer's AdamW optimizers (``adamw8bit`` for 8-bit ones),
+none otherwise.
+
+Limits: planning happens inside the first training forward, outside any autocast wrapper
+accelerate installed later than the watcher; the watcher sees the model's forward, so a
+batch that runs out of memory in backward is not redone (use :class:`remat.Guard` in your
+own loop for that). Planning on a GPU profiles the model for a few seconds at the first
+step and at each new longest batch.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from transformers import TrainerCallback
+
+from remat.guard import _tokens  # the batch size as remat.Guard counts it: one rule for re-planning
+from remat.treat import patches
+
+_TAG = "hf-callback"
+_FREE_MARGIN = 0.9
+_HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class RematCallback(TrainerCallback):
+    """Plans and applies remat inside a ``Trainer`` run; see the module docstring.
+
+    ``budget``: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what
+    the device can give. ``spec``: apply this instead of planning (``"full"``, ``"every:2"``, a
+    :class:`remat.Plan` ...). ``head``: ``"plain"`` or ``"chunked"`` to fix the head mode
+    (default: the planner chooses; with ``spec``, plain). ``batch``: an example batch to plan
+    from at ``on_train_begin`` instead of the first real one. ``report_after_steps``: when to
+    print the measured peak (CUDA). ``say``: where messages go (default: stderr).
+    ``plan_options``: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``blocks=`` ...).
+    """
+
+    def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, batch=None,
+                 report_after_steps: int = 2, say: Optional[Callable[[str], None]] = None, **plan_options):
+        from remat.units import parse_budget
+        if budget is not None and spec is not None:
+            raise ValueError("RematCallback takes a budget (plan from the batch) or a spec (apply as given), "
+                             "not both; pass one of them")
+        if head is not None and head not in ("plain", "chunked"):
+            raise ValueError(f"head must be 'plain', 'chunked' or None (the planner chooses), got {head!r}")
+        self.budget = None if budget is None else parse_budget(budget)
+        self.spec = spec
+        self.head = head
+        self.batch = batch
+        self.report_after_steps = report_after_steps
+        self.say = say or _print
+        self.plan_options = plan_options
+        self.plan = None              # the plan applied last
+        self.planned_tokens = 0
+        self.replans = 0
+        self.took_over = False        # TrainingArguments asked for HF checkpointing; remat does it instead
+        self.trl_head = False         # TRL's fused LM head is on the model
+        self.measured_peak_bytes = None
+        self._model = None
+        self._watch = None
+        self._budget_bytes = None
+        self._optimizer = "none"
+
+    # -- Trainer events ------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        self._take_over_args(args)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("RematCallback.on_train_begin got no model; it runs inside a transformers Trainer")
+        self._model = model
+        self._take_over_args(args)
+        self._take_over_model(model)
+        self._optimizer = _optimizer_state(args)
+        self.trl_head = _find_trl_head(model) is not None
+        if self.trl_head:
+            self._cooperate_with_trl(model)
+        if self.spec is not None:
+            self._apply_spec(model)
+            return
+        self._budget_bytes = self._resolve_budget(model)
+        if self.batch is not None:
+            self._plan(model, _tensors(self.batch), f"the given batch of {_tokens(self.batch)} tokens")
+            self.planned_tokens = _tokens(self.batch)
+        self._watch = patches.install(model, "forward", _watched_forward, tag=_TAG, state=_Watch(self))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.report_after_steps or self._model is None:
+            return
+        param = next(self._model.parameters(), None)
+        if param is None or param.device.type != "cuda":
+            return
+        from remat.units import format_size
+        self.measured_peak_bytes = torch.cuda.max_memory_allocated(param.device)
+        predicted = (self.plan.notes.get("predicted_peak_bytes") if self.plan is not None else None)
+        beside = f" (predicted {format_size(predicted)})" if predicted else ""
+        self.say(f"remat: measured peak after {state.global_step} steps: "
+                 f"{format_size(self.measured_peak_bytes)}{beside}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._watch is not None:
+            patches.uninstall(self._watch)
+            self._watch = None
+
+    # -- the pieces ----------------------------------------------------------------------
+    def _take_over_args(self, args) -> None:
+        if not any(getattr(args, name, False) for name in _HF_SWITCHES):
+            return
+        for name in _HF_SWITCHES:
+            if hasattr(args, name):
+                setattr(args, name, False)
+        self._say_take_over()
+
+    def _take_over_model(self, model: nn.Module) -> None:
+        if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            return
+        disable = getattr(model, "gradient_checkpointing_disable", None)
+        if disable is None:
+            raise ValueError(f"Hugging Face checkpointing is on in {type(model).__name__} and it has no "
+                             "gradient_checkpointing_disable(); switch it off before training with RematCallback")
+        disable()
+        self._say_take_over()
+
+    def _say_take_over(self) -> None:
+        if not self.took_over:
+            self.say("remat: TrainingArguments gradient_checkpointing / activation_checkpointing=True is taken over: "
+                     "Hugging Face checkpointing stays off and remat's plan decides what each block recomputes "
+                     "(both at once would recompute every block twice)")
+        self.took_over = True
+
+    def _cooperate_with_trl(self, model: nn.Module) -> None:
+        from remat.api import apply, current_plan
+        from remat.planning.plans import Plan
+        if self.head == "chunked":
+            raise ValueError("RematCallback(head='chunked') with TRL: the trainer computes its loss with its own "
+                             "fused LM head, which never calls remat's chunked head; pass head=None or 'plain'")
+        self.head = "plain"
+        applied = current_plan(model)
+        if applied is not None and applied.head == "chunked":
+            apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes))
+            self.say("remat: TRL's fused LM head computes the loss here, so remat's chunked head (applied before "
+                     "the trainer was built) would never be called: it is taken off; the blocks keep their plan")
+        self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
+
+    def _apply_spec(self, model: nn.Module) -> None:
+        from remat.api import apply, current_plan
+        apply(model, self.spec, head=self.head or "plain")
+        self.plan = current_plan(model)
+        self.say(f"remat: applied {self.plan.summary()}")
+
+    def _resolve_budget(self, model: nn.Module) -> int:
+        if self.budget is not None:
+            return self.budget
+        param = next(model.parameters(), None)
+        if param is None or param.device.type != "cuda":
+            raise ValueError("RematCallback(budget=None) takes the GPU's free memory as the budget, but the model is "
+                             "not on a GPU: pass budget='24GiB' to plan for a device, or spec='full' to apply a "
+                             "treatment as it is")
+        free, _ = torch.cuda.mem_get_info(param.device)
+        return int((free + torch.cuda.memory_allocated(param.device)) * _FREE_MARGIN)
+
+    def _plan(self, model: nn.Module, batch, why: str) -> None:
+        from remat.api import apply, current_plan
+        from remat.planner import plan as make_plan
+        from remat.planning.solver import NoPlanFits
+        from remat.units import format_size
+        options = dict(self.plan_options)
+        options.setdefault("optimizer", self._optimizer)
+        previous = current_plan(model)
+        if "heads" not in options:
+            if self.head is not None:
+                options["heads"] = [self.head]
+            elif previous is not None:
+                options["heads"] = [previous.head]   # the loss is computed the same way after a re-plan
+        try:
+            chosen = make_plan(model, batch, self._budget_bytes, **options)
+        except NoPlanFits as e:
+            if e.plan is None:
+                raise
+            chosen = e.plan
+            self.say(f"remat: nothing fits {format_size(self._budget_bytes)}; using the smallest plan "
+                     f"(predicted {format_size(e.smallest_peak)})")
+        apply(model, chosen, blocks=options.get("blocks"))
+        self.plan = chosen
+        self.replans += 1
+        peak = chosen.notes.get("predicted_peak_bytes")
+        self.say(f"remat: planned for {why} at {format_size(self._budget_bytes)}: {chosen.summary()}"
+                 + (f", predicted peak {format_size(peak)}" if peak else ""))
+
+
+@dataclass(eq=False)
+class _Watch:
+    """The watcher patch's state: the callback it reports to."""
+
+    callback: Any
+
+
+def _watched_forward(patch, *args, **kwargs):
+    """The model's ``forward`` during training: plans before a batch longer than any so far."""
+    callback = patch.state.callback
+    module = patch.module
+    if not (module.training and torch.is_grad_enabled()):
+        return patch.call_previous(*args, **kwargs)
+    batch = _tensors(kwargs, args)
+    tokens = _tokens(batch) if batch else 0
+    if tokens <= callback.planned_tokens:
+        return patch.call_previous(*args, **kwargs)
+    why = "the first batch" if callback.planned_tokens == 0 else "a longer batch"
+    callback._plan(module, batch, f"{why} ({tokens} tokens)")
+    callback.planned_tokens = tokens
+    # apply() took every remat patch off and put the plan's on: the watcher goes back on top,
+    # and this call runs through the new patches below it
+    if not patch.active:
+        patch = patches.install(module, "forward", _watched_forward, tag=_TAG, state=patch.state)
+        callback._watch = patch
+    return patch.call_previous(*args, **kwargs)
+
+
+def _tensors(kwargs, args=()) -> dict:
+    """The batch as the planner takes it: tensor keyword arguments (positional ids as input_ids)."""
+    if isinstance(kwargs, torch.Tensor):
+        return {"input_ids": kwargs}
+    batch = {k: v for k, v in dict(kwargs).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in batch:
+        batch["input_ids"] = args[0]
+    return batch
+
+
+def _optimizer_state(args) -> str:
+    name = str(getattr(args, "optim", "") or "").lower()
+    if "adam" not in name:
+        return "none"
+    return "adamw8bit" if "8bit" in name else "adamw"
+
+
+def find_trl_head(model: nn.Module) -> Optional[nn.Module]:
+    """The module whose ``forward`` TRL replaced with its fused LM head, or None."""
+    return _find_trl_head(model)
+
+
+def _find_trl_head(model: nn.Module) -> Optional[nn.Module]:
+    for module in model.modules():
+        if _is_trl_fused(module.__dict__.get("forward")):
+            return module
+    for patch in patches.patches(model):  # remat's patch installed over TRL's head: what it replaced
+        if patch.attribute == "forward" and _is_trl_fused(patch.previous):
+            return patch.module
+    return None
+
+
+def _is_trl_fused(forward) -> bool:
+    func = getattr(forward, "__func__", forward)
+    return (getattr(func, "__name__", "") == "_fused_forward"
+            and str(getattr(func, "__module__", "")).startswith("trl"))
+
+
+def remat_head_bypassed(model: nn.Module) -> bool:
+    """True when remat's chunked head sits under TRL's fused head, which never calls it."""
+    holder = _find_trl_head(model)
+    return holder is not None and patches.patch_of(holder, "forward", tag="head") is not None
