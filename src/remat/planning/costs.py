@@ -1,24 +1,26 @@
 """What a profile holds: per-block and head costs, device rates, and the numbers behind them.
 
-How: plain frozen dataclasses. :class:`Profile` is what :func:`remat.profile` returns and
-what :func:`remat.simulate` and :func:`remat.solve` read: per block class a
-:class:`BlockCost` for each treatment, a :class:`HeadCost` per head mode, the static bytes
-and the :class:`Rates` the seconds were computed or measured with. :data:`GPUS` holds the
-rates a fake (CPU-only) profile prices ops with; :class:`EngineModel` is what the
-simulator assumes of the offload engine.
+How: plain frozen dataclasses, built by keyword only. :class:`Profile` is what
+:func:`remat.profile` returns and what :func:`remat.simulate` and :func:`remat.solve` read: per
+block class a :class:`BlockCost` for each treatment, a :class:`HeadCost` per head mode, the
+static bytes, the :class:`Rates` the seconds were computed or measured with and the
+:class:`~remat.planning.offload_model.EngineModel` of the offload engine. :data:`GPUS` holds the
+rates a fake (CPU-only) profile prices ops with.
 
 Why apart from the profiler: the simulator, the solver and the reports only need these
-numbers, never the meters that fill them; importing this module imports neither torch nor
-the measuring code (:func:`engine_model` reads :mod:`remat.offload.engine` when called).
+numbers, never the meters that fill them; this module imports neither torch nor the measuring
+code, so a profile can be read, transformed and planned on any machine.
 
 Limits: the GPU rates are fixed anchors (measured once, not datasheet numbers); a profile
-taken on a GPU replaces the copy rates by its own measurement and marks itself
-``measured``. Bytes are what the meters read (see :mod:`remat.profiling.profiler`), not a model.
+taken on a GPU replaces the copy rates by its own measurement and marks itself ``measured``.
+Bytes are what the meters read (see :mod:`remat.profiling.profiler`), not a model.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+
+from remat.planning.offload_model import EngineModel
 
 MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp")
 DERIVED = {"offload": "keep", "full+offload": "full"}
@@ -40,19 +42,28 @@ GPUS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rates:
-    """Device rates the time model uses (bytes/s, FLOP/s); ``measured`` when timed on a GPU."""
+    """Device rates the time model uses (bytes/s, FLOP/s)."""
 
     name: str
+    """The :data:`GPUS` key these rates came from (``"h100"``)."""
     matmul_flops: float
+    """Large low-precision (bf16/fp16) matmuls, FLOP/s."""
     fp32_flops: float
+    """fp32 matmuls, FLOP/s."""
     hbm_Bps: float
+    """Device memory bandwidth, bytes/s."""
     d2h_Bps: float
+    """Pinned device-to-host copies, bytes/s."""
     h2d_Bps: float
+    """Pinned host-to-device copies, bytes/s."""
     duplex_Bps: float
-    granularity: int = 512  # the CUDA caching allocator rounds every block to 512 bytes
+    """Both directions at once, bytes/s in all."""
+    granularity: int = 512
+    """Bytes every allocation is rounded up to (the CUDA caching allocator's 512)."""
     measured: bool = False
+    """The copy rates were timed on the GPU itself."""
 
 
 def rates_for(gpu: str) -> Rates:
@@ -63,56 +74,40 @@ def rates_for(gpu: str) -> Rates:
         raise ValueError(f"unknown gpu {gpu!r}; expected one of {', '.join(GPUS)} "
                          "(rates for others: measure on the GPU itself with profile(model_on_cuda, ...))")
     g = GPUS[key]
-    return Rates(key, g["bf16_tflops"] * 1e12, g["fp32_tflops"] * 1e12, g["hbm_GBps"] * 1e9,
-                 g["d2h_GBps"] * 1e9, g["h2d_GBps"] * 1e9, g["duplex_GBps"] * 1e9,
-                 granularity=1 if key == "cpu" else 512)
+    return Rates(name=key, matmul_flops=g["bf16_tflops"] * 1e12, fp32_flops=g["fp32_tflops"] * 1e12,
+                 hbm_Bps=g["hbm_GBps"] * 1e9, d2h_Bps=g["d2h_GBps"] * 1e9, h2d_Bps=g["h2d_GBps"] * 1e9,
+                 duplex_Bps=g["duplex_GBps"] * 1e9, granularity=1 if key == "cpu" else 512)
 
 
-@dataclass(frozen=True)
-class EngineModel:
-    """What :mod:`remat.planning.simulator` assumes of :class:`remat.offload.engine.OffloadEngine` (its defaults).
-
-    ``window_bytes``: the most GPU bytes of offloaded tensors the engine holds before the host
-    waits for copies (its ``max_pending_bytes``); None: ``window_records`` times the largest
-    block's offloaded bytes. ``issue_bytes``: copies queued on the copy stream at once (bytes
-    still waiting beyond it when the backward starts are never moved). ``prefetch_blocks``:
-    blocks fetched ahead in backward.
-    """
-
-    window_bytes: Optional[int] = None
-    window_records: int = 1
-    issue_bytes: int = 512 * 2**20
-    prefetch_blocks: int = 1
-
-
-def engine_model() -> EngineModel:
-    """The offload engine's defaults as :class:`EngineModel` (see "Memory the engine adds" there)."""
-    try:
-        from remat.offload import engine as offload
-    except ImportError:
-        return EngineModel()
-    return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),
-                       issue_bytes=int(offload._ISSUE_WINDOW), prefetch_blocks=1)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockCost:
     """One block under one treatment, run alone. Bytes are new storages beyond its inputs."""
 
-    fwd_peak: int           # peak during its forward
-    kept: int               # alive after forward once the caller drops the output: saved for backward
-    out_alive: int          # the output's bytes not already in ``kept``
-    out_bytes: int          # the output tensor's bytes (its gradient has this size)
-    saves_input: bool       # the input hidden state is saved (stays alive until backward)
-    bwd_peak: int           # peak during backward, recompute included, counted from the same zero
-    bwd_end: int            # alive after backward: parameter gradients + input gradient
+    fwd_peak: int
+    """Peak during its forward."""
+    kept: int
+    """Alive after its forward once the caller drops the output: what it saved for backward."""
+    out_alive: int
+    """The output's bytes not already in ``kept``."""
+    out_bytes: int
+    """The output tensor's bytes (its gradient has this size)."""
+    saves_input: bool
+    """The input hidden state is saved (it stays alive until the block's backward)."""
+    bwd_peak: int
+    """Peak during its backward, recompute included, counted from the same zero."""
+    bwd_end: int
+    """Alive after its backward: parameter gradients and the input gradient."""
     fwd_s: float
-    bwd_s: float            # backward including recompute
-    offloadable: int = 0    # saved bytes the offload engine would move (>= min bytes, no params)
-    offload_bytes: int = 0  # bytes this treatment moves to the host and back
+    """Seconds of its forward."""
+    bwd_s: float
+    """Seconds of its backward, recompute included."""
+    offloadable: int = 0
+    """Saved bytes the offload engine would move (storages of at least its minimum size, no parameters)."""
+    offload_bytes: int = 0
+    """Bytes this treatment moves to the host and back (0 unless it offloads)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadCost:
     """Everything outside the blocks for one head mode, from a run with stubbed blocks.
 
@@ -122,43 +117,75 @@ class HeadCost:
     """
 
     mode: str
+    """``"plain"`` or ``"chunked"``."""
     chunk_tokens: Optional[int]
+    """Tokens per chunk of the chunked head (None for the plain one)."""
     pre_peak: int
+    """Peak of the embeddings' forward."""
     pre_end: int
+    """Alive when the first block starts."""
     head_fwd_peak: int
+    """Peak of the head's and the loss's forward."""
     head_fwd_end: int
+    """Alive after the loss."""
     head_bwd_peak: int
+    """Peak of the head's backward."""
     head_bwd_end: int
+    """Alive when the last block's backward starts."""
     pre_bwd_peak: int
+    """Peak of the embeddings' backward."""
     pre_bwd_end: int
+    """Alive at the end of the step."""
     pre_fwd_s: float
+    """Seconds of the embeddings' forward."""
     head_fwd_s: float
+    """Seconds of the head's and the loss's forward."""
     head_bwd_s: float
+    """Seconds of their backward."""
     pre_bwd_s: float
+    """Seconds of the embeddings' backward."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """The numbers :func:`remat.simulate` and :func:`remat.solve` need; see the module doc."""
 
     model: str
+    """The model's class name."""
     block_names: tuple
-    block_class: tuple       # per block, an index into ``classes``
-    classes: tuple           # per class, {treatment: BlockCost}
-    heads: tuple             # HeadCost per head option
+    """Qualified names of the blocks, in forward order."""
+    block_class: tuple
+    """Per block, an index into ``classes``."""
+    classes: tuple
+    """Per block class, ``{treatment: BlockCost}``."""
+    heads: tuple
+    """A :class:`HeadCost` per head option profiled."""
     param_bytes: int
+    """Bytes of the parameters."""
     buffer_bytes: int
+    """Bytes of the buffers."""
     optimizer: str
+    """The optimizer whose state is counted: a key of :data:`OPTIMIZER_BYTES_PER_PARAM`."""
     optimizer_bytes: int
-    static_bytes: int        # what is allocated before a step: params, buffers, optimizer state, rest
+    """Bytes of its state."""
+    static_bytes: int
+    """Allocated before a step: parameters, buffers, optimizer state and anything else alive."""
     hidden_bytes: int
+    """Bytes of one hidden state (a block's input)."""
     batch: int
+    """Sequences per step."""
     seq: int
+    """Tokens per sequence."""
     dtype: str
-    device: str              # "cuda" (measured) or "fake" (estimated)
+    """The parameters' dtype (``"bfloat16"``)."""
+    device: str
+    """``"cuda"`` (measured) or ``"fake"`` (estimated)."""
     rates: Rates
+    """The rates the seconds were measured or computed with."""
     notes: dict = field(default_factory=dict)
+    """Free-form: profiling time, heads not profiled and why, calibration, FSDP world."""
     engine: EngineModel = EngineModel()
+    """What the simulator and the solver assume of the offload engine."""
 
     @property
     def tokens(self) -> int:
@@ -188,3 +215,21 @@ class Profile:
         data = asdict(self)
         data["classes"] = [{t: asdict(c) for t, c in costs.items()} for costs in self.classes]
         return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileBody:
+    """What the block and head runs measured, before the model-wide numbers join them in a :class:`Profile`."""
+
+    classes: tuple
+    """Per block class, ``{treatment: BlockCost}``."""
+    block_class: tuple
+    """Per block, an index into ``classes``."""
+    heads: tuple
+    """A :class:`HeadCost` per head option profiled."""
+    hidden_bytes: int
+    """Bytes of one hidden state."""
+    notes: dict
+    """Heads not profiled and why, profiling seconds."""
+    block_names: tuple
+    """Qualified names of the blocks, in forward order."""

@@ -20,8 +20,10 @@ Why a transform rather than a profile taken under FSDP: it needs no process grou
 ``remat plan --fsdp 8`` answers on a laptop for a cluster, and the single-GPU profile,
 whose numbers are validated, stays the one source of truth.
 
-Limits: not yet measured against ``torch.cuda.max_memory_allocated`` on several GPUs;
-collective time is not modelled (FSDP2 overlaps all-gathers and reduce-scatters with
+``class_param_bytes`` (parameter bytes of one block per block class) comes from the model:
+:func:`remat.profiling.profiler.block_param_bytes` reads it, so this module never sees a model.
+
+Limits: collective time is not modelled (FSDP2 overlaps all-gathers and reduce-scatters with
 compute; a slow interconnect makes steps longer than predicted); HSDP, ``reshard_after_
 forward=False`` and CPU offload of shards are not modelled; the root's gradients are kept in
 full (conservative).
@@ -30,19 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch.nn as nn
-
 from remat.planning.costs import Profile
-
-
-def block_param_bytes(model: nn.Module, profile: Profile) -> tuple:
-    """Parameter bytes of one block of each block class in ``profile``, in class order."""
-    modules = dict(model.named_modules(remove_duplicate=False))
-    first = {}
-    for name, cls in zip(profile.block_names, profile.block_class):
-        first.setdefault(cls, name)
-    return tuple(sum(p.numel() * p.element_size() for p in modules[first[cls]].parameters())
-                 for cls in range(len(profile.classes)))
 
 
 def shard(profile: Profile, world: int, class_param_bytes: tuple) -> Profile:
@@ -51,7 +41,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple) -> Profile:
         raise ValueError(f"the FSDP world size must be a positive integer (ranks sharing the model), got {world!r}")
     if len(class_param_bytes) != len(profile.classes):
         raise ValueError(f"class_param_bytes has {len(class_param_bytes)} entries for {len(profile.classes)} "
-                         "block classes; use sharding.block_param_bytes(model, profile)")
+                         "block classes; use remat.profiling.profiler.block_param_bytes(model, profile)")
     if world == 1:
         return profile
     kept = 1.0 - 1.0 / world

@@ -1,9 +1,9 @@
 """``remat.simulate``: the peak memory and step time of one training step under a plan.
 
-How: a pure walk over the profile (:mod:`remat.profiling.profiler`), phase by phase, in the order the
-step runs: embeddings, each block's forward, the head's forward, the head's backward, each
-block's backward in reverse, the embeddings' backward. It carries the live bytes from one
-phase to the next and adds each phase's own peak on top:
+How: a pure walk over the profile (:mod:`remat.planning.costs`), phase by phase, in the order
+the step runs: embeddings, each block's forward, the head's forward, the head's backward, each
+block's backward in reverse, the embeddings' backward. The live bytes of each phase come from
+:mod:`remat.planning.memory` (the formula the solver uses too):
 
 - static: parameters, buffers, optimizer state (allocated before the step);
 - forward of block i: what blocks 0..i-1 keep + the hidden state + block i's forward peak
@@ -16,16 +16,15 @@ phase to the next and adds each phase's own peak on top:
 Block costs were measured alone, with their input and shared inputs (rotary tables) as
 the zero; the head's in a step whose blocks keep nothing. The simulator rebases each on
 the live set at that point, so the sum is exact for a sequential stack whatever mix of
-treatments is chosen (every keep/full/selective/attention/mlp peak measured on an H200
-matched to 0.0%).
+treatments is chosen.
 
 Time: each phase takes its profiled seconds, which are effective times (measured in a
 chain as a step runs them, or the roofline's), one after the other on the GPU; the host is
 taken to run ahead of the GPU except where the offload engine makes it wait for copies,
 and a phase whose data is still being copied waits for it.
 
-Offload is a model of :class:`remat.offload.engine.OffloadEngine` (its docstring's "Memory the
-engine adds"), with the copy rates of the profile's GPU:
+Offload is a model of :class:`remat.offload.engine.OffloadEngine` with the settings in the
+profile's :class:`~remat.planning.offload_model.EngineModel` and the copy rates of its GPU:
 
 - forward: a block's offloaded bytes are copied to the host on a side stream in the
   order they were saved (FIFO, at the device-to-host rate, not before the block computed
@@ -41,24 +40,26 @@ engine adds"), with the copy rates of the profile's GPU:
 
 That gives an *expected* peak (``peak_bytes``: copies the engine has seen land by the time
 the host reaches its next check are released), and a *bound* (``bound_bytes``) that holds
-whatever the timing: the engine's own rule, :func:`remat.offload.engine.gpu_overhead_bytes`
-(at most the window in forward and head; the prefetched block and the older part of the
-forward's last window in backward). Without offload the two are equal. :mod:`remat.planning.solver`
-keeps an upper bound of it (plus a margin) within the budget.
+whatever the timing: the engine's own rule,
+:func:`remat.planning.offload_model.gpu_overhead_bytes` (at most the window in forward and
+head; the prefetched block and the older part of the forward's last window in backward).
+Without offload the two are equal. :mod:`remat.planning.solver` keeps an upper bound of it
+(plus a margin) within the budget.
 
 Limits: offload is modelled per block (a block's copies start when it starts and end no
 earlier than its compute; the window is checked at the block's end, the engine checks it at
 every saved tensor); as the host is taken to run ahead, the expected peak is usually the
-bound, which is what an H200 measured (0.0-0.4% on three models, offload included). When
-the window makes the host wait at every block, the GPU's queue drains and launch latency
-shows; that is not charged (``full+offload`` ran 5-8% slower than predicted on two small
-models). Optimizer steps and data loading are not in the step.
+bound. When the window makes the host wait at every block, the GPU's queue drains and launch
+latency shows; that is not charged, so such plans run slower than predicted. Optimizer steps
+and data loading are not in the step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from remat.planning.memory import LiveBytes, plan_terms
+from remat.planning.offload_model import engine_overhead
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 
 
@@ -76,21 +77,36 @@ class Phase(NamedTuple):
     carried_bytes: int = 0  # alive from earlier phases (static and engine bytes excluded)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Simulation:
+    """What :func:`simulate` predicts for one plan."""
+
     peak_bytes: int
+    """Expected peak of the step (static included)."""
     step_s: float
+    """Seconds of the step."""
     tokens_per_s: float
+    """Tokens of the batch over ``step_s``."""
     peak_at: str
+    """The phase where ``peak_bytes`` is reached."""
     static_bytes: int
+    """Allocated before the step."""
     head: str
+    """The head mode simulated."""
     chunk_tokens: Optional[int]
-    timeline: tuple = field(default=(), repr=False)  # Phase per phase
-    offload_bytes: int = 0        # bytes the offloaded blocks save for backward (moved or not)
-    exposed_copy_s: float = 0.0   # step time lost waiting for copies
-    bound_bytes: int = 0          # peak whatever the copy timing (>= peak_bytes)
+    """Its chunk size (chunked head), else None."""
+    timeline: tuple = field(default=(), repr=False)
+    """A :class:`Phase` per phase, in step order."""
+    offload_bytes: int = 0
+    """Bytes the offloaded blocks save for backward (moved or not)."""
+    exposed_copy_s: float = 0.0
+    """Step time lost waiting for copies."""
+    bound_bytes: int = 0
+    """Peak whatever the copy timing (>= ``peak_bytes``)."""
     bound_at: str = ""
-    moved_bytes: int = 0          # bytes copied each way (expected)
+    """The phase where ``bound_bytes`` is reached."""
+    moved_bytes: int = 0
+    """Bytes copied each way (expected)."""
 
     def phases(self, kind: str = "all") -> list:
         """Phases whose name starts with ``forward`` / ``backward`` (``kind``), or all."""
@@ -142,26 +158,6 @@ def offload_sizes(profile, treatments) -> list:
     """Bytes each block's treatment hands to the offload engine (0 for the others)."""
     return [profile.cost(i, t).offload_bytes if t in OFFLOADING_TREATMENTS else 0
             for i, t in enumerate(treatments)]
-
-
-def window_bytes(profile, off) -> int:
-    """The engine's window for a plan whose blocks offload ``off`` bytes (see the profile's engine)."""
-    engine = profile.engine
-    if engine.window_bytes is not None:
-        return int(engine.window_bytes)
-    return int(engine.window_records * max(off, default=0))
-
-
-def engine_overhead(profile, off) -> dict:
-    """The engine's bound per phase ("Memory the engine adds"): :func:`remat.offload.engine.gpu_overhead_bytes`."""
-    if not any(off):
-        n = len(off)
-        return {"window": 0, "forward": [0] * n, "head": 0, "backward": [0] * n}
-    try:
-        from remat.offload.engine import gpu_overhead_bytes
-    except ImportError as e:
-        raise ValueError(f"a plan with offload treatments needs remat.offload.engine, which does not import: {e}") from e
-    return gpu_overhead_bytes([int(o) for o in off], window_bytes(profile, off), profile.engine.prefetch_blocks)
 
 
 class _Bus:
@@ -216,8 +212,10 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
 def _walk(profile, treatments, costs, h) -> Simulation:
     rates, engine, names = profile.rates, profile.engine, profile.block_names
     off = offload_sizes(profile, treatments)
-    window = window_bytes(profile, off)
-    overhead = engine_overhead(profile, off)
+    window = engine.window(off)
+    overhead = engine_overhead(engine, off)
+    terms = plan_terms(profile, costs, off)
+    live = LiveBytes(profile.static_bytes, h)
     static = profile.static_bytes
     timeline = []
     clock = {"host": 0.0, "gpu": 0.0}  # the host moves only when it waits for the engine's window
@@ -229,22 +227,23 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         clock["gpu"] = start + seconds
         return start, waited
 
-    def phase(name, peak, end, start, carried, bound=None, engine_bytes=0, wait=0.0):
-        timeline.append(Phase(name, int(peak), int(end), start, clock["gpu"],
-                              int(peak if bound is None else bound), int(engine_bytes), wait,
-                              int(carried - static)))
+    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0):
+        """``b``: the phase's :class:`~remat.planning.memory.Bytes` without the engine's; ``held``:
+        the engine's expected bytes (at its peak and, unless ``end`` is given, at its end);
+        ``bound``: the engine's bound at its peak."""
+        end = b.end + held if end is None else end
+        timeline.append(Phase(name=name, peak_bytes=int(b.peak + held), end_bytes=int(end),
+                              start_s=start, end_s=clock["gpu"], bound_bytes=int(b.peak + bound),
+                              engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - static)))
 
     # ---- forward
     start, _ = run(h.pre_fwd_s)
-    phase("forward: embeddings", static + h.pre_peak, static + h.pre_end, start, static)
-    live = static + h.pre_end        # bytes on the GPU that the engine does not hold
-    x_free = profile.hidden_bytes     # bytes freed when a block does not save its input
+    phase("forward: embeddings", live.embeddings_forward(), start)
     d2h = _Bus(rates.d2h_Bps)
     packed, released = 0, 0.0         # offloaded bytes so far; released by the engine
     exposed = 0.0
     for i, c in enumerate(costs):
         held = packed - released
-        bound = overhead["forward"][i]
         start, _ = run(c.fwd_s)
         wait = 0.0
         if off[i]:
@@ -258,25 +257,16 @@ def _walk(profile, treatments, costs, h) -> Simulation:
                 clock["gpu"] = max(clock["gpu"], t)
             released = d2h.done_by(clock["host"])              # released at the block's end
         exposed += wait
-        carried = live
-        peak = live + c.fwd_peak
-        live += c.kept + (0 if c.saves_input else -x_free) + c.out_alive - off[i]
-        x_free = c.out_alive
-        phase(f"forward of block {i} ({names[i]}, {treatments[i]})", peak + held, live + packed - released,
-              start, carried, bound=peak + bound, engine_bytes=held, wait=wait)
+        b = live.forward(terms[i])
+        phase(f"forward of block {i} ({names[i]}, {treatments[i]})", b, start, bound=overhead["forward"][i],
+              held=held, end=b.end + packed - released, wait=wait)
 
     # ---- head: nothing is released until the backward starts
     held = packed - released
-    bound = overhead["head"]
-    extra = live - (static + h.pre_end)  # what the blocks keep beyond the stubbed run
     start, _ = run(h.head_fwd_s)
-    top = static + extra + h.head_fwd_peak
-    phase("forward: head and loss", top + held, static + extra + h.head_fwd_end + held, start, live,
-          bound=top + bound, engine_bytes=held)
+    phase("forward: head and loss", live.head_forward(), start, bound=overhead["head"], held=held)
     start, _ = run(h.head_bwd_s)
-    top = static + extra + h.head_bwd_peak
-    phase("backward: head and loss", top + held, static + extra + h.head_bwd_end + held, start,
-          static + extra + h.head_fwd_end, bound=top + bound, engine_bytes=held)
+    phase("backward: head and loss", live.head_backward(), start, bound=overhead["head"], held=held)
 
     # ---- backward
     # Bytes still queued at the end of the forward, newest first, beyond the ``issue_bytes``
@@ -293,10 +283,8 @@ def _walk(profile, treatments, costs, h) -> Simulation:
     unpacked = False
     records = [j for j in range(len(costs)) if off[j]]
     moved = sum(o - n for o, n in zip(off, never))
-    live = static + extra + h.head_bwd_end
     for i in reversed(range(len(costs))):
         c = costs[i]
-        base = live - (c.kept + (profile.hidden_bytes if c.saves_input else 0) - off[i]) - c.out_bytes
         if off[i]:  # its first unpack makes it current: fetch it and the records before it
             unpacked = True
             earlier = [j for j in records if j < i][::-1][:engine.prefetch_blocks]
@@ -309,20 +297,16 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         exposed += wait
         if unpacked:  # earlier blocks' bytes on the GPU: fetched ahead, or never moved
             held = sum(off[j] if j in fetched else never[j] for j in range(i))
-        own = profile.hidden_bytes if c.saves_input else 0
-        peak = base + c.bwd_peak + own
         what = "recompute + backward" if treatments[i] not in ("keep", "offload") else "backward"
-        phase(f"backward of block {i} ({names[i]}, {treatments[i]}: {what})", peak + held, base + c.bwd_end + held,
-              start, base + own, bound=peak + overhead["backward"][i], engine_bytes=held, wait=wait)
+        phase(f"backward of block {i} ({names[i]}, {treatments[i]}: {what})", live.backward(i, terms[i]), start,
+              bound=overhead["backward"][i], held=held, wait=wait)
         fetched.discard(i)
-        live = base + c.bwd_end
-    # the stubbed run reached the embeddings' backward with ``head_bwd_end`` alive
     start, _ = run(h.pre_bwd_s)
-    phase("backward: embeddings", live + h.pre_bwd_peak - h.head_bwd_end, live + h.pre_bwd_end - h.head_bwd_end,
-          start, live - h.head_bwd_end)
+    phase("backward: embeddings", live.embeddings(), start)
     top = max(timeline, key=lambda p: p.peak_bytes)
     worst = max(timeline, key=lambda p: p.bound_bytes)
     step = clock["gpu"]
-    return Simulation(top.peak_bytes, step, profile.tokens / step if step else 0.0, top.name, static,
-                      h.mode, h.chunk_tokens, tuple(timeline), sum(off), exposed, worst.bound_bytes, worst.name,
-                      int(moved))
+    return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
+                      peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
+                      timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,
+                      bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved))

@@ -5,42 +5,50 @@ How: dynamic programming over the block sequence, in forward order, for each hea
 blocks 0..i keep, rounded *up* to 1/``resolution`` of the budget; the treatment of block
 i; whether any block before it was offloaded), and its value the least step time to reach
 it. Every peak that :mod:`remat.planning.simulator` bounds is a function of that state and of
-block i's own treatment:
+block i's own treatment, in the terms of :mod:`remat.planning.memory`:
 
 - forward of block i: static + embeddings + kept(0..i-1) + its forward peak + what the
-  offload engine may still hold (:func:`engine_bounds`: from the previous block's
-  offloaded bytes and the flag, an upper bound of the engine's own rule);
+  offload engine may still hold (:func:`~remat.planning.offload_model.engine_bounds`: from the
+  previous block's offloaded bytes and the flag, an upper bound of the engine's own rule);
 - backward of block i: static + head leftovers + kept(0..i-1) + gradients of blocks after
   i (the same whatever they chose) + its backward peak + the engine's bytes (prefetch
   included);
 - head: static + kept(all) + the head's working set + the engine's bytes.
 
+- the embeddings' forward and backward: static + their own peaks (+ every block's leftover).
+
 So the DP is exact for the simulator's *bound* (the peak whatever the copy timing) up to
-the rounding of kept bytes, and, for plans that offload, up to :func:`engine_bounds`
-(which equals the engine's rule for uniform offload and can exceed it by up to one window
-when offloaded and kept blocks alternate); both only ever make it conservative: every plan
-it returns simulates within the budget, and no plan is missed unless it fits by less than
+the rounding of kept bytes; up to the leftovers of later blocks, taken at their largest over
+treatments (what a block leaves depends on the input it frees, which the block before it
+made; a few hundred bytes per block for a model whose treatments all leave the same
+gradients); and, for plans that offload, up to ``engine_bounds`` (which
+equals the engine's rule for uniform offload and can exceed it by up to one window when
+offloaded and kept blocks alternate); both only ever make it conservative: every plan it
+returns simulates within the budget, and no plan is missed unless it fits by less than
 ``budget / resolution`` per block (plus that slack, with offload). The time it minimises
 is additive: each block's seconds plus, for offload, the copy time its neighbours cannot
 hide (pairwise). Without offload that is the simulator's step time; with offload it is a
 pessimistic stand-in for the simulator's bus model (a copy can also hide behind blocks
 further on), so the DP may prefer recompute where offload would be as fast; the plan's
-reported time is the simulator's. Cost: blocks x treatments x 2 x treatments x
-resolution, vectorised with numpy; one DP per head option, and one more per offload
-window (without offload, with ``full+offload`` only, with both): ~1.5 s for 16 blocks,
-~5 s for 80 on a 2-core CPU.
+reported time is the simulator's.
 
-Safety margin: the memory model is exact (0.0-0.4% on an H200, three models) for every
-treatment, but the offload engine's bytes depend on when copies land. For plans that
-offload the solver uses the engine's bound and, on top, keeps ``offload_margin`` (default
-2%) of the budget free: such a plan must have ``bound <= budget * (1 - offload_margin)``;
-a plan without offload may use the whole budget.
+One DP, two objectives (:class:`_MinTime`, :class:`_MinPeak`): the states, transitions and
+memory terms are shared; an objective says what a state's value is (the least time so far,
+or the largest phase so far) and which transitions a budget cuts. Cost: blocks x
+treatments x 2 x treatments x resolution, vectorised with numpy; one DP per head option,
+and one more per offload window (without offload, with ``full+offload`` only, with both).
+
+Safety margin: the memory model is exact for every treatment, but the offload engine's
+bytes depend on when copies land. For plans that offload the solver uses the engine's
+bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
+must have ``bound <= budget * (1 - offload_margin)``; a plan without offload may use the
+whole budget.
 
 The obvious alternative, greedy (checkpoint the biggest block until it fits), is not
 optimal once treatments trade memory and time at different rates (selective vs mlp vs
 full) or once the head mode changes which phase sets the peak; the tests compare against
-brute force. When nothing fits, the smallest budget that fits is found by a second DP that
-minimises the peak itself, and named in the error, with its plan.
+brute force. When nothing fits, the smallest budget that fits is found by the same DP
+minimising the peak itself, and named in the error, with its plan.
 """
 from __future__ import annotations
 
@@ -48,8 +56,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_input
+from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
-from remat.planning.simulator import offload_sizes, simulate, window_bytes
+from remat.planning.simulator import offload_sizes, simulate
 from remat.units import format_size, parse_size
 
 OFFLOAD_MARGIN = 0.02
@@ -111,7 +121,7 @@ def _best(profile, options, head_options, budget, resolution, margin):
     best = None
     for allowed, limit in runs:
         for head in head_options:
-            found = _dp(profile, allowed, head, limit, resolution)
+            found = _fastest(profile, allowed, head, limit, resolution)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], found[1], head)
     return best
@@ -130,8 +140,8 @@ def _options(profile, treatments) -> list:
 
 
 def _plan(profile, chosen, head, budget) -> Plan:
-    draft = Plan(dict(zip(profile.block_names, chosen)), head.mode,
-                 head.chunk_tokens if head.mode == "chunked" else None)
+    draft = Plan(blocks=dict(zip(profile.block_names, chosen)), head=head.mode,
+                 chunk_tokens=head.chunk_tokens if head.mode == "chunked" else None)
     result = simulate(profile, draft)
     notes = {"predicted_peak_bytes": result.peak_bytes, "predicted_bound_bytes": result.bound_bytes,
              "predicted_step_s": round(result.step_s, 5),
@@ -141,7 +151,7 @@ def _plan(profile, chosen, head, budget) -> Plan:
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,
                      exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at)
-    return Plan(draft.blocks, draft.head, draft.chunk_tokens, notes)
+    return Plan(blocks=draft.blocks, head=draft.head, chunk_tokens=draft.chunk_tokens, notes=notes)
 
 
 def plan_seconds(profile, treatments, head) -> float:
@@ -154,26 +164,33 @@ def plan_bound(profile, treatments, head) -> float:
     return _evaluate(profile, list(treatments), head)[1]
 
 
-def _evaluate(profile, treatments, head):
-    options = sorted(set(treatments), key=list(profile.treatments(0)).index)
-    L = len(treatments)
-    sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
-    window, largest, prefetch = window_bytes(profile, sizes), max(sizes), profile.engine.prefetch_blocks
-    d, fwd, bwd, time, after, off = _terms(profile, options, head, window)
-    static = profile.static_bytes
+def _evaluate(profile, treatments, head, options=None):
+    """(seconds, bound) of one plan in the DP's own terms: :class:`LiveBytes` over the DP's tables.
+
+    ``options``: the treatments the DP chose from (they set the engine's window); default: the plan's.
+    """
+    options = list(options or sorted(set(treatments), key=list(profile.treatments(0)).index))
+    tab = _Tables(profile, options, head)
     index = [options.index(t) for t in treatments]
-    seconds, kept, flag, peak = _head_seconds(head), 0.0, False, static + head.pre_peak
+    live = LiveBytes(profile.static_bytes, head)
+    seconds, flag, peak = _head_seconds(head), False, live.embeddings_forward().peak
+    terms, backward_engine = [], []
     for i, t in enumerate(index):
         p = index[i - 1] if i else 0
-        prev_off = off[i - 1, p] if i else 0.0
-        res_f, res_b = engine_bounds(window, largest, prev_off, flag, prefetch)
-        peak = max(peak, static + head.pre_end + kept + fwd[i, p, t] + res_f,
-                   static + head.head_bwd_end + kept + after[i] + bwd[i, p, t] + res_b)
-        seconds += time[i, p, t]
-        kept += max(d[i, p, t], 0.0)
+        prev_off = tab.off[i - 1, p] if i else 0.0
+        res_f, res_b = engine_bounds(tab.window, tab.largest, prev_off, flag, tab.prefetch)
+        # the DP counts no block as freeing kept bytes, and later blocks' leftovers at their largest
+        terms.append(BlockTerms(kept=max(tab.d[i, p, t], 0.0), forward=tab.fwd[i, p, t], carried=0,
+                                backward=tab.bwd[i, p, t], left=tab.left[i]))
+        peak = max(peak, live.forward(terms[i]).peak + res_f)
+        backward_engine.append(res_b)
+        seconds += tab.time[i, p, t]
         flag = flag or prev_off > 0
-    res, _ = engine_bounds(window, largest, off[L - 1, index[-1]], flag, prefetch)
-    peak = max(peak, static + kept + max(head.head_fwd_peak, head.head_bwd_peak) + res)
+    res, _ = engine_bounds(tab.window, tab.largest, tab.off[-1, index[-1]], flag, tab.prefetch)
+    peak = max(peak, live.head_peak() + live.kept + res)
+    for i in reversed(range(len(index))):
+        peak = max(peak, live.backward(i, terms[i]).peak + backward_engine[i])
+    peak = max(peak, live.embeddings().peak)
     return float(seconds), float(peak)
 
 
@@ -181,151 +198,167 @@ def _head_seconds(head) -> float:
     return head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s
 
 
-def engine_bounds(window: float, largest: float, previous: float, earlier: bool, prefetch_blocks: int = 1):
-    """(forward and head, backward) bytes the DP allows the offload engine for the blocks before one.
-
-    ``previous``: the block before's offloaded bytes; ``earlier``: whether any block before
-    that one offloaded; ``largest``: the largest offloaded block. Upper bounds of the engine's
-    own rule (:func:`remat.offload.engine.gpu_overhead_bytes`: ``min(W, bytes before)`` in forward,
-    the prefetched block plus the older part of the forward's last ``W`` bytes in backward)
-    that depend on the previous block only, which is what the DP's state carries.
-    """
-    forward = min(window, previous + (window if earlier else 0))
-    if prefetch_blocks == 0:     # no prefetch: only the forward's last bytes
-        backward = forward
-    elif prefetch_blocks == 1:   # the nearest offloaded block before + the older part of the last W bytes
-        if previous:
-            backward = previous + (max(0.0, window - previous) if earlier else 0.0)
-        else:
-            backward = max(window, largest) if earlier else 0.0
-    else:
-        backward = prefetch_blocks * largest + window if (previous or earlier) else 0.0
-    return forward, backward
-
-
 def _states(window, largest, prev_off, f_of, prefetch_blocks):
     pairs = [engine_bounds(window, largest, o, bool(f), prefetch_blocks) for o, f in zip(prev_off, f_of)]
     return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
 
 
-def _terms(profile, options, head, window):
-    """Per block, per (previous, current) treatment: the numbers the constraints need."""
-    rates = profile.rates
-    L, T = len(profile.block_names), len(options)
-    h = profile.hidden_bytes
-    d = np.zeros((L, T, T))        # kept bytes added by block i
-    fwd = np.zeros((L, T, T))      # forward peak above kept(0..i-1), without the engine's bytes
-    bwd = np.zeros((L, T, T))      # backward peak above kept(0..i-1) + later blocks' leftovers
-    time = np.zeros((L, T, T))
-    off = np.zeros((L, T))         # bytes block i hands to the engine
-    suffix = np.zeros(L + 1)       # leftovers of blocks after i during the backward (max over treatments)
-    for i in range(L):
-        costs = [profile.cost(i, t) for t in options]
-        off[i] = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for c, t in zip(costs, options)]
-        prev_costs = [profile.cost(i - 1, t) for t in options] if i else [None] * T
-        for p in range(T):
-            x_free = prev_costs[p].out_alive if i else h
-            prev_off = off[i - 1, p] if i else 0.0
-            for t, c in enumerate(costs):
-                d[i, p, t] = c.kept + (0 if c.saves_input else -x_free) + c.out_alive - off[i, t]
-                fwd[i, p, t] = c.fwd_peak
-                bwd[i, p, t] = c.bwd_peak - c.out_bytes + c.out_alive - (0 if c.saves_input else x_free)
-                seconds = c.fwd_s + c.bwd_s
-                if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
-                    seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
-                    seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
-                if i == L - 1 and off[i, t]:
-                    seconds += max(0.0, off[i, t] / rates.d2h_Bps - head.head_fwd_s) + off[i, t] / rates.h2d_Bps
-                time[i, p, t] = seconds
-        # a later block's leftover during the backward: gradients + input gradient - its input
-        left = [c.bwd_end - (0 if c.saves_input else h) - (h if c.saves_input else 0) + c.out_alive - c.out_bytes
-                for c in costs]
-        suffix[i] = max(left)
-    return d, fwd, bwd, time, _after(suffix, L), off
+class _Tables:
+    """Per block, per (previous, current) treatment: the numbers the DP's constraints and time need."""
+
+    def __init__(self, profile, options, head):
+        rates = profile.rates
+        L, T = len(profile.block_names), len(options)
+        h = profile.hidden_bytes
+        sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
+        self.window, self.largest = profile.engine.window(sizes), max(sizes)
+        self.prefetch = profile.engine.prefetch_blocks
+        self.d = np.zeros((L, T, T))        # kept bytes added by block i (BlockTerms.kept)
+        self.fwd = np.zeros((L, T, T))      # forward peak above kept(0..i-1), without the engine's bytes
+        self.bwd = np.zeros((L, T, T))      # backward peak above kept(0..i-1) + later blocks' leftovers
+        self.time = np.zeros((L, T, T))
+        self.off = np.zeros((L, T))         # bytes block i hands to the engine
+        self.left = np.zeros(L)             # block i's leftover after its backward (the largest over treatments)
+        for i in range(L):
+            costs = [profile.cost(i, t) for t in options]
+            self.off[i] = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for c, t in zip(costs, options)]
+            prev_costs = [profile.cost(i - 1, t) for t in options] if i else [None] * T
+            for p, previous in enumerate(prev_costs):
+                prev_off = self.off[i - 1, p] if i else 0.0
+                for t, c in enumerate(costs):
+                    terms = block_terms(c, freed_input(previous, h), h, self.off[i, t])
+                    self.d[i, p, t], self.fwd[i, p, t], self.bwd[i, p, t] = terms.kept, terms.forward, terms.backward
+                    seconds = c.fwd_s + c.bwd_s
+                    if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
+                        seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
+                        seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
+                    if i == L - 1 and self.off[i, t]:
+                        seconds += (max(0.0, self.off[i, t] / rates.d2h_Bps - head.head_fwd_s)
+                                    + self.off[i, t] / rates.h2d_Bps)
+                    self.time[i, p, t] = seconds
+            # what a block leaves depends on the block before it (the input it frees) and on its
+            # own treatment; the DP, which has not chosen them yet, takes the largest
+            self.left[i] = max(block_terms(c, freed_input(previous, h), h).left
+                               for previous in prev_costs for c in costs)
+        self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
+        running = 0.0
+        for i in reversed(range(L)):
+            self.after[i] = running
+            running += self.left[i]
+        live = LiveBytes(profile.static_bytes, head)
+        # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward
+        self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak)
 
 
-def _after(suffix, L):
-    """``out[i]`` = sum of leftovers of blocks i+1 .. L-1."""
-    out = np.zeros(L)
-    running = 0.0
-    for i in reversed(range(L)):
-        out[i] = running
-        running += suffix[i]
-    return out
+class _MinTime:
+    """The least step time within ``budget``: a state's value is the time so far, and a
+    transition whose phase would pass the budget is cut."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def start(self, first_phase):
+        return 0.0 if first_phase <= self.budget else np.inf
+
+    def step(self, value, levels, phase, seconds):
+        ok = levels[None, :] <= (self.budget - phase)[:, None]
+        return np.where(ok, value + seconds[:, None], np.inf)
+
+    def finish(self, value, levels, phase):
+        return np.where(levels[None, :] <= (self.budget - phase)[:, None], value, np.inf)
 
 
-def _dp(profile, options, head, budget, resolution):
-    """(step seconds, treatments) of the fastest plan within ``budget`` for ``head``, or None.
+class _MinPeak:
+    """The least peak: a state's value is the largest phase bound so far."""
+
+    def start(self, first_phase):
+        return first_phase
+
+    def step(self, value, levels, phase, seconds):
+        return np.maximum(value, levels[None, :] + phase[:, None])
+
+    def finish(self, value, levels, phase):
+        return np.maximum(value, levels[None, :] + phase[:, None])
+
+
+def _dp(profile, options, head, objective, scale, resolution):
+    """(objective's value, treatments) of the best plan using ``options`` with ``head``, or None.
 
     States are (previous treatment p, flag F: any block before p offloaded), flattened as
-    ``2 * p + F``; each holds the least time per kept-bytes level.
+    ``2 * p + F``; each holds the objective's best value per kept-bytes level, levels being
+    multiples of ``scale / resolution`` (kept bytes rounded up).
     """
     L, T = len(profile.block_names), len(options)
-    sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
-    window, largest, prefetch = window_bytes(profile, sizes), max(sizes), profile.engine.prefetch_blocks
-    d, fwd, bwd, time, after, off = _terms(profile, options, head, window)
-    static = profile.static_bytes
-    if static + head.pre_peak > budget:
-        return None
-    q = max(budget / resolution, 1.0)
+    tab = _Tables(profile, options, head)
+    live = LiveBytes(profile.static_bytes, head)
+    q = max(scale / resolution, 1.0)
     N = resolution + 2
     levels = np.arange(N) * q                          # upper bound of kept bytes per state
     S = 2 * T
     p_of, f_of = np.arange(S) // 2, np.arange(S) % 2
-    cost = np.full((S, N), np.inf)
-    cost[0, 0] = 0.0                                   # block 0: no previous block, nothing offloaded
+    value = np.full((S, N), np.inf)
+    value[0, 0] = objective.start(tab.ends)            # block 0: no previous block, nothing offloaded
     back = np.zeros((L, S, N), dtype=np.int64)          # previous state * N + previous level
     cols = np.arange(N)
     for i in range(L):
-        prev_off = off[i - 1, p_of] if i else np.zeros(S)
-        res_f, res_b = _states(window, largest, prev_off, f_of, prefetch)
-        flag = (f_of.astype(bool) | (prev_off > 0)).astype(int)   # the next state's flag
+        reached = np.flatnonzero(np.isfinite(value).any(axis=1))  # states some plan reaches
+        prev_off = tab.off[i - 1, p_of[reached]] if i else np.zeros(reached.size)
+        res_f, res_b = _states(tab.window, tab.largest, prev_off, f_of[reached], tab.prefetch)
+        flag = f_of[reached].astype(bool) | (prev_off > 0)     # the next state's flag
+        groups = [(f, np.flatnonzero(flag == f)) for f in (0, 1)]
         new = np.full((S, N), np.inf)
         for t in range(T):
-            limit_f = budget - static - head.pre_end - fwd[i, p_of, t] - res_f
-            limit_b = budget - static - head.head_bwd_end - after[i] - bwd[i, p_of, t] - res_b
-            ok = levels[None, :] <= np.minimum(limit_f, limit_b)[:, None]
-            candidate = np.where(ok, cost + time[i, p_of, t][:, None], np.inf)
-            step = np.ceil(np.maximum(d[i, p_of, t], 0.0) / q).astype(np.int64)
-            src = cols[None, :] - step[:, None]
-            shifted = np.where(src >= 0, np.take_along_axis(candidate, np.clip(src, 0, N - 1), axis=1), np.inf)
-            for f in (0, 1):
-                rows = np.flatnonzero(flag == f)
+            p = p_of[reached]
+            phase = np.maximum(live.forward_base() + tab.fwd[i, p, t] + res_f,
+                               live.backward_base() + tab.after[i] + tab.bwd[i, p, t] + res_b)
+            candidate = objective.step(value[reached], levels, phase, tab.time[i, p, t])
+            step = np.ceil(np.maximum(tab.d[i, p, t], 0.0) / q).astype(np.int64)
+            shifted = np.full(candidate.shape, np.inf)  # a state's values moved up by its kept bytes
+            for row, k in enumerate(step):
+                if k < N:
+                    shifted[row, k:] = candidate[row, :N - k]
+            for f, rows in groups:
                 if rows.size == 0:
                     continue
                 sub = shifted[rows]
-                k = np.argmin(sub, axis=0)
-                value = sub[k, cols]
+                k = np.argmin(sub, axis=0) if rows.size > 1 else np.zeros(N, dtype=np.int64)
                 state = 2 * t + f
-                new[state] = value
-                back[i, state] = rows[k] * N + np.clip(cols - step[rows[k]], 0, N - 1)
-        cost = new
-    resident, _ = _states(window, largest, off[L - 1, p_of], f_of, prefetch)
-    head_ok = (levels[None, :] <= (budget - static - max(head.head_fwd_peak, head.head_bwd_peak)
-                                   - resident)[:, None])
-    total = np.where(head_ok, cost, np.inf)
+                new[state] = sub[k, cols]
+                back[i, state] = reached[rows[k]] * N + np.clip(cols - step[rows[k]], 0, N - 1)
+        value = new
+    resident, _ = _states(tab.window, tab.largest, tab.off[L - 1, p_of], f_of, tab.prefetch)
+    total = objective.finish(value, levels, live.head_peak() + resident)
     if not np.isfinite(total).any():
         return None
     state, n = np.unravel_index(np.argmin(total), total.shape)
-    best = float(total[state, n]) + _head_seconds(head)
+    best = float(total[state, n])
     chosen = []
     for i in reversed(range(L)):
         chosen.append(options[state // 2])
         state, n = divmod(int(back[i, state, n]), N)
     chosen.reverse()
-    if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes > budget:
-        return None  # the end-of-backward phase (embeddings) is the only one not bounded above
     return best, chosen
+
+
+def _fastest(profile, options, head, budget, resolution):
+    """(step seconds, treatments) of the fastest plan within ``budget`` for ``head``, or None."""
+    found = _dp(profile, options, head, _MinTime(budget), budget, resolution)
+    if found is None:
+        return None
+    seconds, chosen = found
+    if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes > budget:
+        return None  # never: the DP bounds every phase from above (kept for safety)
+    return seconds + _head_seconds(head), chosen
 
 
 def _smallest(profile, options, head_options, resolution, margin):
     """The smallest budget that :func:`solve` accepts, and its plan.
 
-    A second DP over the same states minimises the bound peak itself (the value of a state
-    is the largest phase bound so far instead of the time), once per head option and for
-    plans with and without offload (those need ``1 / (1 - margin)`` of their peak); the
-    result is then confirmed by :func:`solve`'s own DP, whose rounding can differ by a few
-    levels, nudging the budget up until it accepts.
+    The DP with :class:`_MinPeak` (a state's value is the largest phase bound so far instead
+    of the time), once per head option and for plans with and without offload (those need
+    ``1 / (1 - margin)`` of their peak), gives the least peak; :func:`solve`'s own search
+    then confirms it, its rounding (relative to the budget) differing by a few levels, with
+    the budget nudged up by 0.2% until it accepts.
     """
     L = len(profile.block_names)
     high = min(_need(simulate(profile, [t] * L, head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes, t, margin)
@@ -337,9 +370,9 @@ def _smallest(profile, options, head_options, resolution, margin):
     need = high
     for allowed, m in groups:
         for head in head_options:
-            peak = _dp_min_peak(profile, allowed, head, high, resolution)
-            if peak is not None:
-                need = min(need, int(peak / (1 - m)) + 1)
+            found = _dp(profile, allowed, head, _MinPeak(), high, resolution)
+            if found is not None:
+                need = min(need, int(found[0] / (1 - m)) + 1)
     for _ in range(200):
         found = _best(profile, options, head_options, need, resolution, margin)
         if found is not None:
@@ -351,42 +384,3 @@ def _smallest(profile, options, head_options, resolution, margin):
 
 def _need(bound, treatment, margin) -> int:
     return int(bound / (1 - margin)) + 1 if treatment in OFFLOADING_TREATMENTS else int(bound)
-
-
-def _dp_min_peak(profile, options, head, scale, resolution):
-    """The least bound peak over plans using ``options`` with ``head`` (kept levels of ``scale``)."""
-    L, T = len(profile.block_names), len(options)
-    sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
-    window, largest, prefetch = window_bytes(profile, sizes), max(sizes), profile.engine.prefetch_blocks
-    d, fwd, bwd, _, after, off = _terms(profile, options, head, window)
-    static = profile.static_bytes
-    q = max(scale / resolution, 1.0)
-    N = resolution + 2
-    levels = np.arange(N) * q
-    S = 2 * T
-    p_of, f_of = np.arange(S) // 2, np.arange(S) % 2
-    value = np.full((S, N), np.inf)
-    value[0, 0] = static + head.pre_peak
-    cols = np.arange(N)
-    for i in range(L):
-        prev_off = off[i - 1, p_of] if i else np.zeros(S)
-        res_f, res_b = _states(window, largest, prev_off, f_of, prefetch)
-        flag = (f_of.astype(bool) | (prev_off > 0)).astype(int)
-        new = np.full((S, N), np.inf)
-        for t in range(T):
-            phase = np.maximum(static + head.pre_end + fwd[i, p_of, t] + res_f,
-                               static + head.head_bwd_end + after[i] + bwd[i, p_of, t] + res_b)
-            candidate = np.maximum(value, levels[None, :] + phase[:, None])
-            step = np.ceil(np.maximum(d[i, p_of, t], 0.0) / q).astype(np.int64)
-            src = cols[None, :] - step[:, None]
-            shifted = np.where(src >= 0, np.take_along_axis(candidate, np.clip(src, 0, N - 1), axis=1), np.inf)
-            for f in (0, 1):
-                rows = np.flatnonzero(flag == f)
-                if rows.size:
-                    new[2 * t + f] = np.minimum(new[2 * t + f], shifted[rows].min(axis=0))
-        value = new
-    resident, _ = _states(window, largest, off[L - 1, p_of], f_of, prefetch)
-    total = np.maximum(value, levels[None, :] + static + max(head.head_fwd_peak, head.head_bwd_peak)
-                       + resident[:, None])
-    best = float(total.min())
-    return best if np.isfinite(best) else None
