@@ -53,7 +53,7 @@ def parse_size(value) -> int:
         raise ValueError(f"a size must be a finite number of bytes, got {value!r}; "
                          "pass a number with a unit such as '24GiB'")
     if number < 0:
-        raise ValueError(f"a size cannot be negative, got {value!r}; pass a number with a unit such as '24GiB'")
+        raise ValueError(f"a size must be non-negative, got {value!r}; pass a number with a unit such as '24GiB'")
     return int(number)
 
 
