@@ -30,13 +30,12 @@ from typing import Optional
 
 import torch
 
+from remat.units import format_size
+
 MiB = 1 << 20
 GiB = 1 << 30
 _HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave the rest to the OS
 
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
 
 
 def _mem_available() -> int:
@@ -107,9 +106,9 @@ class PinnedPool:
         if self.held_bytes + size > self.limit:
             raise ValueError(
                 f"remat offload: pinned host memory would exceed its limit: this step needs at least "
-                f"{_fmt(self.in_use_bytes + size)} ({_fmt(self.in_use_bytes)} already holding saved "
-                f"tensors + {_fmt(size)} for a {nbytes / MiB:.1f} MiB tensor), but only "
-                f"{_fmt(self.limit)} is available to offload (limit: host_memory_limit, default "
+                f"{format_size(self.in_use_bytes + size)} ({format_size(self.in_use_bytes)} already holding saved "
+                f"tensors + {format_size(size)} for a {format_size(nbytes)} tensor), but only "
+                f"{format_size(self.limit)} is available to offload (limit: host_memory_limit, default "
                 f"{_HOST_FRACTION:.0%} of MemAvailable). Offload fewer blocks (e.g. 'every:2:offload', "
                 "or 'full+offload', which moves only block inputs), or pass "
                 "OffloadEngine(model, host_memory_limit=...) if the host has more to give.")

@@ -241,8 +241,13 @@ def environment(device: torch.device) -> dict:
 
 
 def run(model_name: str, *, batch_size: int, seq: int, device: str, dtype, strategy_list: list,
-        warmup=2, steps=5, progress=sys.stderr, out_jsonl: Optional[str] = None) -> list:
-    """Measure every strategy on one model and batch; returns the records (eager first)."""
+        warmup=2, steps=5, progress=True, out_jsonl: Optional[str] = None) -> list:
+    """Measure every strategy on one model and batch; returns the records (eager first).
+
+    ``progress``: a stream for one line per strategy, True for ``sys.stderr`` as it is at the
+    call (not at import: tests and notebooks replace it), or None."""
+    if progress is True:
+        progress = sys.stderr
     from remat.integrations.presets import build_model, load_config
     config = load_config(model_name)
     dev = torch.device(device)
@@ -292,7 +297,8 @@ def _relate(record: dict, earlier: list) -> None:
 def _one_line(record: dict) -> str:
     if record.get("status") != "ok":
         return f"{record.get('status')}: {record.get('reason', '')[:100]}"
-    text = f"{record['peak_GiB']:.2f} GiB, {record['tokens_per_s']:.0f} tok/s"
+    from remat.units import format_size
+    text = f"{format_size(record['peak_bytes'])}, {record['tokens_per_s']:.0f} tok/s"
     if "vs_eager" in record:
         text += f" ({record['vs_eager']:.3f}x eager)"
     return text
