@@ -62,6 +62,12 @@ def training_args(tmp_path, **extra):
     return TrainingArguments(**{**values, **extra})
 
 
+def _real(loss):
+    """A loss of a real step (the planner's profiling runs the model on fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return loss is not None and not isinstance(loss, FakeTensor)
+
+
 HF_CHECKPOINTING = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -72,7 +78,7 @@ def train(model, tmp_path, callbacks=(), trainer_class=None, data=None, seen=Non
     losses = []
 
     def keep_loss(module, args, kwargs, output):
-        if module.training and torch.is_grad_enabled() and getattr(output, "loss", None) is not None:
+        if module.training and torch.is_grad_enabled() and _real(getattr(output, "loss", None)):
             losses.append(output.loss.detach().clone())
             if seen is not None:
                 seen.append(kwargs["input_ids"].numel())

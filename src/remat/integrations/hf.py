@@ -54,6 +54,7 @@ step and at each new longest batch.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -300,9 +301,17 @@ def _find_trl_head(model: nn.Module) -> Optional[nn.Module]:
 
 
 def _is_trl_fused(forward) -> bool:
-    func = getattr(forward, "__func__", forward)
-    return (getattr(func, "__name__", "") == "_fused_forward"
-            and str(getattr(func, "__module__", "")).startswith("trl"))
+    """TRL's fused ``forward``, possibly inside wrappers made with ``functools.wraps`` (accelerate's
+    autocast). TRL's own ``functools.wraps`` copies the model's ``__name__`` and ``__module__``,
+    so the code object is what tells."""
+    func, seen = getattr(forward, "__func__", forward), 0
+    while func is not None and seen < 8:
+        code = getattr(func, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward" and os.sep + "trl" + os.sep in code.co_filename:
+            return True
+        func, seen = getattr(func, "__wrapped__", None), seen + 1
+        func = getattr(func, "__func__", func)
+    return False
 
 
 def remat_head_bypassed(model: nn.Module) -> bool:
