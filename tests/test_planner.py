@@ -254,7 +254,7 @@ def test_cli_estimate_and_clear_errors(capsys):
     from remat.cli import main
     assert main(["estimate", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--gpu", "cpu",
                  "--budget", "1GiB", "--json"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert {r["strategy"] for r in rows} >= {"keep", "full", "selective", "plan@1GiB"}
     assert main(["plan", "--model", "llama-tiny", "--budget", "1KiB", "--gpu", "cpu", "--batch", "2",
                  "--seq", "64"]) == 2
