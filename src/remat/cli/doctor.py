@@ -1,0 +1,75 @@
+"""``remat doctor``: the problems of a training setup, worst first, for a preset or a config file.
+
+The model is built on the ``meta`` device (no weights, no GPU), as ``remat plan`` builds it,
+optionally with a saved remat plan applied (``--plan``) or with Hugging Face checkpointing on
+(``--hf-checkpointing``, with ``--reentrant`` / ``--no-preserve-rng`` for its keywords), and
+:func:`remat.integrations.doctor.doctor` looks at it. With ``--budget`` remat profiles the model at
+``--batch`` x ``--seq`` and says whether the checkpointing asked for is needed at all, or
+whether another plan fits faster. A meta model runs no real step, so the checks that need one
+(parameters without gradients, measured against predicted) are for the Python API.
+
+Exit status: 0 when nothing or only warnings and notes were found, 1 when an error was, 2 for a
+usage mistake (as every command).
+"""
+from __future__ import annotations
+
+HELP = "the problems of a training setup (checkpointing, budget, plan), worst first"
+EXAMPLES = """examples:
+  remat doctor --model llama-tiny
+  remat doctor --model llama-1b --batch 4 --seq 4096 --budget 60GiB --hf-checkpointing
+  remat doctor --model llama-8b --batch 2 --seq 4096 --budget 40GiB --plan plan.json
+
+In a script (a real step, TrainingArguments and an accelerate config too):
+  from remat.integrations.doctor import doctor
+  for finding in doctor(model, batch, training_args=args, budget="40GiB"): print(finding)
+"""
+
+
+def add_arguments(parser) -> None:
+    from remat.cli.plan import add_model_arguments
+    add_model_arguments(parser)
+    parser.set_defaults(batch=1, seq=512)
+    parser.add_argument("--budget", help="peak memory budget of one device, e.g. 24GiB (enables the plan checks)")
+    parser.add_argument("--plan", help="a remat plan (JSON, from `remat plan --out`) applied to the model")
+    parser.add_argument("--hf-checkpointing", action="store_true",
+                        help="Hugging Face gradient checkpointing on (what gradient_checkpointing=True does)")
+    parser.add_argument("--reentrant", action="store_true", help="with --hf-checkpointing: use_reentrant=True")
+    parser.add_argument("--no-preserve-rng", action="store_true",
+                        help="with --hf-checkpointing: preserve_rng_state=False")
+
+
+def run(args) -> int:
+    import torch
+
+    from remat.cli.plan import check_model_arguments
+    from remat.integrations.doctor import doctor
+    from remat.integrations.presets import build_model, load_config
+    from remat.units import parse_budget
+    budget = parse_budget(args.budget) if args.budget else None
+    check_model_arguments(args)
+    if (args.reentrant or args.no_preserve_rng) and not args.hf_checkpointing:
+        raise ValueError("--reentrant and --no-preserve-rng describe Hugging Face checkpointing: add --hf-checkpointing")
+    if args.plan and args.hf_checkpointing:
+        raise ValueError("--plan and --hf-checkpointing cannot both be on (remat refuses a model with Hugging Face "
+                         "checkpointing); pass one of them")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = build_model(load_config(args.model), device="meta", dtype=dtype)
+    if args.plan:
+        import remat
+        from remat.planner import adapt
+        remat.apply(model, adapt(remat.Plan.load(args.plan), model))
+    if args.hf_checkpointing:
+        kwargs = {"use_reentrant": bool(args.reentrant)}
+        if args.no_preserve_rng:
+            kwargs["preserve_rng_state"] = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    findings = doctor(model, ids if budget is not None else None, budget=budget, gpu=args.gpu,
+                      optimizer=args.optimizer)
+    if not findings:
+        print(f"remat doctor: no problems found in {args.model}"
+              + ("" if budget is not None else " (pass --budget to check the checkpointing against a budget)"))
+        return 0
+    for finding in findings:
+        print(finding)
+    return 1 if any(f.severity == "error" for f in findings) else 0

@@ -1,0 +1,191 @@
+"""``remat doctor`` (issue 13): each check is triggered by a setup built to have that one
+problem, and says nothing on a good one. The GPU check (measured against predicted) carries
+the gpu marker."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat.integrations.doctor import Finding, doctor
+
+pytest.importorskip("transformers")
+from test_integrations_hf import VOCAB, tiny_llama, with_lora  # noqa: E402
+
+# the tiny Llama at 2 x 16 tokens, no optimizer state: keeping everything peaks at ~316 kB
+# and the smallest plan at ~265 kB, so this budget needs some checkpointing
+TIGHT = 300_000
+
+
+def _model(**config):
+    model = tiny_llama().train()
+    model.config.use_cache = False
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    return model
+
+
+def _batch():
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _args(tmp_path, **extra):
+    from transformers import TrainingArguments
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **extra)
+
+
+def _checks(findings):
+    return [f.check for f in findings]
+
+
+def test_good_setups_are_silent(tmp_path):
+    model = _model()
+    assert doctor(model, _batch(), training_args=_args(tmp_path), budget="1GB") == []
+    remat.auto(model, _batch(), budget=TIGHT)                      # the plan this budget needs
+    assert doctor(model, _batch(), training_args=_args(tmp_path), budget=TIGHT) == []
+    lora = with_lora(_model())
+    args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert doctor(lora, _batch(), training_args=args) == []
+
+
+def test_doctor_leaves_the_model_as_it_found_it():
+    model = _model()
+    model.model.layers[0].mlp.up_proj.weight.grad = torch.ones_like(model.model.layers[0].mlp.up_proj.weight)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    doctor(model, _batch(), budget="1GB")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight.grad,
+                       torch.ones_like(model.model.layers[0].mlp.up_proj.weight))
+    assert model.model.layers[1].mlp.up_proj.weight.grad is None
+
+
+def test_parameter_without_gradient():
+    model = _model()
+    model.unused = nn.Linear(4, 4)           # trainable, never reached by the forward
+    findings = doctor(model, _batch())
+    assert _checks(findings) == ["no-grad"] and findings[0].severity == "error"
+    assert "unused.weight" in findings[0].what and "unused.bias" in findings[0].what
+
+
+def test_use_cache_during_training():
+    findings = doctor(_model(use_cache=True), _batch())
+    assert _checks(findings) == ["use-cache"] and findings[0].severity == "note"
+    assert doctor(_model(use_cache=True)) == []             # no training step, nothing to say
+
+
+def test_hf_and_fsdp_checkpointing_both_on(tmp_path):
+    args = _args(tmp_path, fsdp="full_shard", fsdp_config={"activation_checkpointing": True},
+                 gradient_checkpointing=True)
+    findings = doctor(_model(), training_args=args)
+    assert _checks(findings) == ["hf-and-fsdp-checkpointing"]
+    assert "gradient_checkpointing" in findings[0].what and "activation_checkpointing" in findings[0].what
+    accelerate_config = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_activation_checkpointing": True}}
+    args = _args(tmp_path, gradient_checkpointing=True)
+    assert _checks(doctor(_model(), training_args=args, accelerate_config=accelerate_config)) == \
+        ["hf-and-fsdp-checkpointing"]
+    assert doctor(_model(), training_args=_args(tmp_path, fsdp="full_shard",
+                                                fsdp_config={"activation_checkpointing": True})) == []
+
+
+def test_reentrant_checkpointing_with_frozen_inputs(tmp_path):
+    """LoRA (frozen embeddings) under reentrant checkpointing whose blocks' inputs do not require
+    grad: the adapters get no gradient. transformers 5 adds the input-grad hook when it switches
+    checkpointing on, so the bad setup is the hook taken off again."""
+    lora = with_lora(_model())
+    base = lora.base_model.model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert doctor(lora, _batch()) == []                         # transformers' hook: adapters train
+    base.disable_input_require_grads()
+    findings = doctor(lora, _batch())
+    assert _checks(findings) == ["reentrant-frozen-inputs", "no-grad"]
+    assert findings[0].severity == "error" and "lora_A" in findings[1].what
+    # TrainingArguments asking for it: the Trainer's enable call adds the hook on this transformers
+    args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    from remat.integrations.doctor import _enable_adds_input_grads
+    expected = [] if _enable_adds_input_grads(base) else ["reentrant-frozen-inputs"]
+    assert _checks(doctor(with_lora(_model()), training_args=args)) == expected
+
+
+def test_rng_state_not_preserved_with_dropout(tmp_path):
+    args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"preserve_rng_state": False})
+    findings = doctor(_model(attention_dropout=0.1), training_args=args)
+    assert _checks(findings) == ["rng-not-preserved"] and findings[0].severity == "error"
+    assert doctor(_model(), training_args=args) == []          # no dropout: no randomness to replay
+
+
+def test_checkpointing_that_is_not_needed():
+    model = remat.apply(_model(), "full")
+    findings = doctor(model, _batch(), budget="1GB")
+    assert _checks(findings) == ["keep-fits"] and findings[0].severity == "warning" and findings[0].cost > 0
+    hf = _model()
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    findings = doctor(hf, _batch(), budget="1GB")
+    assert _checks(findings) == ["keep-fits"] and "Hugging Face" in findings[0].what
+    assert hf.model.gradient_checkpointing                    # switched back on after the profile
+
+
+def test_a_faster_plan_fits_the_budget():
+    model = remat.apply(_model(), "full", head="chunked")
+    findings = doctor(model, _batch(), budget=TIGHT)
+    assert _checks(findings) == ["faster-plan"] and findings[0].cost >= 0.05
+
+
+def test_findings_are_ordered_worst_first(tmp_path):
+    args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"preserve_rng_state": False})
+    model = _model(attention_dropout=0.1, use_cache=True)
+    model.unused = nn.Linear(2, 2)
+    findings = doctor(model, _batch(), training_args=args)
+    assert _checks(findings) == ["rng-not-preserved", "no-grad", "use-cache"]
+    assert all(isinstance(f, Finding) for f in findings)
+    with pytest.raises(Exception):
+        findings[0].cost = 0.0                                  # frozen
+
+
+@pytest.mark.gpu
+def test_measured_peak_far_from_the_plan_prediction():
+    """A plan made for one sequence of 16 tokens, run on 8 x 256: the prediction is far off."""
+    model = _model().cuda()
+    small = {k: v[:1].cuda() for k, v in _batch().items()}
+    remat.auto(model, small, budget="1GB")
+    ids = torch.randint(0, VOCAB, (8, 256), device="cuda")
+    findings = doctor(model, {"input_ids": ids, "labels": ids}, run_step=True)
+    assert "prediction-off" in _checks(findings)
+    remat.auto(model, {"input_ids": ids, "labels": ids}, budget="1GB")
+    assert "prediction-off" not in [f.check for f in doctor(model, {"input_ids": ids, "labels": ids},
+                                                              run_step=True) if f.severity == "warning"]
+
+
+def _cli(argv, capsys):
+    from remat.cli import _negative_values, make_parser
+    from remat.cli import doctor as command
+    args = make_parser("doctor", command).parse_args(_negative_values(argv))
+    status = command.run(args)
+    return status, capsys.readouterr().out
+
+
+def test_cli_good_model_says_nothing_is_wrong(capsys):
+    status, out = _cli(["--model", "llama-tiny"], capsys)
+    assert status == 0 and "no problems found" in out
+
+
+def test_cli_names_checkpointing_a_budget_does_not_need(capsys):
+    status, out = _cli(["--model", "llama-tiny", "--batch", "1", "--seq", "64", "--budget", "1GiB",
+                        "--hf-checkpointing"], capsys)
+    assert status == 0 and "[warning]" in out and "keeping every activation fits" in out
+
+
+def test_cli_plan_file(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    remat.Plan(blocks={f"model.layers.{i}": "full" for i in range(4)}).save(str(plan))
+    status, out = _cli(["--model", "llama-tiny", "--seq", "64", "--budget", "1GiB", "--plan", str(plan)], capsys)
+    assert status == 0 and "the applied remat plan (4x full" in out
+    with pytest.raises(ValueError, match="--hf-checkpointing"):
+        _cli(["--model", "llama-tiny", "--reentrant"], capsys)
