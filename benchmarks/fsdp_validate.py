@@ -25,7 +25,11 @@ import remat
 from remat.prove.bench import timed_steps
 from remat.integrations.presets import build_model, load_config
 from remat.profiling.profiler import profile
-from remat.planning.sharding import block_param_bytes, shard
+from remat.planning.sharding import shard
+try:
+    from remat.profiling.profiler import block_param_bytes
+except ImportError:  # before block_param_bytes moved to the profiler
+    from remat.planning.sharding import block_param_bytes
 from remat.planning.simulator import simulate
 
 GiB = 2 ** 30

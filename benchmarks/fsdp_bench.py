@@ -1,0 +1,244 @@
+"""FSDP2 on several GPUs: remat's plans at three per-GPU budgets beside the stock strategies.
+
+    PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_bench.py --out $OUT
+    PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_bench.py --device cpu \\
+        --model llama-tiny --batch 2 --seq 32 --steps 1 --warmup 1    # checks the script (gloo)
+
+Every strategy runs in this one process group, on a fresh model with the same seed and the
+same batch per rank, and gets ``fully_shard`` on every decoder layer and then the root:
+
+- ``eager``: no checkpointing;
+- ``torch_ac``: ``apply_activation_checkpointing`` with a non-reentrant ``checkpoint_wrapper``
+  on every decoder layer (the usual FSDP recipe), then ``fully_shard`` on the wrappers;
+- ``hf_full``: Hugging Face ``gradient_checkpointing_enable(use_reentrant=False)``;
+- ``remat@<budget>``: the plan for one of ``world`` FSDP2 ranks at three per-GPU budgets.
+  Rank 0 profiles the unsharded model once (on its GPU; fake tensors on the CPU), turns the
+  profile into one rank's view (:func:`remat.planning.sharding.shard`) and solves for each budget
+  -- what ``remat.plan(model, batch, budget, fsdp_world=world)`` does, with one profile for the
+  three -- and broadcasts the plans as data. By default the budgets sit at 15%, 50% and 85% of
+  the way from the all-``full`` plan's predicted peak to the all-``keep`` one, so that the
+  solver picks different mixes at any world size; ``--budgets 20GiB,28GiB,36GiB`` fixes them.
+
+Protocol (as ``remat bench``): a step is ``zero_grad(set_to_none=True)``, forward with
+``labels``, ``backward()``; no optimizer. ``--warmup`` steps, then ``--steps`` timed ones (rank
+0's time; FSDP2's collectives keep the ranks in step), then one more step under
+:class:`remat.prove.collectives.CollectiveCounter` for the all-gathers, reduce-scatters and
+all-reduces per step. Rank 0 writes one JSON line per strategy to ``--out/fsdp_bench.jsonl``:
+predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
+rank's), step time (median, min, max), tokens/s per GPU, collectives per step, the loss, the
+GPU and versions. A strategy whose predicted peak exceeds the GPU is skipped with the reason
+(an out-of-memory on one rank would leave the others waiting in a collective).
+"""
+import gc
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
+
+import remat  # noqa: E402
+from remat.integrations.presets import build_model, load_config  # noqa: E402
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
+from remat.planning.sharding import shard  # noqa: E402
+from remat.prove.bench import environment, timed_steps  # noqa: E402
+from remat.prove.collectives import CollectiveCounter  # noqa: E402
+from remat.units import format_size  # noqa: E402
+
+FRACTIONS = (0.15, 0.5, 0.85)
+
+
+def parse_args(argv=None):
+    p = bench_parser(__doc__)
+    p.set_defaults(model="llama-8b", batch=1, seq=4096, steps=3, warmup=2)
+    p.add_argument("--budgets", help="per-GPU budgets, comma-separated (default: see the docstring)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--profile", choices=("cuda", "fake"),
+                   help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
+    p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat", help="which rows to run")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = load_config(args.model)
+    wanted = args.strategies.split(",")
+
+    box = [_plan_rank0(args, config, dtype, world, cuda) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    planned = box[0]
+    rows = [("eager", None), ("torch_ac", None), ("hf_full", None)]
+    rows = [r for r in rows if r[0] in wanted]
+    if "remat" in wanted:
+        rows += [(f"remat@{format_size(b).replace(' ', '')}", Plan.from_dict(d)) for b, d in planned["plans"]]
+
+    generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
+                  dtype=str(dtype).replace("torch.", ""), profile=planned["profile"])
+    records = []
+    for name, plan in rows:
+        predicted = planned["anchors"].get(name) or dict(peak=plan.notes["predicted_peak_bytes"],
+                                                          step_s=plan.notes["predicted_step_s"])
+        record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
+                      predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"])
+        if plan is not None:
+            record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"))
+        limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
+        if limit and predicted["peak"] > 0.97 * limit:
+            record["skipped"] = (f"predicted peak {format_size(predicted['peak'])} > 97% of this GPU's "
+                                 f"{format_size(limit)}")
+        else:
+            record.update(_measure(name, plan, config, dtype, device, ids, world, args))
+        records.append(record)
+        if rank == 0:
+            print(_line(record), flush=True)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fsdp_bench.jsonl"), "a") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+    return records
+
+
+def _plan_rank0(args, config, dtype, world, cuda) -> dict:
+    """Profile once, then the plan per budget and the anchors' predictions, as plain data."""
+    from remat.planning.simulator import simulate
+    from remat.profiling.profiler import profile
+    try:
+        from remat.profiling.profiler import block_param_bytes
+    except ImportError:  # before block_param_bytes moved to the profiler
+        from remat.planning.sharding import block_param_bytes
+    how = args.profile or ("cuda" if cuda else "fake")
+    model = build_model(config, device="cuda" if how == "cuda" else "meta", dtype=dtype)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="cuda" if how == "cuda" else "cpu")
+    prof = profile(model, ids, device=how, gpu=None if cuda else "cpu")
+    sharded = shard(prof, world, block_param_bytes(model, prof))
+    del model
+    gc.collect()
+    if how == "cuda":
+        torch.cuda.empty_cache()
+    # as remat.plan: offload only where there is a GPU to offload from
+    treatments = [t for t in sharded.treatments(0) if cuda or t not in OFFLOADING_TREATMENTS]
+    low = simulate(sharded, "full", head="chunked").peak_bytes
+    high = simulate(sharded, "keep", head="chunked").peak_bytes
+    if args.budgets:
+        from remat.units import parse_size
+        budgets = [parse_size(b) for b in args.budgets.split(",")]
+    else:
+        budgets = [int(low + f * (high - low)) for f in FRACTIONS]
+    plans = []
+    for b in budgets:
+        try:
+            plans.append((b, remat.solve(sharded, b, treatments=treatments).to_dict()))
+        except remat.NoPlanFits as e:
+            print(f"budget {format_size(b)}: {e}", file=sys.stderr)
+    anchors = {}
+    for name, spec in (("eager", "keep"), ("torch_ac", "full"), ("hf_full", "full")):
+        sim = simulate(sharded, spec, head="plain")
+        anchors[name] = dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5))
+    return dict(plans=plans, anchors=anchors, profile=how)
+
+
+def _prepare(name, plan, model):
+    """Make ``model`` (on meta) the strategy ``name``; returns the modules to shard, in order."""
+    layers = list(remat.discover(model).block_names)
+    if name == "torch_ac":
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        layer_types = tuple({type(model.get_submodule(n)) for n in layers})
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: isinstance(m, layer_types))
+        return [model.get_submodule(n) for n in layers]  # the wrappers now sit at the layers' names
+    if name == "hf_full":
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif plan is not None:
+        remat.apply(model, plan)
+    return [model.get_submodule(n) for n in layers]
+
+
+def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    cuda = device.type == "cuda"
+    mesh = init_device_mesh(device.type, (world,))
+    model = build_model(config, device="meta", dtype=dtype)
+    for block in _prepare(name, plan, model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _materialise(model, device, seed=dist.get_rank())
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+    timed_steps(step, args.warmup, cuda=cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, loss = timed_steps(step, args.steps, cuda=cuda)
+    peaks = [None] * world
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated() if cuda else None)
+    with CollectiveCounter() as counter:
+        step()
+    dist.all_reduce(loss)
+    median = statistics.median(times)
+    result = dict(step_s=median, step_s_min=min(times), step_s_max=max(times),
+                  tokens_per_s_per_gpu=ids.numel() / median, loss=float(loss) / world,
+                  collectives_per_step={k: v for k, v in counter.counts.as_dict().items() if k != "by_op"})
+    if cuda:
+        result.update(peak_bytes=max(peaks), peak_bytes_per_rank=peaks)
+    del model, step
+    gc.collect()  # FSDP's hooks hold the model in reference cycles
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _materialise(model, device, seed):
+    """Real storage for the sharded parameters and the buffers, initialised the model's way."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
+            if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                inv_freq, _ = module.rope_init_fn(module.config, device)  # transformers 4 does not
+                module.inv_freq.copy_(inv_freq)
+
+
+def _line(r) -> str:
+    if "skipped" in r:
+        return f"{r['strategy']:22s} skipped: {r['skipped']}"
+    c = r["collectives_per_step"]
+    peak = format_size(r["peak_bytes"]) if "peak_bytes" in r else "-"
+    return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}  "
+            f"pred {r['predicted_step_s']:.3f} s meas {r['step_s']:.3f} s  {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  "
+            f"AG {c['all_gather']} RS {c['reduce_scatter']} AR {c['all_reduce']}  loss {r['loss']:.4f}"
+            + (f"  [{r['plan']}]" if "plan" in r else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Train a model under FSDP2 with the plan remat makes for one rank's memory budget.
+
+    torchrun --nproc-per-node 8 examples/train_fsdp.py --model llama-8b --budget 40GiB
+    torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --device cpu --model llama-tiny --steps 2
+
+How, on every rank:
+
+1. Build the model on the ``meta`` device: no memory, no weights (``--model`` is a preset or any
+   Hugging Face ``config.json``).
+2. Rank 0 plans: ``remat.plan(model, batch, budget, fsdp_world=world, optimizer="adamw")``
+   profiles the unsharded model with fake tensors and solves for one rank's view of FSDP2
+   (parameters, gradients and optimizer state 1/world; two blocks and the root unsharded; see
+   ``remat.planning.sharding``). The plan is broadcast as plain data (``plan.to_dict()``), so
+   every rank applies the same plan even where profiling is not deterministic.
+3. ``remat.apply(model, plan)``, then ``fully_shard`` on every block and then on the root
+   (remat first: its checkpoint then runs inside the FSDP2 unit, and recomputing a block
+   all-gathers nothing more). ``--compile`` compiles each block between the two, as torchtitan does.
+4. ``to_empty`` on the device and the model's own weight init (each rank initialises only its
+   shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
+   (per GPU and in all) and, on CUDA, every rank's peak beside the plan's prediction.
+
+``--plan`` skips planning: a spec (``full``, ``every:2``, ...) or a plan file from
+``remat plan --fsdp N --out plan.json``. On the CPU (``--device cpu``, gloo) the same code
+runs end to end on a tiny model; there is no peak memory to report there.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import remat
+from remat.integrations.presets import build_model, load_config
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-8b", help="preset name or a config.json path")
+    p.add_argument("--budget", default="40GiB", help="memory budget of one rank (GPU)")
+    p.add_argument("--plan", help="apply this spec or plan file instead of planning")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank and step")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--gpu", help="rates to plan with (h100, h200, a100); default: this GPU's")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (after remat, before FSDP2)")
+    p.add_argument("--plan-out", help="rank 0 writes the plan it used here")
+    args = p.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available; pass --device cpu (gloo) to try it on the CPU")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
+
+    config = load_config(args.model)
+    model = build_model(config, device="meta", dtype=dtype)
+    plan = _plan_on_rank0(model, config, args, rank, world, cuda)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"plan for one of {world} ranks: {plan.summary()}")
+    if args.plan_out and rank == 0:
+        plan.save(args.plan_out)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    remat.apply(model, plan)
+    for _, block in remat.discover(model).blocks(model):
+        if args.compile:
+            block.compile()
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _materialise(model, device, seed=rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    tokens = args.batch * args.seq
+    times = []
+    for step in range(args.steps):
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+        _sync(cuda)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(cuda)
+        times.append(time.perf_counter() - start)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
+            f"{tokens / times[-1]:,.0f} tokens/s per rank")
+    steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median without the first step
+    say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
+        f"{tokens * world / steady:,.0f} in all ({world} ranks)")
+    if cuda:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, torch.cuda.max_memory_allocated())
+        predicted = plan.notes.get("predicted_peak_bytes")
+        say("peak per rank (GiB): " + ", ".join(f"{b / 2 ** 30:.2f}" for b in peaks)
+            + (f"; planned {predicted / 2 ** 30:.2f}" if predicted else ""))
+    dist.destroy_process_group()
+
+
+def _plan_on_rank0(model, config, args, rank, world, cuda):
+    """Rank 0 plans (or reads ``--plan``), every rank gets the same plan."""
+    box = [None]
+    if rank == 0:
+        if args.plan and os.path.isfile(args.plan):
+            plan = remat.Plan.load(args.plan)
+        elif args.plan:
+            plan = _spec_plan(model, args.plan)
+        else:
+            ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+            gpu = args.gpu or (_gpu_name() if cuda else "cpu")
+            plan = remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu)
+        box[0] = plan.to_dict()
+    dist.broadcast_object_list(box, src=0)
+    return remat.Plan.from_dict(box[0], source="the plan broadcast by rank 0")
+
+
+def _spec_plan(model, spec):
+    from remat.planning.plans import resolve
+    return resolve(spec, remat.discover(model).block_names)
+
+
+def _gpu_name():
+    name = torch.cuda.get_device_name().lower()
+    return next((g for g in ("h200", "h100", "a100") if g in name), "h100")
+
+
+def _materialise(model, device, seed):
+    """Real storage for the (sharded) parameters and the buffers, initialised the model's way."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
+            if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                inv_freq, _ = module.rope_init_fn(module.config, device)  # transformers 4 does not
+                module.inv_freq.copy_(inv_freq)
+                if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
+                    module.original_inv_freq.copy_(inv_freq)
+
+
+def _sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
