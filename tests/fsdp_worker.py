@@ -227,9 +227,12 @@ def main():
     dist.all_gather_object(everyone, run.problems)
     if rank == 0:
         if args.record:
+            import datetime
+
             import transformers
             with open(args.record, "w") as f:
-                json.dump(dict(torch=torch.__version__, transformers=transformers.__version__, world=world,
+                json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               torch=torch.__version__, transformers=transformers.__version__, world=world,
                                backend="gloo", device="cpu", model="llama hidden 32, 2 layers, vocab 128",
                                batch_per_rank=list(run.batch["input_ids"].shape),
                                note="c10d operator calls per training step (the second step), rank 0",
