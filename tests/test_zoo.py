@@ -13,6 +13,9 @@ import pytest
 import zoo
 
 CASE_NAMES = sorted(zoo.CASES)
+# selective keeps matmul outputs; a block that then adds into one in place (Falcon's
+# ``mlp_output += attention_output``) would be recomputed wrong, so remat refuses it clearly
+IN_PLACE_INTO_KEPT = {("falcon", "selective")}
 
 
 def _run(check, *args):
@@ -26,17 +29,15 @@ def _run(check, *args):
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_treatment_is_exact(name, spec):
     case = zoo.CASES[name]
+    if (name, spec) in IN_PLACE_INTO_KEPT:
+        with pytest.raises(ValueError, match="modifies in place"):
+            _run(zoo.run_treatment, name, spec)
+        return
     expected = "refused" if (spec == "attention" and not case.has_attention) or \
         (spec == "mlp" and not case.has_mlp) else "exact"
     assert _run(zoo.run_treatment, name, spec) == expected
 
 
-def _plan_param(name):
-    if zoo.CASES[name].lm_batch:
-        return name
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="issue 10: planner generality, in progress"))
-
-
-@pytest.mark.parametrize("name", [_plan_param(name) for name in CASE_NAMES])
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_plans_on_fake_tensors(name):
     _run(zoo.run_plan, name)

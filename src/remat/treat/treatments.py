@@ -8,7 +8,7 @@ runs the original forward under the treatment. Because the module tree does not 
 exactly what was there (an instance ``forward`` another library set before remat included),
 and a treated model pickles and deep-copies (the copy is treated on its own parameters).
 
-Training forwards never carry a KV cache through a treated block (:func:`_without_cache`),
+Training forwards never carry the caller's KV cache through a treated block (:func:`_own_cache`),
 and a recompute leaves BatchNorm-style running statistics alone (:func:`_stats_once`), so
 a treated block updates them once per forward, as an untreated one does.
 
@@ -132,9 +132,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
             "model.gradient_checkpointing_disable() (Trainer: gradient_checkpointing=False) and "
             "let remat do it.")
     _refuse_replica(self, args, kwargs)
+    forward = patch.call_previous
     if self.training:
-        args, kwargs = _without_cache(args, kwargs)
-    function, args = _positional(patch.call_previous, args, kwargs)
+        forward, args, kwargs = _own_cache(forward, args, kwargs)
+    function, args = _positional(forward, args, kwargs)
     if state.running_stats:
         function = _stats_once(function, state.running_stats)
     if state.treatment == "full":
@@ -225,25 +226,48 @@ def _positional(forward, args: tuple, kwargs: dict):
     return function, tuple(inputs)
 
 
-def _without_cache(args: tuple, kwargs: dict):
-    """A training forward never carries a KV cache through a treated block: a recompute would
-    append to it a second time (Gemma-2 crashed, Llama's cache grew to twice the sequence) and
-    ``selective`` would save the cache's views. Any argument that *is* a cache (a Hugging Face
-    ``Cache`` object, whatever its keyword is called in the installed transformers) becomes
-    None, ``use_cache`` becomes False, as Hugging Face does under gradient checkpointing, with
-    one warning."""
+def _own_cache(forward, args: tuple, kwargs: dict):
+    """``(forward, args, kwargs)`` in which no KV cache of the caller's reaches the block.
+
+    A training forward must not carry the caller's cache through a treated block: the
+    recompute would append to it a second time (Gemma-2 crashed, Llama's cache grew to twice
+    the sequence) and ``selective`` would save views of it. Dropping it (what Hugging Face
+    does under gradient checkpointing) changes the block's arithmetic on some models (GPT-2
+    attends over the cache's concatenated keys: its gradients moved by 1e-8), so the block
+    gets a new empty cache of the same kind at every call instead, the forward and each
+    recompute alike: it computes exactly what it computes untreated, and the caller's cache
+    is left alone. Any argument that *is* a Hugging Face ``Cache``, whatever its keyword is
+    called in the installed transformers, is replaced; one warning says so."""
     cache_types = _cache_types()
-    found = [k for k, v in kwargs.items() if isinstance(v, cache_types)]
-    positional = [i for i, v in enumerate(args) if isinstance(v, cache_types)]
-    if not found and not positional and kwargs.get("use_cache") is not True:
-        return args, kwargs
-    if found or positional:
-        _warn_cache_once()
-    kwargs = {k: (None if k in found else v) for k, v in kwargs.items()}
-    if kwargs.get("use_cache") is True:
-        kwargs["use_cache"] = False
-    args = tuple(None if i in positional else v for i, v in enumerate(args))
-    return args, kwargs
+    keys = [k for k, v in kwargs.items() if isinstance(v, cache_types)]
+    slots = [i for i, v in enumerate(args) if isinstance(v, cache_types)]
+    if not keys and not slots:
+        return forward, args, kwargs
+    _warn_cache_once()
+    given_args, given_kwargs = args, kwargs
+
+    def with_new_caches(*call_args, **call_kwargs):
+        call_args = tuple(_empty_like_cache(given_args[i]) if i in slots else v for i, v in enumerate(call_args))
+        call_kwargs.update({k: _empty_like_cache(given_kwargs[k]) for k in keys})
+        return forward(*call_args, **call_kwargs)
+    args = tuple(None if i in slots else v for i, v in enumerate(args))
+    kwargs = {k: (None if k in keys else v) for k, v in kwargs.items()}
+    return with_new_caches, args, kwargs
+
+
+def _empty_like_cache(cache):
+    """A new, empty cache of ``cache``'s kind (an encoder-decoder cache holds two), or None."""
+    try:
+        return type(cache)()
+    except (TypeError, ValueError):  # EncoderDecoderCache() wants its two parts
+        pass
+    parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    if all(part is not None for part in parts):
+        try:
+            return type(cache)(*(_empty_like_cache(part) for part in parts))
+        except (TypeError, ValueError):
+            pass
+    return None
 
 
 def _cache_types() -> tuple:
@@ -258,9 +282,10 @@ _WARNED = set()
 def _warn_cache_once() -> None:
     if "cache" not in _WARNED:
         _WARNED.add("cache")
-        warnings.warn("remat: a KV cache reached a treated block in a training forward; remat runs the "
-                      "block without it (as Hugging Face does under gradient checkpointing). Pass "
-                      "use_cache=False when training to silence this.", stacklevel=4)
+        warnings.warn("remat: a KV cache reached a treated block in a training forward; remat gives the "
+                      "block an empty cache of its own at each call (a recompute must not append to yours), "
+                      "so the cache the model returns lacks the treated blocks. Pass use_cache=False when "
+                      "training to silence this.", stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)
