@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import remat
-from remat.planner import adapt
 from remat.profiling.profiler import profile
 
 from test_profiling_models import ResidualMLP
@@ -35,15 +34,16 @@ def test_a_base_model_plan_applies_to_its_peft_wrapper_and_back():
     plan = remat.plan(base, ids, "1GiB", gpu="h100", treatments=["full", "selective"])
     assert set(plan.blocks) == {f"model.layers.{i}" for i in range(3)}
     wrapped = lora(base)
-    with pytest.raises(ValueError, match="another model"):   # resolve() wants the exact names today
-        remat.apply(wrapped, plan)
-    moved = adapt(plan, wrapped)
+    remat.apply(wrapped, plan)                  # names mapped: model.layers.N -> base_model.model.model.layers.N
+    moved = remat.current_plan(wrapped)
     assert set(moved.blocks) == {f"base_model.model.model.layers.{i}" for i in range(3)}
-    remat.apply(wrapped, moved)
     assert set(remat.api.treatments(wrapped).values()) <= {"full", "selective"}
     wrapped(input_ids=ids, labels=ids).loss.backward()
-    back = adapt(moved, tiny_llama())
-    assert dict(back.blocks) == dict(plan.blocks)
+    back = tiny_llama()
+    remat.apply(back, moved)                    # and back onto a base model
+    assert dict(remat.current_plan(back).blocks) == dict(plan.blocks)
+    with pytest.raises(ValueError, match="another model"):
+        remat.apply(back, remat.Plan({"model.layers.7": "full"}))
 
 
 def test_a_head_that_fails_is_a_warning_and_the_plan_goes_on(monkeypatch):

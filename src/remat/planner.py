@@ -23,7 +23,6 @@ from remat.planning.sharding import shard
 from remat.planning.solver import solve
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import profile as _profile
-from remat.treat.discovery import discover
 from remat.units import parse_size
 
 
@@ -58,32 +57,6 @@ def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))
     return chosen
-
-
-def adapt(plan: Plan, model: nn.Module, blocks=None) -> Plan:
-    """``plan`` with its block names mapped onto ``model``'s blocks, for a plan made on a
-    model under another name: on a base model and applied to its PEFT wrapper
-    (``model.layers.0`` -> ``base_model.model.model.layers.0``), or the other way round.
-
-    A plan name maps to the one block name that equals it, ends with ``"." + name`` or is a
-    suffix of it the same way; ValueError if any maps to none or to several, or two to one.
-    """
-    names = list(discover(model, blocks).block_names)
-    planned = list(plan.blocks)
-    if all(name in names for name in planned):
-        return plan
-    mapping = {}
-    for name in planned:
-        found = [n for n in names if n == name or n.endswith("." + name) or name.endswith("." + n)]
-        if len(found) != 1:
-            raise ValueError(f"plan block {name!r} matches {'no' if not found else len(found)} block(s) of "
-                             f"{type(model).__name__} ({found[:3] or names[:3]} ...); the plan was made for a "
-                             "model with other blocks")
-        mapping[name] = found[0]
-    if len(set(mapping.values())) != len(mapping):
-        raise ValueError(f"two plan blocks map to one block of {type(model).__name__}; names are ambiguous")
-    return Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
-                chunk_tokens=plan.chunk_tokens, notes=plan.notes)
 
 
 def _allowed(prof, treatments) -> Optional[list]:

@@ -124,15 +124,34 @@ class Plan:
         return f"{', '.join(parts) or 'no blocks'}; head {head}"
 
 
+def _renamed(plan: Plan, block_names: list) -> Plan:
+    """``plan`` over ``block_names``: as it is when it names them, else with each name mapped to
+    the one block name that ends with ``"." + name`` or is such a suffix of it. That makes a
+    plan portable between a base model and its PEFT wrapper (``model.layers.0`` and
+    ``base_model.model.model.layers.0``); a name that maps to no block or to several, or two
+    names to one block, is refused."""
+    if all(name in block_names for name in plan.blocks):
+        return plan
+    mapping = {}
+    for name in plan.blocks:
+        found = [n for n in block_names if n == name or n.endswith("." + name) or name.endswith("." + n)]
+        if len(found) != 1:
+            raise ValueError(f"plan names a block this model does not have: {name!r} matches "
+                             f"{len(found) or 'no'} block(s) (model blocks: {block_names[:3]} ...); was it "
+                             "made for another model?")
+        mapping[name] = found[0]
+    if len(set(mapping.values())) != len(mapping):
+        raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
+                         "was it made for another model?")
+    return Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
+                chunk_tokens=plan.chunk_tokens, notes=plan.notes)
+
+
 def resolve(spec, block_names) -> Plan:
     """Turn a spec (string, Plan or mapping) into a Plan over ``block_names``."""
     block_names = list(block_names)
     if isinstance(spec, Plan):
-        unknown = [name for name in spec.blocks if name not in block_names]
-        if unknown:
-            raise ValueError(f"plan names blocks this model does not have: {unknown[:5]} "
-                             f"(model blocks: {block_names[:3]} ...); was it made for another model?")
-        return spec
+        return _renamed(spec, block_names)
     if isinstance(spec, Mapping):
         return resolve(Plan(dict(spec)), block_names)
     if not isinstance(spec, str):
