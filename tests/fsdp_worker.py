@@ -49,10 +49,10 @@ def tiny_config(tie=False):
 
 
 class Run:
-    def __init__(self, rank, world):
+    def __init__(self, rank, world, tie=False):
         self.rank, self.world = rank, world
         self.problems, self.counts = [], {}
-        self.config = tiny_config()
+        self.config = tiny_config(tie)
         self.base = build_model(self.config, seed=0)
         ids = torch.randint(0, self.config.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(0))
         self.full_batch = dict(input_ids=ids, labels=ids)
@@ -126,15 +126,17 @@ def _named_parameters(model):
     return inner.named_parameters()
 
 
-def fsdp2(run, mesh):
+def fsdp2(run, mesh, mixed=("fp32", "bf16"), reshards=(True, False), cases=None, label="fsdp2"):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policies = {"fp32": None, "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    for mp_name, mp in policies.items():
-        for reshard in (True, False):
-            wrapper = f"fsdp2/{mp_name}/reshard={reshard}"
+    cases = cases or [(t, None) for t in TREATMENTS] + list(HEADS)
+    for mp_name in mixed:
+        mp = policies[mp_name]
+        for reshard in reshards:
+            wrapper = f"{label}/{mp_name}/reshard={reshard}"
             kwargs = dict(mesh=mesh, reshard_after_forward=reshard, **({"mp_policy": mp} if mp else {}))
             baseline = None
-            for spec, head in [(t, None) for t in TREATMENTS] + list(HEADS):
+            for spec, head in cases:
                 case = f"{wrapper}/{spec}" + (f"+{head}" if head else "")
                 model = copy.deepcopy(run.base)
                 remat.apply(model, spec, head=head)
@@ -207,7 +209,7 @@ def fsdp1(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--record", help="write the collective counts (rank 0's) to this JSON file")
-    p.add_argument("--only", default="fsdp2,ddp,fsdp1")
+    p.add_argument("--only", default="fsdp2,ddp,fsdp1,tied")
     args = p.parse_args()
     torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
     warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
@@ -223,6 +225,12 @@ def main():
         ddp(run)
     if "fsdp1" in parts:
         fsdp1(run)
+    if "tied" in parts:  # tied input and output embeddings: the chunked head returns the shared gradient once
+        tied = Run(rank, world, tie=True)
+        fsdp2(tied, mesh, mixed=("fp32",), reshards=(True,), cases=[("keep", None), ("full", "chunked")],
+              label="fsdp2-tied")
+        run.problems += tied.problems
+        run.counts.update(tied.counts)
     everyone = [None] * world
     dist.all_gather_object(everyone, run.problems)
     if rank == 0:

@@ -78,6 +78,11 @@ def test_every_treatment_and_the_chunked_head_under_fsdp2(report):
     assert _problems(report, "fsdp2/") == []
 
 
+def test_tied_embeddings_with_the_chunked_head_under_fsdp2(report):
+    assert "fsdp2-tied/fp32/reshard=True/full+chunked" in report[1]
+    assert _problems(report, "fsdp2-tied/") == []
+
+
 def test_every_treatment_and_the_chunked_head_under_ddp(report):
     """DistributedDataParallel without find_unused_parameters: no 'marked ready twice', same gradients."""
     assert len([c for c in report[1] if c.startswith("ddp/")]) == 9
