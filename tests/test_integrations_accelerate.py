@@ -16,6 +16,8 @@ from test_integrations_hf import VOCAB, tiny_llama  # noqa: E402
 
 @pytest.fixture(scope="module")
 def accelerator():
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)   # an earlier Trainer fixed the precision
     return accelerate.Accelerator(mixed_precision="bf16", cpu=True)
 
 

@@ -231,3 +231,8 @@ def test_callback_refuses_a_cpu_model_without_budget_or_spec(tmp_path):
         RematCallback().on_train_begin(SimpleNamespace(optim="adamw_torch"), None, None, model=tiny_llama())
     with pytest.raises(ValueError, match="not both"):
         RematCallback(budget="1GiB", spec="full")
+
+
+def _batch_for_docs():
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(8))
+    return {"input_ids": ids, "labels": ids.clone()}

@@ -56,8 +56,7 @@ def run(args) -> int:
     model = build_model(load_config(args.model), device="meta", dtype=dtype)
     if args.plan:
         import remat
-        from remat.planner import adapt
-        remat.apply(model, adapt(remat.Plan.load(args.plan), model))
+        remat.apply(model, remat.Plan.load(args.plan))   # block names map by suffix (PEFT or not)
     if args.hf_checkpointing:
         kwargs = {"use_reentrant": bool(args.reentrant)}
         if args.no_preserve_rng:

@@ -1,0 +1,90 @@
+"""Every code block of docs/integrations.md runs, as written, on a tiny Llama on the CPU.
+
+Python blocks get fresh stand-ins for the reader's objects (``model``, ``train_dataset``,
+``dataset``, ``tokenizer``, ``lit_module``, ``train_loader``, ``batch``, ``args``) and run in a
+temporary folder (they write ``out/``); a ``remat ...`` shell line runs its command module
+in-process. A block whose library is not installed is skipped, naming it.
+
+Two things differ from a user's run, both for the CPU: ``SFTConfig(`` gets ``use_cpu=True``
+(TRL's default ``bf16=True`` is refused on a CPU without it), and accelerate's process-wide
+state is reset before each block (an earlier Trainer in this process fixed its precision).
+"""
+import os
+import re
+import shlex
+import warnings
+
+import pytest
+import torch
+
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "integrations.md")
+
+
+def _blocks():
+    with open(DOC) as f:
+        text = f.read()
+    return [(lang, code) for lang, code in re.findall(r"```(python|bash)\n(.*?)```", text, re.S)]
+
+
+BLOCKS = _blocks()
+
+
+def _namespace():
+    from test_integrations_hf import TokenData, _batch_for_docs, tiny_llama
+    namespace = {"model": tiny_llama().train(), "train_dataset": TokenData(count=4), "batch": _batch_for_docs()}
+    namespace["args"] = None
+    return namespace
+
+
+def _trl_objects(namespace):
+    from test_integrations_trl import _data, _tokenizer
+    namespace.update(dataset=_data().select(range(4)), tokenizer=_tokenizer())
+
+
+def _lightning_objects(namespace):
+    from test_integrations_lightning import LitLM, _loader
+    namespace.update(lit_module=LitLM(), train_loader=_loader())
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i}-{lang}" for i, (lang, _) in enumerate(BLOCKS)])
+def test_doc_block_runs(index, tmp_path, monkeypatch, capsys):
+    lang, code = BLOCKS[index]
+    monkeypatch.chdir(tmp_path)
+    if lang == "bash":
+        from remat.cli import _negative_values, make_parser
+        for line in code.strip().splitlines():
+            argv = shlex.split(line)
+            assert argv[0] == "remat"
+            module = __import__(f"remat.cli.{argv[1]}", fromlist=["run"])
+            status = module.run(make_parser(argv[1], module).parse_args(_negative_values(argv[2:])))
+            assert status == 0, capsys.readouterr().out
+        return
+    for library in ("trl", "lightning", "accelerate"):
+        if re.search(rf"^(from|import) {library}\b", code, re.M):
+            pytest.importorskip(library, reason=f"{library} is not installed")
+    namespace = _namespace()
+    if "trl" in code:
+        _trl_objects(namespace)
+    if "lightning" in code:
+        _lightning_objects(namespace)
+    if "training_args=args" in code:
+        from test_doctor import _args
+        namespace["args"] = _args(tmp_path)
+    if "SFTConfig(" in code:
+        code = code.replace("SFTConfig(", "SFTConfig(use_cpu=True, ")
+    _reset_accelerate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, f"{DOC}:block{index}", "exec"), namespace)
+
+
+def _reset_accelerate():
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_every_block_is_found():
+    assert [lang for lang, _ in BLOCKS].count("python") == 6 and [lang for lang, _ in BLOCKS].count("bash") == 1
