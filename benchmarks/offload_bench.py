@@ -17,7 +17,7 @@ before backward as the HF Trainer does) under each strategy:
 Per strategy: peak (``max_memory_allocated`` after a reset), step time (median of timed steps),
 tokens/s, ratio to eager, loss; for the offload strategies also the engine's counters per step
 (bytes each way, achieved GB/s, copy time, exposed waits, bytes never moved, the window) and what
-``remat.offload.engine.gpu_overhead_bytes`` says the engine adds at the head (where these steps peak),
+``remat.planning.offload_model.gpu_overhead_bytes`` says the engine adds at the head (where these steps peak),
 from the bytes each block handed it. Then the issue's
 criteria, each with its numbers and pass/fail:
 
@@ -46,7 +46,9 @@ import torch
 
 import remat
 from remat.prove.bench import timed_steps
-from remat.offload.engine import GiB, engine_of, gpu_overhead_bytes
+from remat.offload.engine import GiB
+from remat.treat.treatments import engine_of
+from remat.planning.offload_model import gpu_overhead_bytes
 from remat.integrations.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script

@@ -80,7 +80,7 @@ def step_once(model, ids):
 
 def engine(model):
     try:
-        from remat.offload.engine import engine_of
+        from remat.treat.treatments import engine_of
     except ImportError:
         return None
     return engine_of(model)

@@ -21,7 +21,9 @@ import torch
 
 import remat
 from remat.treat.discovery import discover
-from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline, engine_of, gpu_overhead_bytes
+from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline
+from remat.treat.treatments import engine_of
+from remat.planning.offload_model import gpu_overhead_bytes
 from remat.integrations.presets import build_model, load_config
 from remat.treat.treatments import apply_treatment
 
@@ -453,6 +455,12 @@ def test_deferred_partial_views_read_from_the_original_storage():
 
 
 # -- the memory the engine adds ---------------------------------------------------------------------
+
+def test_the_planner_models_the_engine_defaults():
+    from remat.offload import engine
+    from remat.planning import offload_model
+    assert engine.DEFAULT_WINDOW_RECORDS == offload_model.DEFAULT_WINDOW_RECORDS
+
 
 def test_gpu_overhead_bytes_rule():
     o = gpu_overhead_bytes([4, 4, 4, 4], None, 1)

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.offload.engine import OffloadEngine, _Inline, _Packed, engine_of, keep_reason, parameter_storages
+from remat.offload.engine import OffloadEngine, _Inline, _Packed, keep_reason, parameter_storages
+from remat.treat.treatments import engine_of
 from test_offload import Deferred, _Compute, _ids, _tiny, _use, assert_same_step
 
 INPLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"

@@ -66,8 +66,9 @@ Memory the engine adds. Beyond what a block holds while it runs, the engine hold
 other blocks in two ways only: at most the *window* ``W`` (``max_pending_bytes``; default
 ``DEFAULT_WINDOW_RECORDS`` times the largest record packed) of saved tensors whose host copy has
 not been seen to land, and during a block's backward the ``prefetch_blocks`` records fetched ahead.
-The rule, why the window is one record, and its pure form :func:`gpu_overhead_bytes` (for the
-planner) are in :mod:`remat.offload.overhead`; the device objects that run the copies are in
+The rule, why the window is one record, and its pure form ``gpu_overhead_bytes`` (for the
+planner) are in :mod:`remat.planning.offload_model` (the planner models the engine; this package
+never imports the planner, and a test checks the two defaults agree); the device objects that run the copies are in
 :mod:`remat.offload.streams`. This module re-exports the names callers import from it.
 
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
@@ -105,23 +106,14 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from remat.offload.overhead import DEFAULT_WINDOW_RECORDS, gpu_overhead_bytes  # noqa: F401  (re-exported)
 from remat.offload.pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
 from remat.offload.streams import _Cuda, _Inline
 
+DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
 _ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
 
 _PENDING, _INFLIGHT, _HOST, _KEPT = "pending", "in flight", "host", "kept"
-
-
-def engine_of(model: nn.Module) -> Optional["OffloadEngine"]:
-    """The engine ``remat.apply`` attached to ``model``'s offloaded blocks, or None."""
-    for module in model.modules():
-        state = module.__dict__.get("_remat")
-        if state is not None and getattr(state, "engine", None) is not None:
-            return state.engine
-    return None
 
 
 def _storage_of(t: torch.Tensor):
@@ -240,7 +232,7 @@ class OffloadEngine:
     - ``max_pending_bytes``: the window: GPU bytes of saved tensors whose host copy has not been
       seen to land; above it the forward waits for the bus. None: ``DEFAULT_WINDOW_RECORDS`` times
       the largest record (one block call's offloaded bytes) packed so far. See "Memory the engine
-      adds" in the module docstring and :func:`gpu_overhead_bytes`.
+      adds" in the module docstring and ``remat.planning.offload_model.gpu_overhead_bytes``.
     - ``prefetch_blocks``: records copied back ahead of the backward (1 hides a block's copy
       behind the next block's backward when the bus keeps up).
     - ``host_memory_limit``: bytes of pinned memory the pool may hold (None: 60% of MemAvailable).
