@@ -27,7 +27,9 @@ all-reduces per step. Rank 0 writes one JSON line per strategy to ``--out/fsdp_b
 predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
 rank's), step time (median, min, max), tokens/s per GPU, collectives per step, the loss, the
 GPU and versions. A strategy whose predicted peak exceeds the GPU is skipped with the reason
-(an out-of-memory on one rank would leave the others waiting in a collective).
+(an out-of-memory on one rank would leave the others waiting in a collective); one that raises
+on every rank alike is recorded with its error and the next one runs. Rank 0 profiles on its
+GPU unless the unsharded model does not fit there (then with fake tensors and this GPU's rates).
 """
 import gc
 import json
@@ -67,11 +69,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     cuda = args.device == "cuda"
+    if cuda:  # before the process group, so that NCCL knows each rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    else:
+    if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         warnings.filterwarnings("ignore", message="DTensor random operators")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -104,7 +106,13 @@ def main(argv=None):
             record["skipped"] = (f"predicted peak {format_size(predicted['peak'])} > 97% of this GPU's "
                                  f"{format_size(limit)}")
         else:
-            record.update(_measure(name, plan, config, dtype, device, ids, world, args))
+            try:
+                record.update(_measure(name, plan, config, dtype, device, ids, world, args))
+            except Exception as e:  # noqa: BLE001 - a crash is a result (every rank runs the same code)
+                record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)
@@ -126,13 +134,25 @@ def _plan_rank0(args, config, dtype, world, cuda) -> dict:
     except ImportError:  # before block_param_bytes moved to the profiler
         from remat.planning.sharding import block_param_bytes
     how = args.profile or ("cuda" if cuda else "fake")
-    model = build_model(config, device="cuda" if how == "cuda" else "meta", dtype=dtype)
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="cuda" if how == "cuda" else "cpu")
-    prof = profile(model, ids, device=how, gpu=None if cuda else "cpu")
+    prof = model = None
+    if how == "cuda":
+        try:  # the whole model on rank 0's GPU: measured times, as fsdp_validate does
+            model = build_model(config, device="cuda", dtype=dtype)
+            ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="cuda")
+            prof = profile(model, ids, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            print("the unsharded model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
+            how, model = "fake", None
+            gc.collect()
+            torch.cuda.empty_cache()
+    if prof is None:
+        model = build_model(config, device="meta", dtype=dtype)
+        prof = profile(model, torch.zeros(args.batch, args.seq, dtype=torch.long), device="fake",
+                       gpu=_gpu_rates() if cuda else "cpu")
     sharded = shard(prof, world, block_param_bytes(model, prof))
     del model
     gc.collect()
-    if how == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     # as remat.plan: offload only where there is a GPU to offload from
     treatments = [t for t in sharded.treatments(0) if cuda or t not in OFFLOADING_TREATMENTS]
@@ -154,6 +174,11 @@ def _plan_rank0(args, config, dtype, world, cuda) -> dict:
         sim = simulate(sharded, spec, head="plain")
         anchors[name] = dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5))
     return dict(plans=plans, anchors=anchors, profile=how)
+
+
+def _gpu_rates():
+    name = torch.cuda.get_device_name().lower()
+    return next((g for g in ("h200", "h100", "a100") if g in name), "h100")
 
 
 def _prepare(name, plan, model):
@@ -230,8 +255,8 @@ def _materialise(model, device, seed):
 
 
 def _line(r) -> str:
-    if "skipped" in r:
-        return f"{r['strategy']:22s} skipped: {r['skipped']}"
+    if "skipped" in r or "error" in r:
+        return f"{r['strategy']:22s} {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']}"
     c = r["collectives_per_step"]
     peak = format_size(r["peak_bytes"]) if "peak_bytes" in r else "-"
     return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}  "

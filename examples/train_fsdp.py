@@ -26,6 +26,7 @@ runs end to end on a tiny model; there is no peak memory to report there.
 import argparse
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,14 @@ def main(argv=None):
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; pass --device cpu (gloo) to try it on the CPU")
+    if cuda:  # before the process group, so that NCCL knows each rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    else:
+    if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        # each rank initialises its own shards; DTensor's note that its CPU random ops are local is expected
+        warnings.filterwarnings("ignore", message="DTensor random operators")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
 
