@@ -143,6 +143,7 @@ def _plan_rank0(args, config, dtype, world, cuda) -> dict:
         except torch.cuda.OutOfMemoryError:
             print("the unsharded model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
             how, model = "fake", None
+        if prof is None:  # out of the except block: its traceback no longer holds the model's tensors
             gc.collect()
             torch.cuda.empty_cache()
     if prof is None:
