@@ -70,7 +70,7 @@ class Guard:
 
     def __call__(self, step: Callable, batch):
         """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
-        tokens = _tokens(batch)
+        tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:
             self._replan(batch, self.budget, f"a batch of {tokens} tokens")
             self.planned_tokens = tokens
@@ -118,7 +118,7 @@ class Guard:
         self.say(f"remat.Guard: planned for {why} at {format_size(budget)}: {chosen.summary()}")
 
 
-def _tokens(batch) -> int:
+def batch_tokens(batch) -> int:
     """The size of a batch: elements of its largest tensor (batch x sequence for token ids)."""
     tensors = []
 

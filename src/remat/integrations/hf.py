@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 from transformers import TrainerCallback
 
-from remat.guard import _tokens  # the batch size as remat.Guard counts it: one rule for re-planning
+from remat.guard import batch_tokens  # the batch size as remat.Guard counts it: one rule for re-planning
 from remat.treat import patches
 
 _TAG = "hf-callback"
@@ -132,8 +132,8 @@ class RematCallback(TrainerCallback):
             return
         self._budget_bytes = self._resolve_budget(model)
         if self.batch is not None:
-            self._plan(model, _tensors(self.batch), f"the given batch of {_tokens(self.batch)} tokens")
-            self.planned_tokens = _tokens(self.batch)
+            self._plan(model, _tensors(self.batch), f"the given batch of {batch_tokens(self.batch)} tokens")
+            self.planned_tokens = batch_tokens(self.batch)
         self._watch = patches.install(model, "forward", _watched_forward, tag=_TAG, state=_Watch(self))
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -254,7 +254,7 @@ def _watched_forward(patch, *args, **kwargs):
     if not (module.training and torch.is_grad_enabled()):
         return patch.call_previous(*args, **kwargs)
     batch = _tensors(kwargs, args)
-    tokens = _tokens(batch) if batch else 0
+    tokens = batch_tokens(batch) if batch else 0
     if tokens <= callback.planned_tokens:
         return patch.call_previous(*args, **kwargs)
     why = "the first batch" if callback.planned_tokens == 0 else "a longer batch"

@@ -86,8 +86,8 @@ class RematCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.spec is not None:
             return
-        from remat.guard import _tokens
-        tokens = _tokens(batch)
+        from remat.guard import batch_tokens
+        tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:
             why = "the first batch" if self.planned_tokens == 0 else "a longer batch"
             self._plan(pl_module, batch, f"{why} ({tokens} tokens)")

@@ -57,10 +57,17 @@ def freed_input(previous, hidden_bytes: int) -> int:
     return hidden_bytes if previous is None else previous.out_alive
 
 
-def block_terms(cost, freed: int, hidden_bytes: int, offloaded: int = 0) -> BlockTerms:
-    """The parts of ``cost`` (a BlockCost) whose input, when not saved, frees ``freed`` bytes;
-    ``offloaded``: the bytes its treatment hands to the offload engine."""
-    own_input = hidden_bytes if cost.saves_input else 0
+def input_bytes(previous, hidden_bytes: int) -> int:
+    """The bytes of a block's input: the previous block's output (blocks may change shape: CNN
+    stages, UNet levels), or the embeddings' hidden state for the first block."""
+    return hidden_bytes if previous is None else previous.out_bytes
+
+
+def block_terms(cost, freed: int, own_input_bytes: int, offloaded: int = 0) -> BlockTerms:
+    """The parts of ``cost`` (a BlockCost) whose input (``own_input_bytes``, see
+    :func:`input_bytes`), when not saved, frees ``freed`` bytes; ``offloaded``: the bytes its
+    treatment hands to the offload engine."""
+    own_input = own_input_bytes if cost.saves_input else 0
     frees = 0 if cost.saves_input else freed
     carried = cost.out_alive - cost.out_bytes - frees
     return BlockTerms(kept=cost.kept - frees + cost.out_alive - offloaded, forward=cost.fwd_peak,
@@ -136,6 +143,7 @@ def plan_terms(profile, costs, offloaded: Optional[list] = None) -> list:
     offloaded = offloaded or [0] * len(costs)
     out, previous = [], None
     for cost, off in zip(costs, offloaded):
-        out.append(block_terms(cost, freed_input(previous, profile.hidden_bytes), profile.hidden_bytes, off))
+        out.append(block_terms(cost, freed_input(previous, profile.hidden_bytes),
+                               input_bytes(previous, profile.hidden_bytes), off))
         previous = cost
     return out

@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_input
+from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_input, input_bytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.simulator import offload_sizes, simulate
@@ -226,7 +226,7 @@ class _Tables:
             for p, previous in enumerate(prev_costs):
                 prev_off = self.off[i - 1, p] if i else 0.0
                 for t, c in enumerate(costs):
-                    terms = block_terms(c, freed_input(previous, h), h, self.off[i, t])
+                    terms = block_terms(c, freed_input(previous, h), input_bytes(previous, h), self.off[i, t])
                     self.d[i, p, t], self.fwd[i, p, t], self.bwd[i, p, t] = terms.kept, terms.forward, terms.backward
                     seconds = c.fwd_s + c.bwd_s
                     if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
@@ -238,7 +238,7 @@ class _Tables:
                     self.time[i, p, t] = seconds
             # what a block leaves depends on the block before it (the input it frees) and on its
             # own treatment; the DP, which has not chosen them yet, takes the largest
-            self.left[i] = max(block_terms(c, freed_input(previous, h), h).left
+            self.left[i] = max(block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
                                for previous in prev_costs for c in costs)
         self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
         running = 0.0
