@@ -2,7 +2,8 @@
 
 The lines are read from each command module's ``EXAMPLES`` (the text ``--help`` shows) and run
 in-process through ``remat.cli.main`` in a scratch folder, where ``mistral-7b.json`` (the
-example of a config file of any name) is written first. An example whose comment says
+example of a config file of any name) is written first, and ``plan.json`` (a llama-8b plan, as
+``remat plan --out`` writes it) where an example reads one. An example whose comment says
 is ``GPU`` needs CUDA and is skipped without it; the others run on the CPU. Big models are
 planned on the meta device, so they cost seconds, not memory; they carry the ``slow`` mark.
 """
@@ -42,6 +43,9 @@ def test_example_runs(command, tmp_path, monkeypatch, capsys):
     from transformers import MistralConfig
     monkeypatch.chdir(tmp_path)
     MistralConfig().to_json_file("mistral-7b.json")  # Mistral-7B's shape, the config-file example
+    if "plan.json" in command and "--out plan.json" not in command:   # a plan `remat plan --out` wrote
+        from remat import Plan
+        Plan({f"model.layers.{i}": "full" for i in range(32)}, head="chunked").save("plan.json")
     argv = shlex.split(command)[1:]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out

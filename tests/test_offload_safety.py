@@ -317,7 +317,9 @@ def _free_port():
 
 
 def _run_fsdp_worker(device):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)  # cwd changes below
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=path)
     result = subprocess.run([sys.executable, __file__, "fsdp", device], capture_output=True, text=True,
                             env=env, timeout=300, cwd=os.path.dirname(__file__))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -20,7 +20,7 @@ What it does, per call:
   states (CPU and every CUDA device), re-plans at ``shrink`` times the budget, applies the
   new plan, and runs the same step on the same batch again. The loss curve is then the one
   of a run that never hit the limit (treatments are exact; the head mode is kept as it was,
-  so the loss is computed the same way). After ``max_retries`` it raises a RuntimeError
+  so the loss is computed the same way; a re-plan for a longer batch may change the head). After ``max_retries`` it raises a RuntimeError
   naming the budgets tried.
 
 Why a wrapper around the step rather than a hook inside the model: the step is the unit that
@@ -72,7 +72,7 @@ class Guard:
         """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
         tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:
-            self._replan(batch, self.budget, f"a batch of {tokens} tokens")
+            self._replan(batch, self.budget, f"a batch of {tokens} tokens", keep_head=False)
             self.planned_tokens = tokens
         tried = [self.budget]
         grads, rng = _grads_to_host(self.model), _rng_state()
@@ -90,7 +90,7 @@ class Guard:
                     break
                 self.budget = int(self.budget * self.shrink)
                 tried.append(self.budget)
-                self._replan(batch, self.budget, "an out-of-memory step")
+                self._replan(batch, self.budget, "an out-of-memory step", keep_head=True)
                 self.recovered += 1
         raise RuntimeError(
             f"remat.Guard: the step still ran out of memory after {self.max_retries} re-plans (budgets tried: "
@@ -98,14 +98,14 @@ class Guard:
             "(optimizer state, another process, a leak): check torch.cuda.memory_summary(), or give a "
             "smaller batch.")
 
-    def _replan(self, batch, budget, why: str) -> None:
+    def _replan(self, batch, budget, why: str, *, keep_head: bool) -> None:
         from remat.api import apply, current_plan
         from remat.planner import plan as make_plan
         from remat.planning.solver import NoPlanFits
         options = dict(self.plan_options)
         previous = current_plan(self.model)
-        if previous is not None and "heads" not in options:
-            options["heads"] = [previous.head]          # the loss is computed the same way after a re-plan
+        if keep_head and previous is not None and "heads" not in options:
+            options["heads"] = [previous.head]          # the redone step computes its loss the same way
         try:
             chosen = make_plan(self.model, batch, budget, **options)
         except NoPlanFits as e:
