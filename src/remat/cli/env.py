@@ -48,16 +48,10 @@ def collect() -> dict:
 
 
 def _host_memory() -> dict:
-    # /proc/meminfo: MemAvailable bounds how much pinned host memory offload can take.
-    values = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        return {}
-    return {"host_memory_bytes": values.get("MemTotal", 0), "host_available_bytes": values.get("MemAvailable", 0)}
+    # MemAvailable bounds how much pinned host memory offload can take
+    from remat.offload.pinned import host_memory
+    memory = host_memory()
+    return {"host_memory_bytes": memory["total"] or 0, "host_available_bytes": memory["available"]}
 
 
 def text_lines(info: dict) -> list:

@@ -38,15 +38,25 @@ _HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave 
 
 
 
-def _mem_available() -> int:
+def host_memory() -> dict:
+    """``{"total": bytes, "available": bytes}`` from ``/proc/meminfo`` (MemTotal, MemAvailable);
+    the one reader of it (the pool's default limit, ``remat env``). Off Linux: the available
+    physical pages, and no total."""
+    values = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    values[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = values.get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {"total": values.get("MemTotal"), "available": available}
+
+
+def _mem_available() -> int:
+    return host_memory()["available"]
 
 
 class PinnedPool:

@@ -57,7 +57,7 @@ def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
 
     Measured on an H200: a block ran 0-10% slower inside a whole step than alone, even
     back to back (likely sustained load: clocks, power), a systematic under-prediction of
-    the step (v1: -4..-6% on the bench model). So one real step is run with the fastest
+    the step. So one real step is run with the fastest
     uniform plan that fits in free memory (keep if it fits), with CUDA events at every
     block's forward and backward and around the head; the ratios in-step / profiled
     (median over blocks: forward, backward; head) scale every treatment's seconds. One
