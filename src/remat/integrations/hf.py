@@ -55,7 +55,6 @@ step and at each new longest batch.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -64,18 +63,14 @@ import torch.nn as nn
 from transformers import TrainerCallback
 
 from remat.guard import batch_tokens  # the batch size as remat.Guard counts it: one rule for re-planning
+from remat.integrations._planning import BatchPlanner
 from remat.treat import patches
 
 _TAG = "hf-callback"
-_FREE_MARGIN = 0.9
 _HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
 
 
-def _print(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class RematCallback(TrainerCallback):
+class RematCallback(BatchPlanner, TrainerCallback):
     """Plans and applies remat inside a ``Trainer`` run; see the module docstring.
 
     ``budget``: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what
@@ -89,25 +84,11 @@ class RematCallback(TrainerCallback):
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, batch=None,
                  report_after_steps: int = 2, say: Optional[Callable[[str], None]] = None, **plan_options):
-        from remat.units import parse_budget
-        if budget is not None and spec is not None:
-            raise ValueError("RematCallback takes a budget (plan from the batch) or a spec (apply as given), "
-                             "not both; pass one of them")
-        if head is not None and head not in ("plain", "chunked"):
-            raise ValueError(f"head must be 'plain', 'chunked' or None (the planner chooses), got {head!r}")
-        self.budget = None if budget is None else parse_budget(budget)
-        self.spec = spec
-        self.head = head
+        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps, say=say,
+                         plan_options=plan_options)
         self.batch = batch
-        self.report_after_steps = report_after_steps
-        self.say = say or _print
-        self.plan_options = plan_options
-        self.plan = None              # the plan applied last
-        self.planned_tokens = 0
-        self.replans = 0
         self.took_over = False        # TrainingArguments asked for HF checkpointing; remat does it instead
         self.trl_head = False         # TRL's fused LM head is on the model
-        self.measured_peak_bytes = None
         self._model = None
         self._watch = None
         self._budget_bytes = None
@@ -130,24 +111,15 @@ class RematCallback(TrainerCallback):
         if self.spec is not None:
             self._apply_spec(model)
             return
-        self._budget_bytes = self._resolve_budget(model)
+        self._budget_bytes = self.resolve_budget(model)   # fixed for the run: later re-plans use it too
         if self.batch is not None:
             self._plan(model, _tensors(self.batch), f"the given batch of {batch_tokens(self.batch)} tokens")
             self.planned_tokens = batch_tokens(self.batch)
         self._watch = patches.install(model, "forward", _watched_forward, tag=_TAG, state=_Watch(self))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step != self.report_after_steps or self._model is None:
-            return
-        param = next(self._model.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            return
-        from remat.units import format_size
-        self.measured_peak_bytes = torch.cuda.max_memory_allocated(param.device)
-        predicted = (self.plan.notes.get("predicted_peak_bytes") if self.plan is not None else None)
-        beside = f" (predicted {format_size(predicted)})" if predicted else ""
-        self.say(f"remat: measured peak after {state.global_step} steps: "
-                 f"{format_size(self.measured_peak_bytes)}{beside}")
+        if self._model is not None:
+            self.report_peak(self._model, state.global_step, "steps")
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._watch is not None:
@@ -194,50 +166,14 @@ class RematCallback(TrainerCallback):
                      "the trainer was built) would never be called: it is taken off; the blocks keep their plan")
         self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
 
-    def _apply_spec(self, model: nn.Module) -> None:
-        from remat.api import apply, current_plan
-        apply(model, self.spec, head=self.head or "plain")
-        self.plan = current_plan(model)
-        self.say(f"remat: applied {self.plan.summary()}")
-
-    def _resolve_budget(self, model: nn.Module) -> int:
-        if self.budget is not None:
-            return self.budget
-        param = next(model.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            raise ValueError("RematCallback(budget=None) takes the GPU's free memory as the budget, but the model is "
-                             "not on a GPU: pass budget='24GiB' to plan for a device, or spec='full' to apply a "
-                             "treatment as it is")
-        free, _ = torch.cuda.mem_get_info(param.device)
-        return int((free + torch.cuda.memory_allocated(param.device)) * _FREE_MARGIN)
-
-    def _plan(self, model: nn.Module, batch, why: str) -> None:
-        from remat.api import apply, current_plan
-        from remat.planner import plan as make_plan
-        from remat.planning.solver import NoPlanFits
-        from remat.units import format_size
+    # -- what differs from the shared planner ---------------------------------------------
+    def _options(self, module: nn.Module, batch) -> dict:
         options = dict(self.plan_options)
         options.setdefault("optimizer", self._optimizer)
-        previous = current_plan(model)
-        if "heads" not in options:
-            if self.head is not None:
-                options["heads"] = [self.head]
-            elif previous is not None:
-                options["heads"] = [previous.head]   # the loss is computed the same way after a re-plan
-        try:
-            chosen = make_plan(model, batch, self._budget_bytes, **options)
-        except NoPlanFits as e:
-            if e.plan is None:
-                raise
-            chosen = e.plan
-            self.say(f"remat: nothing fits {format_size(self._budget_bytes)}; using the smallest plan "
-                     f"(predicted {format_size(e.smallest_peak)})")
-        apply(model, chosen, blocks=options.get("blocks"))
-        self.plan = chosen
-        self.replans += 1
-        peak = chosen.notes.get("predicted_peak_bytes")
-        self.say(f"remat: planned for {why} at {format_size(self._budget_bytes)}: {chosen.summary()}"
-                 + (f", predicted peak {format_size(peak)}" if peak else ""))
+        return options
+
+    def _planning_budget(self, module: nn.Module) -> int:
+        return self._budget_bytes
 
 
 @dataclass(eq=False)
@@ -254,12 +190,8 @@ def _watched_forward(patch, *args, **kwargs):
     if not (module.training and torch.is_grad_enabled()):
         return patch.call_previous(*args, **kwargs)
     batch = _tensors(kwargs, args)
-    tokens = batch_tokens(batch) if batch else 0
-    if tokens <= callback.planned_tokens:
+    if not callback.plan_if_longer(module, batch, batch_tokens(batch) if batch else 0):
         return patch.call_previous(*args, **kwargs)
-    why = "the first batch" if callback.planned_tokens == 0 else "a longer batch"
-    callback._plan(module, batch, f"{why} ({tokens} tokens)")
-    callback.planned_tokens = tokens
     # apply() took every remat patch off and put the plan's on: the watcher goes back on top,
     # and this call runs through the new patches below it
     if not patch.active:

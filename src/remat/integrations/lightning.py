@@ -30,19 +30,15 @@ at the first batch and at each new longest one; an out-of-memory step is not red
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional
 
-import torch
 import torch.nn as nn
 from lightning.pytorch import Callback
 
-
-def _print(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from remat.integrations._planning import BatchPlanner
 
 
-class RematCallback(Callback):
+class RematCallback(BatchPlanner, Callback):
     """Applies or plans remat for a LightningModule; see the module docstring.
 
     ``budget``: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device
@@ -54,98 +50,31 @@ class RematCallback(Callback):
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, loss_fn=None, blocks=None,
                  report_after_steps: int = 2, say: Optional[Callable[[str], None]] = None, **plan_options):
-        from remat.units import parse_budget
-        if budget is not None and spec is not None:
-            raise ValueError("RematCallback takes a budget (plan from the batch) or a spec (apply as given), "
-                             "not both; pass one of them")
-        if head is not None and head not in ("plain", "chunked"):
-            raise ValueError(f"head must be 'plain', 'chunked' or None (the planner chooses), got {head!r}")
-        self.budget = None if budget is None else parse_budget(budget)
-        self.spec = spec
-        self.head = head
+        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps, say=say,
+                         plan_options=plan_options)
         self.loss_fn = loss_fn
         self.blocks = blocks
-        self.report_after_steps = report_after_steps
-        self.say = say or _print
-        self.plan_options = plan_options
-        self.plan = None
-        self.planned_tokens = 0
-        self.replans = 0
-        self.measured_peak_bytes = None
         self._steps = 0
 
     def setup(self, trainer, pl_module, stage):
         if stage == "fit" and self.spec is not None and _has_blocks(pl_module, self.blocks):
-            self._apply_spec(pl_module)
+            self._apply_spec(pl_module, self.blocks)
 
     def on_fit_start(self, trainer, pl_module):
         from remat.api import current_plan
         if self.spec is not None and current_plan(pl_module) is None:
-            self._apply_spec(pl_module)   # built in configure_model: no blocks at setup
+            self._apply_spec(pl_module, self.blocks)   # built in configure_model: no blocks at setup
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.spec is not None:
-            return
-        from remat.guard import batch_tokens
-        tokens = batch_tokens(batch)
-        if tokens > self.planned_tokens:
-            why = "the first batch" if self.planned_tokens == 0 else "a longer batch"
-            self._plan(pl_module, batch, f"{why} ({tokens} tokens)")
-            self.planned_tokens = tokens
+        if self.spec is None:
+            self.plan_if_longer(pl_module, batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._steps += 1
-        if self._steps != self.report_after_steps:
-            return
-        param = next(pl_module.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            return
-        from remat.units import format_size
-        self.measured_peak_bytes = torch.cuda.max_memory_allocated(param.device)
-        predicted = self.plan.notes.get("predicted_peak_bytes") if self.plan is not None else None
-        self.say(f"remat: measured peak after {self._steps} batches: {format_size(self.measured_peak_bytes)}"
-                 + (f" (predicted {format_size(predicted)})" if predicted else ""))
+        self.report_peak(pl_module, self._steps, "batches")
 
-    def _apply_spec(self, module: nn.Module) -> None:
-        from remat.api import apply, current_plan
-        apply(module, self.spec, blocks=self.blocks, head=self.head or "plain")
-        self.plan = current_plan(module)
-        self.say(f"remat: applied {self.plan.summary()}")
-
-    def _budget_bytes(self, module: nn.Module) -> int:
-        if self.budget is not None:
-            return self.budget
-        param = next(module.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            raise ValueError("RematCallback(budget=None) takes the GPU's free memory as the budget, but the module "
-                             "is not on a GPU: pass budget='24GiB', or spec='full' to apply a treatment as it is")
-        free, _ = torch.cuda.mem_get_info(param.device)
-        return int((free + torch.cuda.memory_allocated(param.device)) * 0.9)
-
-    def _plan(self, module: nn.Module, batch, why: str) -> None:
-        from remat.api import apply, current_plan
-        from remat.planner import plan as make_plan
-        from remat.planning.solver import NoPlanFits
-        from remat.units import format_size
-        budget = self._budget_bytes(module)
-        options = dict(self.plan_options, blocks=self.blocks, loss_fn=self.loss_fn or _default_loss(module, batch))
-        previous = current_plan(module)
-        if "heads" not in options and (self.head or previous is not None):
-            options["heads"] = [self.head or previous.head]
-        try:
-            chosen = make_plan(module, batch, budget, **options)
-        except NoPlanFits as e:
-            if e.plan is None:
-                raise
-            chosen = e.plan
-            self.say(f"remat: nothing fits {format_size(budget)}; using the smallest plan "
-                     f"(predicted {format_size(e.smallest_peak)})")
-        apply(module, chosen, blocks=self.blocks)
-        self.plan = chosen
-        self.replans += 1
-        peak = chosen.notes.get("predicted_peak_bytes")
-        self.say(f"remat: planned for {why} at {format_size(budget)}: {chosen.summary()}"
-                 + (f", predicted peak {format_size(peak)}" if peak else ""))
+    def _options(self, module: nn.Module, batch) -> dict:
+        return dict(self.plan_options, blocks=self.blocks, loss_fn=self.loss_fn or _default_loss(module, batch))
 
 
 def _has_blocks(module: nn.Module, blocks) -> bool:
