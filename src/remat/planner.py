@@ -23,7 +23,7 @@ from remat.planning.sharding import shard
 from remat.planning.solver import solve
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import profile as _profile
-from remat.units import parse_size
+from remat.units import parse_budget
 
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
@@ -44,7 +44,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
     """
-    budget_bytes = parse_size(budget)
+    budget_bytes = parse_budget(budget)
     prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))

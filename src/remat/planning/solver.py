@@ -60,7 +60,7 @@ from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_inpu
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.simulator import offload_sizes, simulate
-from remat.units import format_size, parse_size
+from remat.units import format_size, parse_budget
 
 OFFLOAD_MARGIN = 0.02
 
@@ -84,7 +84,7 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
     the module doc). Raises :class:`NoPlanFits` (a ValueError) naming the smallest budget
     that fits and its plan.
     """
-    budget = parse_size(budget)
+    budget = parse_budget(budget)
     if not 0 <= offload_margin < 1:
         raise ValueError(f"offload_margin is a fraction of the budget in [0, 1), got {offload_margin!r}")
     options = _options(profile, treatments)
