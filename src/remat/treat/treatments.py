@@ -131,7 +131,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
             f"treats it ({state.treatment!r}): the block would be checkpointed twice. Call "
             "model.gradient_checkpointing_disable() (Trainer: gradient_checkpointing=False) and "
             "let remat do it.")
-    _refuse_replica(self, args, kwargs)
+    # an instance forward under remat's (accelerate's device_map hooks) moves the inputs to the
+    # block's device itself, after this point: only a bare block can tell a replica by its inputs
+    if patch.previous is patches._MISSING:
+        _refuse_replica(self, args, kwargs)
     forward = patch.call_previous
     if self.training:
         forward, args, kwargs = _own_cache(forward, args, kwargs)
