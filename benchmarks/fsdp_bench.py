@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
 
 import remat  # noqa: E402
-from remat.integrations.presets import build_model, load_config  # noqa: E402
+from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
 from remat.planning.sharding import shard  # noqa: E402
 from remat.prove.bench import environment, timed_steps  # noqa: E402
@@ -214,7 +214,7 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     for block in _prepare(name, plan, model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    _materialise(model, device, seed=dist.get_rank())
+    materialise(model, device, seed=dist.get_rank())
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -241,18 +241,6 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return result
-
-
-def _materialise(model, device, seed):
-    """Real storage for the sharded parameters and the buffers, initialised the model's way."""
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
-            if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-                inv_freq, _ = module.rope_init_fn(module.config, device)  # transformers 4 does not
-                module.inv_freq.copy_(inv_freq)
 
 
 def _line(r) -> str:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.integrations.presets import build_model, load_config, materialise
 
 
 def main(argv=None):
@@ -82,7 +82,7 @@ def main(argv=None):
             block.compile()
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    _materialise(model, device, seed=rank)
+    materialise(model, device, seed=rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
@@ -139,20 +139,6 @@ def _spec_plan(model, spec):
 def _gpu_name():
     name = torch.cuda.get_device_name().lower()
     return next((g for g in ("h200", "h100", "a100") if g in name), "h100")
-
-
-def _materialise(model, device, seed):
-    """Real storage for the (sharded) parameters and the buffers, initialised the model's way."""
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
-            if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-                inv_freq, _ = module.rope_init_fn(module.config, device)  # transformers 4 does not
-                module.inv_freq.copy_(inv_freq)
-                if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
-                    module.original_inv_freq.copy_(inv_freq)
 
 
 def _sync(cuda):

@@ -143,3 +143,21 @@ def build_model(config, *, device="cpu", dtype=None, attn_implementation=None, s
     finally:
         torch.set_default_dtype(previous)
     return model.train()
+
+
+def materialise(model, device, seed: int = 0):
+    """Give a model built on the ``meta`` device (or sharded by FSDP2 after that) real storage on
+    ``device``, initialised the model's own way (``_init_weights``, rotary tables recomputed);
+    returns ``model``. Each FSDP2 rank fills only its own shards."""
+    import torch
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
+            if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                inv_freq, _ = module.rope_init_fn(module.config, device)  # transformers 4 does not
+                module.inv_freq.copy_(inv_freq)
+                if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
+                    module.original_inv_freq.copy_(inv_freq)
+    return model
