@@ -142,7 +142,7 @@ def uninstall(patch: Patch) -> None:
 
 def patches(model: nn.Module, tag: Optional[str] = None) -> list:
     """Active patches on ``model`` and its submodules, in install order (``tag`` filters)."""
-    found = [p for m in _modules(model) for p in m.__dict__.get(_REGISTRY, ())
+    found = [p for m in model.modules() for p in m.__dict__.get(_REGISTRY, ())
              if tag is None or p.tag == tag]
     return sorted(found, key=lambda p: p.order)
 
@@ -190,9 +190,3 @@ def suspended(model: nn.Module) -> Iterator[list]:
     finally:
         remove(model)  # anything installed inside the block goes first
         reinstall(undone)
-
-
-def _modules(model: nn.Module):
-    # a plain walk of _modules: named_modules() would skip modules shared under two names
-    # only once, which is what we want, and it never calls patched methods
-    return model.modules()
