@@ -28,7 +28,7 @@ from remat.units import parse_budget
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
-         blocks=None, fsdp_world: int = 1, progress=None) -> Plan:
+         blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
@@ -43,9 +43,12 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
     naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
+    ``device``: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline
+    times); default: measured on the GPU when the model is there (see :func:`remat.profile`).
     """
     budget_bytes = parse_budget(budget)
-    prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer, blocks=blocks, progress=progress)
+    prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer, blocks=blocks,
+                    progress=progress)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     return solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
