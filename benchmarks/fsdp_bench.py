@@ -26,7 +26,22 @@ Protocol (as ``remat bench``): a step is ``zero_grad(set_to_none=True)``, forwar
 all-reduces per step. Rank 0 writes one JSON line per strategy to ``--out/fsdp_bench.jsonl``:
 predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
 rank's), step time (median, min, max), tokens/s per GPU, collectives per step, the loss, the
-GPU and versions. A strategy whose predicted peak exceeds the GPU is skipped with the reason
+GPU and versions. Predicted step times include FSDP2's collectives: the bus rate is timed on
+the process group before planning (:func:`remat.profiling._calibrate.bus_rate`, every rank; the
+``GPUS`` table on the CPU) and each record carries ``predicted_compute_s``,
+``predicted_comm_s`` (link busy) and ``predicted_exposed_comm_s`` (not hidden) beside
+``predicted_step_s`` = compute + exposed. ``--no-reshard`` runs ``fully_shard(...,
+reshard_after_forward=False)`` and plans for it.
+
+Memory between rows: each row starts after ``gc.collect()``, a device synchronise, a barrier and
+``empty_cache()``, and records ``allocated_before_bytes`` (every rank's allocated bytes before it
+builds its model: what earlier rows left) and ``step_peaks_bytes`` (rank 0's peak of each timed
+step, reset before each). ``peak_bytes`` is the largest rank's peak less what that rank had
+allocated before the row, so memory an earlier row left behind is never charged to this one
+(``peak_bytes_raw`` keeps the allocator's number). A row alone (``--strategies torch_ac``) is
+the check that a row's peak does not depend on the rows before it.
+
+A strategy whose predicted peak exceeds the GPU is skipped with the reason
 (an out-of-memory on one rank would leave the others waiting in a collective); one that raises
 on every rank alike is recorded with its error and the next one runs. Rank 0 profiles on its
 GPU unless the unsharded model does not fit there (then with fake tensors and this GPU's rates).
@@ -63,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", choices=("cuda", "fake"),
                    help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
     p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat", help="which rows to run")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
     return p.parse_args(argv)
 
 
@@ -81,7 +98,9 @@ def main(argv=None):
     config = load_config(args.model)
     wanted = args.strategies.split(",")
 
-    box = [_plan_rank0(args, config, dtype, world, cuda) if rank == 0 else None]
+    from remat.profiling._calibrate import bus_rate
+    bus = bus_rate() if cuda else None  # a collective: every rank, before rank 0 plans alone
+    box = [_plan_rank0(args, config, dtype, world, cuda, bus) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     planned = box[0]
     rows = [("eager", None), ("torch_ac", None), ("hf_full", None)]
@@ -92,13 +111,15 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
-                  dtype=str(dtype).replace("torch.", ""), profile=planned["profile"])
+                  dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
+                  bus_measured=bus is not None, reshard_after_forward=not args.no_reshard)
     records = []
     for name, plan in rows:
-        predicted = planned["anchors"].get(name) or dict(peak=plan.notes["predicted_peak_bytes"],
-                                                          step_s=plan.notes["predicted_step_s"])
+        predicted = planned["anchors"].get(name) or planned["predicted"][name]
         record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
-                      predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"])
+                      predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"],
+                      predicted_compute_s=predicted["compute_s"], predicted_comm_s=predicted["comm_s"],
+                      predicted_exposed_comm_s=predicted["exposed_comm_s"])
         if plan is not None:
             record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"))
         limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
@@ -125,7 +146,12 @@ def main(argv=None):
     return records
 
 
-def _plan_rank0(args, config, dtype, world, cuda) -> dict:
+def _predicted(sim) -> dict:
+    return dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5), compute_s=round(sim.step_s - sim.exposed_comm_s, 5),
+                comm_s=round(sim.comm_s, 5), exposed_comm_s=round(sim.exposed_comm_s, 5))
+
+
+def _plan_rank0(args, config, dtype, world, cuda, bus=None) -> dict:
     """Profile once, then the plan per budget and the anchors' predictions, as plain data."""
     from remat.planning.simulator import simulate
     from remat.profiling.profiler import profile
@@ -150,7 +176,8 @@ def _plan_rank0(args, config, dtype, world, cuda) -> dict:
         model = build_model(config, device="meta", dtype=dtype)
         prof = profile(model, torch.zeros(args.batch, args.seq, dtype=torch.long), device="fake",
                        gpu=_gpu_rates() if cuda else "cpu")
-    sharded = shard(prof, world, block_param_bytes(model, prof))
+    sharded = shard(prof, world, block_param_bytes(model, prof), reshard_after_forward=not args.no_reshard,
+                    bus_Bps=bus)
     del model
     gc.collect()
     if cuda:
@@ -164,17 +191,19 @@ def _plan_rank0(args, config, dtype, world, cuda) -> dict:
         budgets = [parse_size(b) for b in args.budgets.split(",")]
     else:
         budgets = [int(low + f * (high - low)) for f in FRACTIONS]
-    plans = []
+    plans, predicted = [], {}
     for b in budgets:
         try:
-            plans.append((b, remat.solve(sharded, b, treatments=treatments).to_dict()))
+            plan = remat.solve(sharded, b, treatments=treatments)
         except remat.NoPlanFits as e:
             print(f"budget {format_size(b)}: {e}", file=sys.stderr)
-    anchors = {}
-    for name, spec in (("eager", "keep"), ("torch_ac", "full"), ("hf_full", "full")):
-        sim = simulate(sharded, spec, head="plain")
-        anchors[name] = dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5))
-    return dict(plans=plans, anchors=anchors, profile=how)
+            continue
+        plans.append((b, plan.to_dict()))
+        predicted[f"remat@{format_size(b).replace(' ', '')}"] = _predicted(simulate(sharded, plan))
+    anchors = {name: _predicted(simulate(sharded, spec, head="plain"))
+               for name, spec in (("eager", "keep"), ("torch_ac", "full"), ("hf_full", "full"))}
+    return dict(plans=plans, anchors=anchors, predicted=predicted, profile=how,
+                bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
 
 
 def _gpu_rates():
@@ -205,15 +234,30 @@ def _prepare(name, plan, model):
     return [model.get_submodule(n) for n in layers]
 
 
+def _settle(cuda) -> int:
+    """Free what earlier rows left (cycles, cached blocks, collectives in flight); this rank's
+    allocated bytes after that (0 on the CPU)."""
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    if cuda:
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+    return 0
+
+
 def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     cuda = device.type == "cuda"
+    before = _settle(cuda)
     mesh = init_device_mesh(device.type, (world,))
     model = build_model(config, device="meta", dtype=dtype)
+    reshard = not args.no_reshard
     for block in _prepare(name, plan, model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)  # FSDP2 never reshards the root after forward
     materialise(model, device, seed=dist.get_rank())
 
     def step():
@@ -222,11 +266,16 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
         loss.backward()
         return loss.detach()
     timed_steps(step, args.warmup, cuda=cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times, loss = timed_steps(step, args.steps, cuda=cuda)
-    peaks = [None] * world
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated() if cuda else None)
+    times, step_peaks, loss = [], [], None
+    for _ in range(args.steps):  # the peak of each step, so that one odd step shows
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, loss = timed_steps(step, 1, cuda=cuda)
+        times += seconds
+        step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
+    peaks, befores = [None] * world, [None] * world
+    dist.all_gather_object(peaks, max(step_peaks) if cuda else None)
+    dist.all_gather_object(befores, before)
     with CollectiveCounter() as counter:
         step()
     dist.all_reduce(loss)
@@ -235,7 +284,9 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
                   tokens_per_s_per_gpu=ids.numel() / median, loss=float(loss) / world,
                   collectives_per_step={k: v for k, v in counter.counts.as_dict().items() if k != "by_op"})
     if cuda:
-        result.update(peak_bytes=max(peaks), peak_bytes_per_rank=peaks)
+        own = [p - b for p, b in zip(peaks, befores)]
+        result.update(peak_bytes=max(own), peak_bytes_per_rank=own, peak_bytes_raw=max(peaks),
+                      allocated_before_bytes=befores, step_peaks_bytes=step_peaks)
     del model, step
     gc.collect()  # FSDP's hooks hold the model in reference cycles
     if cuda:
@@ -248,8 +299,13 @@ def _line(r) -> str:
         return f"{r['strategy']:22s} {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']}"
     c = r["collectives_per_step"]
     peak = format_size(r["peak_bytes"]) if "peak_bytes" in r else "-"
-    return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}  "
-            f"pred {r['predicted_step_s']:.3f} s meas {r['step_s']:.3f} s  {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  "
+    carried = max(r.get("allocated_before_bytes") or [0])
+    error = (r["step_s"] - r["predicted_step_s"]) / r["predicted_step_s"] if r["predicted_step_s"] else 0.0
+    return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}"
+            + (f" (+{format_size(carried)} left by earlier rows)" if carried > 2**28 else "") +
+            f"  step pred {r['predicted_step_s']:.3f} s (compute {r['predicted_compute_s']:.3f} + comm "
+            f"{r['predicted_exposed_comm_s']:.3f} of {r['predicted_comm_s']:.3f}) meas {r['step_s']:.3f} s "
+            f"({error:+.1%})  {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  "
             f"AG {c['all_gather']} RS {c['reduce_scatter']} AR {c['all_reduce']}  loss {r['loss']:.4f}"
             + (f"  [{r['plan']}]" if "plan" in r else ""))
 

@@ -10,8 +10,11 @@ How, on every rank:
 2. Rank 0 plans: ``remat.plan(model, batch, budget, fsdp_world=world, optimizer="adamw")``
    profiles the unsharded model with fake tensors and solves for one rank's view of FSDP2
    (parameters, gradients and optimizer state 1/world; two blocks and the root unsharded; see
-   ``remat.planning.sharding``). The plan is broadcast as plain data (``plan.to_dict()``), so
-   every rank applies the same plan even where profiling is not deterministic.
+   ``remat.planning.sharding``), its step time counting FSDP2's all-gathers and reduce-scatters
+   (what compute does not hide). The plan is broadcast as plain data (``plan.to_dict()``), so
+   every rank applies the same plan: a fake-tensor profile is deterministic, a measured one is
+   not (each rank would time its own kernels), and the broadcast covers both. Planning on
+   every rank instead would also profile ``world`` times.
 3. ``remat.apply(model, plan)``, then ``fully_shard`` on every block and then on the root
    (remat first: its checkpoint then runs inside the FSDP2 unit, and recomputing a block
    all-gathers nothing more). ``--compile`` compiles each block between the two, as torchtitan does.
@@ -103,8 +106,10 @@ def main(argv=None):
         say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
             f"{tokens / times[-1]:,.0f} tokens/s per rank")
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median without the first step
+    planned = plan.notes.get("predicted_step_s")
     say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
-        f"{tokens * world / steady:,.0f} in all ({world} ranks)")
+        f"{tokens * world / steady:,.0f} in all ({world} ranks)"
+        + (f"; planned {planned:.3f} s for forward+backward (the optimizer step is not in it)" if planned else ""))
     if cuda:
         peaks = [None] * world
         dist.all_gather_object(peaks, torch.cuda.max_memory_allocated())

@@ -198,6 +198,9 @@ def explain(prof, sim, budget=None) -> list:
     for name, st in stages.items():
         wait = f", {st['wait_s']:.3f} s waiting for copies" if st["wait_s"] > 5e-4 else ""
         parts.append(f"{name} {st['seconds']:.3f} s (peak {f(st['peak_bytes'])}{wait})")
+    if sim.comm_s:  # FSDP2: time the GPU waited for collectives, already inside the stages above
+        parts.append(f"exposed communication {sim.exposed_comm_s:.3f} s (of {sim.comm_s:.3f} s of collectives, "
+                     "the rest hidden behind compute)")
     lines.append("stages     " + "; ".join(parts))
     if sim.offload_bytes:
         lines.append(f"offload    {f(sim.offload_bytes)} handed to the engine, {f(sim.moved_bytes)} moved each way, "
@@ -229,6 +232,12 @@ def run(args) -> int:
         plan = solve_from_args(prof, budget, treatments, say)
     except NoPlanFits as e:
         raise ValueError(no_fit_message(e, budget, args)) from None
+    if prof.comm is not None:  # the collectives' seconds join the plan's notes (--out, --json)
+        from remat.planning.plans import Plan
+        from remat.planning.sharding import comm_notes
+        from remat.planning.simulator import simulate
+        notes = comm_notes(prof, simulate(prof, plan))
+        plan = Plan(blocks=plan.blocks, head=plan.head, chunk_tokens=plan.chunk_tokens, notes={**plan.notes, **notes})
     if args.out:
         plan.save(args.out)
         print(f"written    {args.out}", file=sys.stderr)

@@ -28,18 +28,24 @@ OPTIMIZER_BYTES_PER_PARAM = {"none": 0, "adamw": 8, "adamw8bit": 2}
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
-# HBM GB/s, pinned host copies GB/s. H100: DESIGN.md anchors (791 TF/s, 55/48/86 GB/s); H200 copies
-# as measured by the offload bench (55/55/101 GB/s). A GPU profile measures its own copy rates.
+# HBM GB/s, pinned host copies GB/s, collective bus bandwidth GB/s between the GPUs of one host
+# (nccl-tests' "busbw"). H100: DESIGN.md anchors (791 TF/s, 55/48/86 GB/s); a 1 GiB NCCL all-reduce
+# ran at 329 GB/s bus bandwidth on 2 x H100 (NVLink) and 355 on 4, so 330. H200 copies as measured by
+# the offload bench (55/55/101 GB/s); its NVLink is the H100's, so the same bus figure (not measured).
+# A100 (NVLink 3) and the CPU (gloo) bus figures are rough, not measured. A GPU profile measures its
+# own copy rates; the bus rate of a live process group: remat.profiling._calibrate.bus_rate.
 GPUS = {
     "h100": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=3350.0, d2h_GBps=55.0, h2d_GBps=48.0,
-                 duplex_GBps=86.0),
+                 duplex_GBps=86.0, bus_GBps=330.0),
     "h200": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=4800.0, d2h_GBps=55.0, h2d_GBps=55.0,
-                 duplex_GBps=101.0),
+                 duplex_GBps=101.0, bus_GBps=330.0),
     "a100": dict(bf16_tflops=280.0, fp32_tflops=18.0, hbm_GBps=2039.0, d2h_GBps=25.0, h2d_GBps=24.0,
-                 duplex_GBps=40.0),
+                 duplex_GBps=40.0, bus_GBps=230.0),
     "cpu": dict(bf16_tflops=1.0, fp32_tflops=1.0, hbm_GBps=20.0, d2h_GBps=20.0, h2d_GBps=20.0,
-                duplex_GBps=20.0),
+                duplex_GBps=20.0, bus_GBps=5.0),
 }
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
+               "half": 2, "fp16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +66,9 @@ class Rates:
     """Pinned host-to-device copies, bytes/s."""
     duplex_Bps: float
     """Both directions at once, bytes/s in all."""
+    bus_Bps: float = 330e9
+    """Collective bus bandwidth between the GPUs (nccl-tests' busbw): a ring all-gather or
+    reduce-scatter of ``B`` bytes in all takes ``B * (world - 1) / world / bus_Bps`` seconds."""
     granularity: int = 512
     """Bytes every allocation is rounded up to (the CUDA caching allocator's 512)."""
     measured: bool = False
@@ -76,7 +85,16 @@ def rates_for(gpu: str) -> Rates:
     g = GPUS[key]
     return Rates(name=key, matmul_flops=g["bf16_tflops"] * 1e12, fp32_flops=g["fp32_tflops"] * 1e12,
                  hbm_Bps=g["hbm_GBps"] * 1e9, d2h_Bps=g["d2h_GBps"] * 1e9, h2d_Bps=g["h2d_GBps"] * 1e9,
-                 duplex_Bps=g["duplex_GBps"] * 1e9, granularity=1 if key == "cpu" else 512)
+                 duplex_Bps=g["duplex_GBps"] * 1e9, bus_Bps=g["bus_GBps"] * 1e9,
+                 granularity=1 if key == "cpu" else 512)
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of ``dtype``: a name (``"bfloat16"``, ``"bf16"``) or a torch dtype."""
+    name = str(dtype).replace("torch.", "").lower()
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)} (or the torch dtype)")
+    return DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +165,69 @@ class HeadCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Collectives:
+    """FSDP2's collectives in one rank's training step, as the time model charges them.
+
+    Built by :func:`remat.planning.sharding.shard`; :func:`remat.simulate` places them on one
+    link beside the compute (see :mod:`remat.planning.simulator`). Sizes are the whole unsharded
+    group's bytes; a ring moves ``(world - 1) / world`` of them over each GPU's link.
+    """
+
+    world: int
+    """Ranks sharing the model."""
+    bus_Bps: float
+    """Bus bandwidth of the link (nccl-tests' busbw), bytes/s."""
+    gather_bytes: tuple
+    """Per block: its parameters' bytes in the param dtype (one all-gather assembles them)."""
+    reduce_bytes: tuple
+    """Per block: its gradients' bytes in the reduce dtype (one reduce-scatter)."""
+    root_gather_bytes: int
+    """The root's own parameters (embeddings, final norm, LM head): all-gathered once, before
+    anything runs (FSDP2 never reshards the root after forward)."""
+    root_reduce_bytes: int
+    """The root's gradients: reduce-scattered once, after everything else."""
+    reshard_after_forward: bool = True
+    """Blocks are resharded after forward and all-gathered again for backward (FSDP2's default)."""
+    bus_measured: bool = False
+    """``bus_Bps`` was timed on the process group, not read from :data:`GPUS`."""
+
+    def seconds(self, nbytes: float) -> float:
+        """Seconds of one all-gather or reduce-scatter of ``nbytes`` (the unsharded size)."""
+        return nbytes * (self.world - 1) / self.world / self.bus_Bps if nbytes else 0.0
+
+    def total_s(self) -> float:
+        """Seconds the link is busy in one step."""
+        gathers = sum(self.gather_bytes) * (2 if self.reshard_after_forward else 1) + self.root_gather_bytes
+        return self.seconds(gathers) + self.seconds(sum(self.reduce_bytes) + self.root_reduce_bytes)
+
+    def block_exposed_s(self, index: int, fwd_s: float, bwd_s: float) -> float:
+        """Communication block ``index`` fails to hide, given its own forward and backward seconds:
+        the next block's all-gather runs during its forward, and during its backward the
+        reduce-scatter of the block after it and (resharded) the all-gather of the block before it.
+        Additive over blocks; :meth:`fixed_exposed_s` adds what no block's treatment changes. The
+        sum is the simulator's exposure when blocks are resharded after forward, and an upper bound
+        when not (nothing waits in backward then, so a reduce-scatter's excess may hide later)."""
+        n = len(self.gather_bytes)
+        ahead = self.gather_bytes[index + 1] if index + 1 < n else 0
+        behind = self.gather_bytes[index - 1] if index > 0 and self.reshard_after_forward else 0
+        after = self.reduce_bytes[index + 1] if index + 1 < n else 0
+        return (max(0.0, self.seconds(ahead) - fwd_s)
+                + max(0.0, self.seconds(after) + self.seconds(behind) - bwd_s))
+
+    def fixed_exposed_s(self, head) -> float:
+        """The exposed communication outside the blocks' windows (``head``: a :class:`HeadCost`):
+        the root's all-gather, the first block's all-gather less the embeddings' forward, the last
+        block's backward all-gather less the head's backward, the first block's reduce-scatter
+        less the embeddings' backward, and the root's reduce-scatter."""
+        last = self.gather_bytes[-1] if self.gather_bytes and self.reshard_after_forward else 0
+        first_gather = self.gather_bytes[0] if self.gather_bytes else 0
+        first_reduce = self.reduce_bytes[0] if self.reduce_bytes else 0
+        return (self.seconds(self.root_gather_bytes) + max(0.0, self.seconds(first_gather) - head.pre_fwd_s)
+                + max(0.0, self.seconds(last) - head.head_bwd_s)
+                + max(0.0, self.seconds(first_reduce) - head.pre_bwd_s) + self.seconds(self.root_reduce_bytes))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """The numbers :func:`remat.simulate` and :func:`remat.solve` need; see the module doc."""
 
@@ -186,6 +267,8 @@ class Profile:
     """Free-form: profiling time, heads not profiled and why, calibration, FSDP world."""
     engine: EngineModel = EngineModel()
     """What the simulator and the solver assume of the offload engine."""
+    comm: Optional[Collectives] = None
+    """FSDP2's collectives per step (set by :func:`remat.planning.sharding.shard`); None on one GPU."""
 
     @property
     def tokens(self) -> int:

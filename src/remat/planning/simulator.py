@@ -23,6 +23,20 @@ chain as a step runs them, or the roofline's), one after the other on the GPU; t
 taken to run ahead of the GPU except where the offload engine makes it wait for copies,
 and a phase whose data is still being copied waits for it.
 
+Collectives (FSDP2, a profile from :func:`remat.planning.sharding.shard`): one link, FIFO, at
+the bus bandwidth of ``profile.comm``, beside the compute stream. The root's all-gather runs
+first, alone. Each block's all-gather is issued when the phase before the one that needs it
+starts, and overlaps it (FSDP2 prefetches one block: it does not start a gather before the
+previous one's copy-out, at the start of the phase that used it): the first block's with the
+embeddings' forward, block i+1's with block i's forward; in backward (resharded after forward)
+the last block's with the head's backward, block i-1's with block i's backward. A block's
+reduce-scatter is issued when its backward ends, so block i's backward also overlaps the
+reduce-scatter of block i+1; the first block's overlaps the embeddings' backward, and the
+root's runs last, alone. A phase whose parameters have not arrived waits: the exposed
+communication per window is ``max(0, its collectives' seconds - the phase's compute)``, plus the
+root's gather and the reduce-scatters left at the end of the step. Recomputation adds no
+collective. Without a ``comm`` (one GPU) nothing of this runs and the step is unchanged.
+
 Offload is a model of :class:`remat.offload.engine.OffloadEngine` with the settings in the
 profile's :class:`~remat.planning.offload_model.EngineModel` and the copy rates of its GPU:
 
@@ -51,14 +65,15 @@ earlier than its compute; the window is checked at the block's end, the engine c
 every saved tensor); as the host is taken to run ahead, the expected peak is usually the
 bound. When the window makes the host wait at every block, the GPU's queue drains and launch
 latency shows; that is not charged, so such plans run slower than predicted. Optimizer steps
-and data loading are not in the step.
+and data loading are not in the step. Collectives: FSDP2's copy-in/copy-out kernels and the SMs
+NCCL takes from compute are not charged; concurrent gathers and reduce-scatters share the link.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from remat.planning.memory import LiveBytes, plan_terms
+from remat.planning.memory import Bytes, LiveBytes, plan_terms
 from remat.planning.offload_model import engine_overhead
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 
@@ -75,6 +90,7 @@ class Phase(NamedTuple):
     engine_bytes: int = 0  # offloaded bytes still on the GPU at the phase's peak (expected)
     wait_s: float = 0.0    # time the GPU or the host waited for copies in this phase
     carried_bytes: int = 0  # alive from earlier phases (static and engine bytes excluded)
+    comm_s: float = 0.0    # time the GPU waited for collectives (FSDP2) before this phase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +123,10 @@ class Simulation:
     """The phase where ``bound_bytes`` is reached."""
     moved_bytes: int = 0
     """Bytes copied each way (expected)."""
+    comm_s: float = 0.0
+    """Seconds the collectives keep the link busy (FSDP2; 0 on one GPU)."""
+    exposed_comm_s: float = 0.0
+    """Step time spent waiting for collectives: not hidden behind compute."""
 
     def phases(self, kind: str = "all") -> list:
         """Phases whose name starts with ``forward`` / ``backward`` (``kind``), or all."""
@@ -120,16 +140,18 @@ class Simulation:
 
     def stages(self) -> dict:
         """Seconds and peak bytes of the step's three stages: forward (embeddings and blocks),
-        head (loss forward and backward), backward (blocks and embeddings)."""
+        head (loss forward and backward), backward (blocks and embeddings). A stage's seconds
+        include the time its phases waited for collectives (``comm_s``, FSDP2), the first one's too."""
         out = {}
         for stage, test in (("forward", lambda n: n.startswith("forward") and "head" not in n),
                             ("head", lambda n: "head" in n),
                             ("backward", lambda n: n.startswith("backward") and "head" not in n)):
             phases = [p for p in self.timeline if test(p.name)]
             if phases:
-                out[stage] = {"seconds": phases[-1].end_s - phases[0].start_s,
+                out[stage] = {"seconds": phases[-1].end_s - (phases[0].start_s - phases[0].comm_s),
                               "peak_bytes": max(p.peak_bytes for p in phases),
-                              "wait_s": sum(p.wait_s for p in phases)}
+                              "wait_s": sum(p.wait_s for p in phases),
+                              "comm_s": sum(p.comm_s for p in phases)}
         return out
 
 
@@ -220,31 +242,54 @@ def _walk(profile, treatments, costs, h) -> Simulation:
     timeline = []
     clock = {"host": 0.0, "gpu": 0.0}  # the host moves only when it waits for the engine's window
 
-    def run(seconds, ready=0.0):
-        """Run one phase once the GPU, the host and its data are ready; (start, waited for data)."""
-        start = max(clock["gpu"], clock["host"], ready)
-        waited = max(0.0, ready - max(clock["gpu"], clock["host"]))
+    def run(seconds, ready=0.0, gathered=0.0):
+        """Run one phase once the GPU, the host, its data (``ready``: offloaded bytes back) and its
+        parameters (``gathered``: all-gathered) are; (start, waited for data, waited for parameters)."""
+        free = max(clock["gpu"], clock["host"])
+        start = max(free, ready, gathered)
+        waited = max(0.0, ready - free)
         clock["gpu"] = start + seconds
-        return start, waited
+        return start, waited, max(0.0, gathered - max(free, ready))
 
-    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0):
+    comm = profile.comm
+    link = _Bus(comm.bus_Bps) if comm else None
+
+    def collective(nbytes, ready):
+        """Issue one all-gather or reduce-scatter of ``nbytes`` (unsharded) at ``ready``; when it ends."""
+        return link.copy(nbytes * (comm.world - 1) / comm.world, ready=ready)
+
+    gathered = [0.0] * len(costs)      # forward: when block i's parameters are all-gathered
+    regathered = [0.0] * len(costs)    # backward: the same, when resharded after forward
+    waits = []                         # seconds the GPU waited for collectives
+
+    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0, comm_wait=0.0):
         """``b``: the phase's :class:`~remat.planning.memory.Bytes` without the engine's; ``held``:
         the engine's expected bytes (at its peak and, unless ``end`` is given, at its end);
         ``bound``: the engine's bound at its peak."""
         end = b.end + held if end is None else end
         timeline.append(Phase(name=name, peak_bytes=int(b.peak + held), end_bytes=int(end),
                               start_s=start, end_s=clock["gpu"], bound_bytes=int(b.peak + bound),
-                              engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - static)))
+                              engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - static),
+                              comm_s=comm_wait))
+        waits.append(comm_wait)
 
     # ---- forward
-    start, _ = run(h.pre_fwd_s)
-    phase("forward: embeddings", live.embeddings_forward(), start)
+    if comm and comm.root_gather_bytes:  # the root's all-gather: nothing to hide it behind
+        root = collective(comm.root_gather_bytes, ready=0.0)
+        start, _, cw = run(0.0, gathered=root)
+        phase("forward: all-gather of the root", Bytes(static, static, static), start, comm_wait=cw)
+    start, _, cw = run(h.pre_fwd_s)
+    if comm and costs:
+        gathered[0] = collective(comm.gather_bytes[0], ready=start)
+    phase("forward: embeddings", live.embeddings_forward(), start, comm_wait=cw)
     d2h = _Bus(rates.d2h_Bps)
     packed, released = 0, 0.0         # offloaded bytes so far; released by the engine
     exposed = 0.0
     for i, c in enumerate(costs):
         held = packed - released
-        start, _ = run(c.fwd_s)
+        start, _, cw = run(c.fwd_s, gathered=gathered[i])
+        if comm and i + 1 < len(costs):  # prefetched while this block computes
+            gathered[i + 1] = collective(comm.gather_bytes[i + 1], ready=start)
         wait = 0.0
         if off[i]:
             # ``offload`` saves over its whole forward, ``full+offload`` its input at the start
@@ -259,13 +304,15 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         exposed += wait
         b = live.forward(terms[i])
         phase(f"forward of block {i} ({names[i]}, {treatments[i]})", b, start, bound=overhead["forward"][i],
-              held=held, end=b.end + packed - released, wait=wait)
+              held=held, end=b.end + packed - released, wait=wait, comm_wait=cw)
 
     # ---- head: nothing is released until the backward starts
     held = packed - released
-    start, _ = run(h.head_fwd_s)
+    start, _, _ = run(h.head_fwd_s)
     phase("forward: head and loss", live.head_forward(), start, bound=overhead["head"], held=held)
-    start, _ = run(h.head_bwd_s)
+    start, _, _ = run(h.head_bwd_s)
+    if comm and comm.reshard_after_forward and costs:
+        regathered[-1] = collective(comm.gather_bytes[-1], ready=start)
     phase("backward: head and loss", live.head_backward(), start, bound=overhead["head"], held=held)
 
     # ---- backward
@@ -293,20 +340,32 @@ def _walk(profile, treatments, costs, h) -> Simulation:
                 if j not in fetched:
                     fetched.add(j)
                     arrives[j] = h2d.copy(off[j] - never[j], ready=begin) if off[j] > never[j] else begin
-        start, wait = run(c.bwd_s, ready=arrives.get(i, 0.0))
+        start, wait, cw = run(c.bwd_s, ready=arrives.get(i, 0.0), gathered=regathered[i])
+        if comm:
+            if comm.reshard_after_forward and i > 0:  # prefetched while this block computes
+                regathered[i - 1] = collective(comm.gather_bytes[i - 1], ready=start)
+            collective(comm.reduce_bytes[i], ready=clock["gpu"])  # its gradients, once its backward ends
         exposed += wait
         if unpacked:  # earlier blocks' bytes on the GPU: fetched ahead, or never moved
             held = sum(off[j] if j in fetched else never[j] for j in range(i))
         what = "recompute + backward" if treatments[i] not in ("keep", "offload") else "backward"
         phase(f"backward of block {i} ({names[i]}, {treatments[i]}: {what})", live.backward(i, terms[i]), start,
-              bound=overhead["backward"][i], held=held, wait=wait)
+              bound=overhead["backward"][i], held=held, wait=wait, comm_wait=cw)
         fetched.discard(i)
-    start, _ = run(h.pre_bwd_s)
+    start, _, _ = run(h.pre_bwd_s)
     phase("backward: embeddings", live.embeddings(), start)
+    if comm:  # the root's gradients last; the step ends when every reduce-scatter has
+        collective(comm.root_reduce_bytes, ready=clock["gpu"])
+        if link.free_at > clock["gpu"]:
+            end = timeline[-1].end_bytes
+            start, _, cw = run(0.0, gathered=link.free_at)
+            phase("backward: reduce-scatters left at the end", Bytes(end, end, end), start, comm_wait=cw)
     top = max(timeline, key=lambda p: p.peak_bytes)
     worst = max(timeline, key=lambda p: p.bound_bytes)
     step = clock["gpu"]
     return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
                       peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
                       timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,
-                      bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved))
+                      bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved),
+                      comm_s=comm.total_s() if comm else 0.0,
+                      exposed_comm_s=sum(waits))

@@ -1,7 +1,9 @@
-"""GPU-only measurements around a profile: pinned copy rates and an in-step calibration.
+"""GPU-only measurements around a profile: pinned copy rates, the collective bus rate and an
+in-step calibration.
 
 How: :func:`_copy_rates` times pinned host copies each way and keeps the fastest of a
-few. :func:`_calibrate` runs real training steps with the fastest uniform plan that
+few. :func:`bus_rate` times a few all-gathers on a live NCCL process group (a collective:
+every rank calls it) for FSDP2's time model (:func:`remat.planning.sharding.shard`'s ``bus_Bps``). :func:`_calibrate` runs real training steps with the fastest uniform plan that
 fits in free memory, CUDA events at every block's forward and backward and around the
 head (:func:`_staged_step`), and scales the profile's seconds by the median ratio of
 in-step to profiled time (forward, backward, head).
@@ -20,6 +22,7 @@ import statistics
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -50,6 +53,41 @@ def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
         rates.append(nbytes / max(min(seconds), 1e-9))
     del gpu, host
     return tuple(rates)
+
+
+def bus_rate(group=None, nbytes: int = 256 * 2**20, repeats: int = 3) -> Optional[float]:
+    """The all-gather bus bandwidth of ``group`` (bytes/s, nccl-tests' busbw: the bytes of the
+    gathered tensor times ``(world - 1) / world`` over the seconds), or None when there is nothing to
+    measure: torch.distributed not initialised, a world of 1, or no CUDA/NCCL.
+
+    A collective: every rank of ``group`` must call it at the same point (so call it before rank 0
+    alone profiles and plans, never inside that). Each rank keeps its fastest of ``repeats``
+    all-gathers of ``nbytes`` in all; the slowest rank's is returned on every rank (an
+    all-reduce of the seconds), so ranks that plan for themselves still agree. About 10 ms on NVLink.
+    """
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
+        return None
+    world = dist.get_world_size(group)
+    if world < 2 or "nccl" not in str(dist.get_backend(group)).lower():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    shard = torch.empty(max(1, nbytes // world), dtype=torch.uint8, device=device)
+    out = torch.empty(shard.numel() * world, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, shard, group=group)  # warm-up: NCCL sets up its channels
+    seconds = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dist.all_gather_into_tensor(out, shard, group=group)
+        b.record()
+        b.synchronize()
+        seconds.append(a.elapsed_time(b) / 1e3)
+    slowest = torch.tensor([min(seconds)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    rate = out.numel() * (world - 1) / world / max(float(slowest), 1e-9)
+    del shard, out
+    return rate
 
 
 def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
