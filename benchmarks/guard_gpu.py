@@ -10,7 +10,12 @@ Two runs of the bench model (a preset, bf16, AdamW), each written as JSON lines 
    seed), bit for bit, under ``torch.use_deterministic_algorithms(True)``.
 2. ``lengths``: the sequence length changes every step (``--min-seq`` .. ``--max-seq``); the
    guard re-plans before every new longest batch; each step's peak is recorded against the
-   budget.
+   budget. A step's peak is read from the allocator's statistics reset before the guard is
+   called, so the planning work of that step (the first plan's measurement, later re-plans)
+   counts in it; a per-step table (length, peak, re-planned) is printed.
+
+``--profile-device`` is the guard's ``profile_device`` (default ``auto``: the first plan
+measured on the GPU under an allocator cap at the budget, later ones on fake tensors).
 
 Run: ``CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=src python benchmarks/guard_gpu.py``.
 """
@@ -46,7 +51,7 @@ def _train(model, batches, run_step):
     torch.manual_seed(3)
     losses, peaks = [], []
     for batch in batches:
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()   # before the guard: a re-plan's own memory is this step's
         losses.append(run_step(batch))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -74,7 +79,8 @@ def oom_run(args, config, record):
     torch.cuda.set_per_process_memory_fraction(cap / total)
     model = build_model(config, device="cuda", dtype=torch.bfloat16)
     messages = []
-    guard = remat.Guard(model, budget=args.first_budget, heads=["plain"], optimizer="adamw", say=messages.append)
+    guard = remat.Guard(model, budget=args.first_budget, heads=["plain"], optimizer="adamw",
+                        profile_device=args.profile_device, say=messages.append)
     got, peaks, _ = _train(model, batches, lambda batch: guard(_step(model), batch))
     torch.cuda.set_per_process_memory_fraction(1.0)
     record(run="oom", cap_bytes=cap, first_budget=args.first_budget, final_budget_bytes=guard.budget,
@@ -93,10 +99,23 @@ def lengths_run(args, config, record):
     model = build_model(config, device="cuda", dtype=torch.bfloat16)
     messages = []
     budget = parse_size(args.lengths_budget)
-    guard = remat.Guard(model, budget=budget, optimizer="adamw", say=messages.append)  # any head: the loss need not be bitwise here
-    losses, peaks, _ = _train(model, batches, lambda batch: guard(_step(model), batch))
-    record(run="lengths", budget_bytes=budget, lengths=lengths, peaks=peaks, over_budget=sum(p > budget for p in peaks),
-           replans=guard.replans, messages=messages, max_peak_GiB=max(peaks) / GiB)
+    guard = remat.Guard(model, budget=budget, optimizer="adamw", profile_device=args.profile_device,
+                        say=messages.append)  # any head: the loss need not be bitwise here
+    replanned = []
+
+    def step(batch):
+        before = guard.replans
+        loss = guard(_step(model), batch)
+        replanned.append(guard.replans > before)
+        return loss
+    losses, peaks, _ = _train(model, batches, step)
+    print(f"{'step':>4} {'seq':>5} {'peak GiB':>9} {'budget':>7} {'re-planned':>10}", flush=True)
+    for index, (seq, peak, again) in enumerate(zip(lengths, peaks, replanned)):
+        print(f"{index:>4} {seq:>5} {peak / GiB:>9.2f} {'OVER' if peak > budget else 'ok':>7} "
+              f"{'yes' if again else '':>10}", flush=True)
+    record(run="lengths", budget_bytes=budget, profile_device=args.profile_device, lengths=lengths, peaks=peaks,
+           replanned=replanned, over_budget=sum(p > budget for p in peaks), replans=guard.replans,
+           messages=messages, max_peak_GiB=max(peaks) / GiB)
 
 
 def main():
@@ -107,6 +126,8 @@ def main():
     parser.add_argument("--max-seq", type=int, default=8192)
     parser.add_argument("--lengths-budget", default="24GiB")
     parser.add_argument("--run", default="both", choices=("oom", "lengths", "both"))
+    parser.add_argument("--profile-device", default="auto", choices=("auto", "fake", "cuda"),
+                        help="remat.Guard's profile_device")
     parser.set_defaults(steps=20, batch=2, seq=4096)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
@@ -116,7 +137,8 @@ def main():
 
     def record(**fields):
         line = dict(env, model=args.model, batch=args.batch, seq=args.seq, **fields)
-        print(json.dumps({k: v for k, v in line.items() if k not in ("losses", "reference_losses", "peaks")}),
+        print(json.dumps({k: v for k, v in line.items()
+                          if k not in ("losses", "reference_losses", "peaks", "replanned")}),
               flush=True)
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -141,3 +141,54 @@ def test_bad_arguments(bad):
 def test_budget_none_needs_a_gpu_model():
     with pytest.raises(ValueError, match="not on a GPU"):
         remat.Guard(_llama())
+
+
+def test_plans_after_the_first_are_profiled_on_fake_tensors(monkeypatch):
+    """A model on a GPU (stood in for here): the first plan is measured there under an allocator
+    cap at the budget, every later one -- a longer batch, an out-of-memory step -- on fake
+    tensors with the GPU's rate table, so re-planning takes no GPU memory."""
+    import contextlib
+
+    import remat.guard as guard_module
+    import remat.planner as planner
+    real_plan, calls, caps = planner.plan, [], []
+
+    def recording_plan(model, batch, budget, **options):
+        calls.append((options.get("device"), options.get("gpu")))
+        options["device"] = "fake"                  # a CPU model: the measured path cannot run here
+        return real_plan(model, batch, budget, **options)
+
+    @contextlib.contextmanager
+    def cap(device, budget):
+        caps.append(budget)
+        yield
+    monkeypatch.setattr(planner, "plan", recording_plan)
+    monkeypatch.setattr(guard_module, "_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(guard_module, "_allocator_cap", cap)
+    monkeypatch.setattr(guard_module, "_rate_table", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(guard_module, "_unplanned_bytes", lambda model, device, options: 0)
+
+    model = _llama()
+    guard = remat.Guard(model, budget="1GiB", heads=["plain"])
+    model.model.layers[2].register_forward_hook(_OOMAt(calls=[2]))
+    for batch in _batches(count=3, lengths=(8, 16, 16)):
+        guard(_step_fn(model), batch)
+    assert guard.replans == 3 and guard.recovered == 1
+    assert calls == [("cuda", None), ("fake", "NVIDIA H100 80GB HBM3"), ("fake", "NVIDIA H100 80GB HBM3")]
+    assert caps == [2**30]
+
+
+def test_profile_device_fake_and_bad_values(monkeypatch):
+    import remat.planner as planner
+    real_plan, devices = planner.plan, []
+
+    def recording_plan(model, batch, budget, **options):
+        devices.append(options.get("device"))
+        return real_plan(model, batch, budget, **options)
+    monkeypatch.setattr(planner, "plan", recording_plan)
+    model = _llama()
+    guard = remat.Guard(model, budget="1GiB", heads=["plain"], profile_device="fake")
+    guard(_step_fn(model), _batches(count=1)[0])
+    assert guard.replans == 1 and devices == [None]     # a CPU model: remat.plan's default, fake tensors
+    with pytest.raises(ValueError, match="profile_device"):
+        remat.Guard(model, budget="1GiB", profile_device="gpu")

@@ -20,21 +20,53 @@ What it does, per call:
   states (CPU and every CUDA device), re-plans at ``shrink`` times the budget, applies the
   new plan, and runs the same step on the same batch again. The loss curve is then the one
   of a run that never hit the limit (treatments are exact; the head mode is kept as it was,
-  so the loss is computed the same way; a re-plan for a longer batch may change the head). After ``max_retries`` it raises a RuntimeError
-  naming the budgets tried.
+  so the loss is computed the same way; a re-plan for a longer batch may change the head).
+  After ``max_retries`` it raises a RuntimeError naming the budgets tried.
+  :func:`redo_out_of_memory` is that loop alone; the Hugging Face Trainer's
+  ``guard_trainer`` runs ``training_step`` through it.
+
+Planning never takes more GPU memory than the budget (``profile_device``). Measuring on the
+GPU gives the best times, but the profiler's own work is not a training step: it runs the
+head with full logits (8k tokens x a 128k vocabulary are GiBs in the plain head), three
+queued runs of a block, and a calibration step sized to the GPU's free memory. Measured on
+an H100 (24 GiB budget, lengths 1k-8k), the two steps whose re-plan measured on the GPU
+went over the budget by up to 0.95 GiB while the steps themselves stayed at 14 GiB. So, with
+``profile_device="auto"`` (the default):
+
+- the first plan of a model on a GPU is measured there, before training has filled the GPU,
+  with the caching allocator capped at the budget (``set_per_process_memory_fraction``;
+  the cap bounds reserved memory, which is never below allocated memory). A measurement that
+  does not fit under the cap runs out of memory, is dropped, and the plan is made on fake
+  tensors instead; a calibration step that does not fit is skipped (the profile keeps its
+  uncalibrated measured seconds);
+- every later plan (a longer batch, an out-of-memory step) is made on fake tensors
+  (:func:`remat.profile` with ``device="fake"``): no GPU memory at all, exact saved bytes,
+  roofline seconds with the rate table of this GPU (``gpu=`` its name when remat knows it).
+  What the GPU holds beyond parameters and buffers -- optimizer state the plan was not told
+  about, tensors the loop keeps -- is read from the allocator and taken off the budget the
+  fake plan is made for, as the measured path counts it in its static memory.
+
+``profile_device="fake"`` plans on fake tensors every time (no GPU work while planning);
+``"cuda"`` measures every plan under the cap (better seconds, GPU time at every re-plan).
+A model that is not on a GPU is always planned on fake tensors.
 
 Why a wrapper around the step rather than a hook inside the model: the step is the unit that
 can be redone (forward and backward both allocate), and only the caller knows what it is.
 Do not put ``optimizer.step()`` inside ``train_step``: an out-of-memory error in the middle
 of it would leave the parameters half updated, which no retry can undo.
 
-Limits: the re-plan profiles the model (seconds on a GPU); the budget only shrinks; a step
-that runs out of memory for reasons remat does not control (the optimizer's state, another
-process on the GPU) fails after ``max_retries`` with the message naming the budgets tried.
+Limits: the budget only shrinks; fake re-plans predict seconds by roofline, so they may pick
+a slower mix of treatments than a measured plan would (the memory side is exact); existing
+gradients are copied to the host before every step (that is what makes a failed backward
+undoable); a step that runs out of memory for reasons remat does not control (the
+optimizer's state, another process on the GPU) fails after ``max_retries`` with the message
+naming the budgets tried.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -43,24 +75,30 @@ import torch.nn as nn
 from remat.units import format_size, parse_budget
 
 _FREE_MARGIN = 0.9  # budget=None: this fraction of the GPU's free memory when the guard starts
+PROFILE_DEVICES = ("auto", "fake", "cuda")
 
 
 class Guard:
-    """Plans ``model`` from real batches and redoes a step that ran out of memory (module doc)."""
+    """Plans ``model`` from real batches and redoes a step that ran out of memory (module doc).
+
+    ``budget``: peak bytes of one step (``"40GiB"``); None: 90% of what the GPU can give now.
+    ``max_retries``: re-plans after out-of-memory steps before giving up. ``shrink``: the
+    budget's factor at each of them. ``profile_device``: ``"auto"`` (first plan measured on
+    the GPU within the budget, later ones on fake tensors), ``"fake"`` or ``"cuda"``.
+    ``say``: where messages go. ``plan_options``: passed to :func:`remat.plan`.
+    """
 
     def __init__(self, model: nn.Module, budget=None, *, max_retries: int = 3, shrink: float = 0.85,
-                 say: Optional[Callable[[str], None]] = None, **plan_options):
+                 profile_device: str = "auto", say: Optional[Callable[[str], None]] = None, **plan_options):
         if not isinstance(model, nn.Module):
             raise TypeError(f"remat.Guard expects a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
-        if not 0.0 < float(shrink) < 1.0:
-            raise ValueError(f"shrink must be between 0 and 1 (the budget's factor after an out-of-memory "
-                             f"step), got {shrink!r}")
+        check_recovery(max_retries, shrink)
+        check_profile_device(profile_device)
         self.model = model
         self.budget = parse_budget(budget) if budget is not None else _free_gpu_bytes(model)
         self.max_retries = max_retries
         self.shrink = float(shrink)
+        self.profile_device = profile_device
         self.say = say or (lambda message: None)
         self.plan_options = plan_options
         self.planned_tokens = 0
@@ -74,48 +112,154 @@ class Guard:
         if tokens > self.planned_tokens:
             self._replan(batch, self.budget, f"a batch of {tokens} tokens", keep_head=False)
             self.planned_tokens = tokens
-        tried = [self.budget]
-        grads, rng = _grads_to_host(self.model), _rng_state()
-        for attempt in range(self.max_retries + 1):
-            failed = False
-            try:
-                return step(batch)
-            except torch.OutOfMemoryError:
-                failed = True   # handled below, once the exception's frames are gone
-            if failed:
-                _free()
-                _restore_grads(self.model, grads)
-                _set_rng_state(rng)
-                if attempt == self.max_retries:
-                    break
-                self.budget = int(self.budget * self.shrink)
-                tried.append(self.budget)
-                self._replan(batch, self.budget, "an out-of-memory step", keep_head=True)
-                self.recovered += 1
-        raise RuntimeError(
-            f"remat.Guard: the step still ran out of memory after {self.max_retries} re-plans (budgets tried: "
-            f"{', '.join(format_size(b) for b in tried)}). Something outside the plan holds the memory "
-            "(optimizer state, another process, a leak): check torch.cuda.memory_summary(), or give a "
-            "smaller batch.")
+        return redo_out_of_memory(self.model, lambda: step(batch), lambda: self._shrink(batch),
+                                  budget=self.budget, max_retries=self.max_retries, who="remat.Guard")
+
+    def _shrink(self, batch) -> int:
+        self.budget = int(self.budget * self.shrink)
+        self._replan(batch, self.budget, "an out-of-memory step", keep_head=True)
+        self.recovered += 1
+        return self.budget
 
     def _replan(self, batch, budget, why: str, *, keep_head: bool) -> None:
-        from remat.api import apply, current_plan
-        from remat.planner import plan as make_plan
-        from remat.planning.solver import NoPlanFits
+        from remat.api import current_plan
         options = dict(self.plan_options)
         previous = current_plan(self.model)
         if keep_head and previous is not None and "heads" not in options:
             options["heads"] = [previous.head]          # the redone step computes its loss the same way
-        try:
-            chosen = make_plan(self.model, batch, budget, **options)
-        except NoPlanFits as e:
-            if e.plan is None:
-                raise
-            chosen = e.plan                             # the smallest peak there is: better than none
-        apply(self.model, chosen, blocks=options.get("blocks"))
-        self.plan = chosen
+        self.plan = plan_and_apply(self.model, batch, budget, options, profile_device=self.profile_device,
+                                   first=self.replans == 0, say=self.say)
         self.replans += 1
-        self.say(f"remat.Guard: planned for {why} at {format_size(budget)}: {chosen.summary()}")
+        self.say(f"remat.Guard: planned for {why} at {format_size(budget)}: {self.plan.summary()}")
+
+
+def check_recovery(max_retries, shrink) -> None:
+    """ValueError unless ``max_retries`` is an int >= 0 and ``shrink`` lies in (0, 1)."""
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be a non-negative int, got {max_retries!r}")
+    if not 0.0 < float(shrink) < 1.0:
+        raise ValueError(f"shrink must be between 0 and 1 (the budget's factor after an out-of-memory "
+                         f"step), got {shrink!r}")
+
+
+def check_profile_device(profile_device) -> None:
+    if profile_device not in PROFILE_DEVICES:
+        raise ValueError(f"profile_device must be one of {', '.join(map(repr, PROFILE_DEVICES))} (where plans are "
+                         f"profiled: 'auto' measures the first on the GPU, later ones on fake tensors), "
+                         f"got {profile_device!r}")
+
+
+def redo_out_of_memory(model: nn.Module, run: Callable, shrink: Callable[[], int], *, budget: int,
+                       max_retries: int, who: str):
+    """``run()``; after ``torch.OutOfMemoryError``: free the failed step, put ``model``'s grads and
+    the RNG states back, ``shrink()`` (re-plan at a lower budget, returning it) and ``run()``
+    again, at most ``max_retries`` times; then RuntimeError naming the budgets tried."""
+    tried = [budget]
+    grads, rng = _grads_to_host(model), _rng_state()
+    for attempt in range(max_retries + 1):
+        failed = False
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            failed = True   # handled below, once the exception's frames are gone
+        if failed:
+            _free()
+            _restore_grads(model, grads)
+            _set_rng_state(rng)
+            if attempt == max_retries:
+                break
+            tried.append(shrink())
+    raise RuntimeError(
+        f"{who}: the step still ran out of memory after {max_retries} re-plans (budgets tried: "
+        f"{', '.join(format_size(b) for b in tried)}). Something outside the plan holds the memory "
+        "(optimizer state, another process, a leak): check torch.cuda.memory_summary(), or give a "
+        "smaller batch.")
+
+
+def plan_and_apply(model: nn.Module, batch, budget: int, options: dict, *, profile_device: str = "auto",
+                   first: bool = False, say: Callable[[str], None] = lambda message: None):
+    """Plan ``model`` for ``batch`` within ``budget`` without using more GPU memory than it
+    (module docstring), apply the plan and return it; the smallest plan when nothing fits."""
+    from remat.api import apply
+    from remat.planning.solver import NoPlanFits
+    try:
+        chosen = _plan(model, batch, budget, options, profile_device, first, say)
+    except NoPlanFits as e:
+        if e.plan is None:
+            raise
+        chosen = e.plan                             # the smallest peak there is: better than none
+        say(f"remat: nothing fits {format_size(budget)}; using the smallest plan "
+            f"(predicted {format_size(e.smallest_peak)})")
+    apply(model, chosen, blocks=options.get("blocks"))
+    return chosen
+
+
+def _plan(model, batch, budget, options, profile_device, first, say):
+    from remat.planner import plan as make_plan
+    device = _device(model)
+    if device is None or "device" in options:
+        return make_plan(model, batch, budget, **options)
+    if profile_device == "cuda" or (profile_device == "auto" and first):
+        failed = False
+        try:
+            with _allocator_cap(device, budget):
+                return make_plan(model, batch, budget, device="cuda", **options)
+        except torch.OutOfMemoryError:
+            failed = True   # the measurement itself does not fit the budget
+        if failed:
+            _free()
+            say(f"remat: measuring the model on the GPU needs more than {format_size(budget)}; "
+                "planning on fake tensors")
+    options = dict(options)
+    options.setdefault("gpu", _rate_table(device))
+    return make_plan(model, batch, max(1, budget - _unplanned_bytes(model, device, options)), device="fake",
+                     **options)
+
+
+def _device(model: nn.Module) -> Optional[torch.device]:
+    param = next(model.parameters(), None)
+    return param.device if param is not None and param.device.type == "cuda" else None
+
+
+def _rate_table(device) -> Optional[str]:
+    from remat.planning.costs import rates_for
+    name = torch.cuda.get_device_name(device)
+    try:
+        rates_for(name)
+    except ValueError:
+        return None                                 # an unknown card: the profiler's default table
+    return name
+
+
+def _unplanned_bytes(model: nn.Module, device, options: dict) -> int:
+    """GPU bytes a fake profile does not see: allocated memory beyond parameters, buffers, the
+    optimizer state it is told about and the grads (the plan counts those as they are made)."""
+    from remat.planning.costs import OPTIMIZER_BYTES_PER_PARAM
+    params = {id(p): p for p in model.parameters()}.values()
+    storages = {}
+    for t in [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)]:
+        if t.device == device:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    optimizer = OPTIMIZER_BYTES_PER_PARAM.get(options.get("optimizer", "none"), 0) * sum(
+        p.numel() for p in params if p.requires_grad)
+    return max(0, torch.cuda.memory_allocated(device) - sum(storages.values()) - optimizer)
+
+
+@contextlib.contextmanager
+def _allocator_cap(device, budget: int):
+    """The caching allocator may reserve at most ``budget`` bytes on ``device`` inside the block."""
+    memory = torch.cuda.memory
+    total = torch.cuda.get_device_properties(device).total_memory
+    before = memory.get_per_process_memory_fraction(device) if hasattr(memory, "get_per_process_memory_fraction") \
+        else 1.0
+    torch.cuda.empty_cache()                        # cached free blocks count against the cap
+    torch.cuda.set_per_process_memory_fraction(min(before, budget / total), device)
+    try:
+        with warnings.catch_warnings():             # a calibration step over the cap is skipped, as planned
+            warnings.filterwarnings("ignore", message="remat: calibration on a real step failed")
+            yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
 
 
 def batch_tokens(batch) -> int:
@@ -171,7 +315,7 @@ def _set_rng_state(state) -> None:
 
 
 def _free() -> None:
+    # the peak statistics are the caller's: a failed attempt's peak stays in them
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()

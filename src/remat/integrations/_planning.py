@@ -10,7 +10,8 @@ which both inherit beside their framework's callback base:
 - planning: :meth:`BatchPlanner.plan_if_longer` plans before the first batch and before every
   batch with more tokens than any planned so far (:func:`remat.guard.batch_tokens`, the rule
   :class:`remat.Guard` uses), keeping the head mode so the loss is computed the same way; when
-  nothing fits the budget the smallest plan is used, with a message;
+  nothing fits the budget the smallest plan is used, with a message; planning itself stays
+  within the budget as the guard's does (:func:`remat.guard.plan_and_apply`);
 - applying a ``spec`` as given, and reporting the measured CUDA peak beside the prediction.
 
 A callback changes one small method: :meth:`BatchPlanner._options` (what the planner needs
@@ -20,8 +21,9 @@ at ``on_train_begin``).
 
 How it differs from :class:`remat.Guard`: the guard is bound to one model when it is made and
 wraps the step itself, so it can redo a step that ran out of memory; a callback only sees the
-model when its framework hands it over and never owns the step, so it cannot. No framework is
-imported here.
+model when its framework hands it over and never owns the step, so it cannot by itself (the
+Hugging Face one can when :func:`remat.integrations.hf.guard_trainer` hands it the Trainer's
+``training_step``). No framework is imported here.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from remat.guard import batch_tokens  # one rule for "a longer batch", shared with remat.Guard
+from remat.guard import batch_tokens, check_profile_device  # the rules remat.Guard uses
 
 FREE_MARGIN = 0.9  # budget=None: this fraction of what the GPU can give this process
 
@@ -46,13 +48,17 @@ class BatchPlanner:
     ``budget``: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what the
     device can give. ``spec``: apply this instead of planning. ``head``: ``"plain"`` or
     ``"chunked"`` to fix the head mode (default: the planner chooses; with ``spec``, plain).
-    ``report_after_steps``: when to report the measured peak (CUDA). ``say``: where messages go
+    ``report_after_steps``: when to report the measured peak (CUDA). ``profile_device``: where
+    plans are profiled, as :class:`remat.Guard` does it (``"auto"``: the first measured on the
+    GPU within the budget, later ones on fake tensors; ``"fake"``; ``"cuda"``). ``say``: where messages go
     (default: stderr). ``plan_options``: passed to :func:`remat.plan`.
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, report_after_steps: int = 2,
-                 say: Optional[Callable[[str], None]] = None, plan_options: Optional[dict] = None):
+                 profile_device: str = "auto", say: Optional[Callable[[str], None]] = None,
+                 plan_options: Optional[dict] = None):
         from remat.units import parse_budget
+        check_profile_device(profile_device)
         if budget is not None and spec is not None:
             raise ValueError("RematCallback takes a budget (plan from the batch) or a spec (apply as given), "
                              "not both; pass one of them")
@@ -61,6 +67,7 @@ class BatchPlanner:
         self.budget = None if budget is None else parse_budget(budget)
         self.spec = spec
         self.head = head
+        self.profile_device = profile_device
         self.report_after_steps = report_after_steps
         self.say = say or _print
         self.plan_options = dict(plan_options or {})
@@ -101,9 +108,8 @@ class BatchPlanner:
         return True
 
     def _plan(self, module: nn.Module, batch, why: str) -> None:
-        from remat.api import apply, current_plan
-        from remat.planner import plan as make_plan
-        from remat.planning.solver import NoPlanFits
+        from remat.api import current_plan
+        from remat.guard import plan_and_apply
         from remat.units import format_size
         budget = self._planning_budget(module)
         options = self._options(module, batch)
@@ -113,15 +119,8 @@ class BatchPlanner:
                 options["heads"] = [self.head]
             elif previous is not None:
                 options["heads"] = [previous.head]   # the loss is computed the same way after a re-plan
-        try:
-            chosen = make_plan(module, batch, budget, **options)
-        except NoPlanFits as e:
-            if e.plan is None:
-                raise
-            chosen = e.plan
-            self.say(f"remat: nothing fits {format_size(budget)}; using the smallest plan "
-                     f"(predicted {format_size(e.smallest_peak)})")
-        apply(module, chosen, blocks=options.get("blocks"))
+        chosen = plan_and_apply(module, batch, budget, options, profile_device=self.profile_device,
+                                first=self.replans == 0, say=self.say)
         self.plan = chosen
         self.replans += 1
         peak = chosen.notes.get("predicted_peak_bytes")

@@ -46,11 +46,33 @@ plus what torch already holds); on the CPU a budget or a ``spec`` must be given.
 state counted is ``adamw`` for the Trainer's AdamW optimizers (``adamw8bit`` for 8-bit ones),
 none otherwise.
 
+Out of memory: a callback cannot catch an error raised inside ``Trainer.training_step`` (the
+Trainer calls it, not the callback, and callbacks are not handed the Trainer). So one more
+line does it::
+
+    trainer = Trainer(..., callbacks=[RematCallback(budget="40GiB")])
+    guard_trainer(trainer)          # a training step that runs out of memory is redone
+    trainer.train()
+
+:func:`guard_trainer` installs, through the patch registry (tag ``"hf-oom-guard"``, undone at
+``on_train_end``), an instance ``training_step`` that runs the Trainer's own under
+:func:`remat.guard.redo_out_of_memory`, the loop :class:`remat.Guard` uses: on
+``torch.OutOfMemoryError`` in the forward or the backward of a micro-batch, the failed step is
+freed, every ``.grad`` is put back as it was before that micro-batch (what earlier micro-batches
+of a gradient-accumulation step added is kept), the RNG states are restored, the callback
+re-plans at ``shrink`` times its budget with the head mode kept, and the same inputs are run
+again, at most ``max_retries`` times. ``training_step`` is the unit that can be redone: it
+holds one micro-batch's forward and backward and nothing the Trainer counts (steps, tokens
+seen, the optimizer step) happens inside it.
+
+Budget while planning: plans are profiled as :class:`remat.Guard` profiles them
+(``profile_device="auto"``: the first on the GPU with the allocator capped at the budget,
+later ones on fake tensors), so re-planning never takes more GPU memory than the budget.
+
 Limits: planning happens inside the first training forward, outside any autocast wrapper
-accelerate installed later than the watcher; the watcher sees the model's forward, so a
-batch that runs out of memory in backward is not redone (use :class:`remat.Guard` in your
-own loop for that). Planning on a GPU profiles the model for a few seconds at the first
-step and at each new longest batch.
+accelerate installed later than the watcher; without :func:`guard_trainer` a batch that runs
+out of memory is not redone. Planning on a GPU profiles the model for a few seconds at the
+first step; later plans are made on fake tensors (host seconds).
 """
 from __future__ import annotations
 
@@ -62,11 +84,12 @@ import torch
 import torch.nn as nn
 from transformers import TrainerCallback
 
-from remat.guard import batch_tokens  # the batch size as remat.Guard counts it: one rule for re-planning
+from remat.guard import batch_tokens, check_recovery, redo_out_of_memory  # one rule and one loop with remat.Guard
 from remat.integrations._planning import BatchPlanner
 from remat.treat import patches
 
 _TAG = "hf-callback"
+_OOM_TAG = "hf-oom-guard"
 _HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
 
 
@@ -78,14 +101,23 @@ class RematCallback(BatchPlanner, TrainerCallback):
     :class:`remat.Plan` ...). ``head``: ``"plain"`` or ``"chunked"`` to fix the head mode
     (default: the planner chooses; with ``spec``, plain). ``batch``: an example batch to plan
     from at ``on_train_begin`` instead of the first real one. ``report_after_steps``: when to
-    print the measured peak (CUDA). ``say``: where messages go (default: stderr).
-    ``plan_options``: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``blocks=`` ...).
+    print the measured peak (CUDA). ``max_retries``, ``shrink``: how :func:`guard_trainer` redoes
+    an out-of-memory step (re-plans at ``shrink`` times the budget, at most ``max_retries``).
+    ``profile_device``: where plans are profiled (see :class:`remat.Guard`). ``say``: where
+    messages go (default: stderr). ``plan_options``: passed to :func:`remat.plan` (``gpu=``,
+    ``treatments=``, ``blocks=`` ...).
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, batch=None,
-                 report_after_steps: int = 2, say: Optional[Callable[[str], None]] = None, **plan_options):
-        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps, say=say,
-                         plan_options=plan_options)
+                 report_after_steps: int = 2, max_retries: int = 3, shrink: float = 0.85,
+                 profile_device: str = "auto", say: Optional[Callable[[str], None]] = None, **plan_options):
+        check_recovery(max_retries, shrink)
+        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps,
+                         profile_device=profile_device, say=say, plan_options=plan_options)
+        self.max_retries = max_retries
+        self.shrink = float(shrink)
+        self.recovered = 0            # out-of-memory steps redone (guard_trainer)
+        self._guard = None
         self.batch = batch
         self.took_over = False        # TrainingArguments asked for HF checkpointing; remat does it instead
         self.trl_head = False         # TRL's fused LM head is on the model
@@ -125,6 +157,29 @@ class RematCallback(BatchPlanner, TrainerCallback):
         if self._watch is not None:
             patches.uninstall(self._watch)
             self._watch = None
+        if self._guard is not None:
+            patches.uninstall(self._guard)
+            self._guard = None
+
+    # -- out of memory (guard_trainer) ------------------------------------------------------
+    def redo(self, run: Callable, inputs):
+        """``run()`` (one ``training_step``), redone on the same ``inputs`` after an out-of-memory error."""
+        if self._model is None or self._budget_bytes is None:   # not planning (spec=) or not training yet
+            return run()
+        return redo_out_of_memory(self._model, run, lambda: self._shrink(inputs), budget=self._budget_bytes,
+                                  max_retries=self.max_retries, who="remat guard_trainer")
+
+    def _shrink(self, inputs) -> int:
+        self._budget_bytes = int(self._budget_bytes * self.shrink)
+        self._plan(self._model, _tensors(inputs), "an out-of-memory step")   # the head mode is kept
+        self.recovered += 1
+        self._rewatch()
+        return self._budget_bytes
+
+    def _rewatch(self) -> None:
+        """apply() took every remat patch off the model and put the plan's on: the watcher goes back on top."""
+        if self._watch is not None and not self._watch.active:
+            self._watch = patches.install(self._model, "forward", _watched_forward, tag=_TAG, state=self._watch.state)
 
     # -- the pieces ----------------------------------------------------------------------
     def _take_over_args(self, args) -> None:
@@ -192,12 +247,36 @@ def _watched_forward(patch, *args, **kwargs):
     batch = _tensors(kwargs, args)
     if not callback.plan_if_longer(module, batch, batch_tokens(batch) if batch else 0):
         return patch.call_previous(*args, **kwargs)
-    # apply() took every remat patch off and put the plan's on: the watcher goes back on top,
-    # and this call runs through the new patches below it
-    if not patch.active:
-        patch = patches.install(module, "forward", _watched_forward, tag=_TAG, state=patch.state)
-        callback._watch = patch
-    return patch.call_previous(*args, **kwargs)
+    # this call runs through the new plan's patches, below the watcher put back on top
+    callback._rewatch()
+    return callback._watch.call_previous(*args, **kwargs)
+
+
+def guard_trainer(trainer, callback: Optional[RematCallback] = None):
+    """Redo a ``trainer.training_step`` that runs out of memory (module docstring); returns ``trainer``.
+
+    ``callback``: the :class:`RematCallback` that plans (default: the one in the Trainer's
+    callbacks). Call after the Trainer is built, before ``train()``.
+    """
+    if callback is None:
+        found = [c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback)]
+        if len(found) != 1:
+            raise ValueError(f"guard_trainer needs the Trainer's RematCallback, found {len(found)}: build the "
+                             "Trainer with callbacks=[RematCallback(budget=...)] (or pass callback=)")
+        callback = found[0]
+    if callback.spec is not None:
+        raise ValueError("guard_trainer redoes a step after re-planning at a lower budget, but this RematCallback "
+                         "applies a fixed spec; build it with budget= (or budget=None on a GPU) instead")
+    if callback._guard is not None and callback._guard.active:
+        return trainer
+    callback._guard = patches.install(trainer, "training_step", _guarded_training_step, tag=_OOM_TAG,
+                                      state=_Watch(callback))
+    return trainer
+
+
+def _guarded_training_step(patch, model, inputs, *args, **kwargs):
+    """``Trainer.training_step`` under the callback's out-of-memory recovery."""
+    return patch.state.callback.redo(lambda: patch.call_previous(model, inputs, *args, **kwargs), inputs)
 
 
 def _tensors(kwargs, args=()) -> dict:

@@ -44,14 +44,15 @@ class RematCallback(BatchPlanner, Callback):
     ``budget``: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device
     can give). ``spec``: apply this instead of planning. ``head``: ``"plain"``/``"chunked"``
     to fix the head mode. ``loss_fn(module, batch) -> loss`` for the planner. ``blocks``:
-    which modules are the blocks (see :func:`remat.apply`). ``plan_options``: passed to
-    :func:`remat.plan`.
+    which modules are the blocks (see :func:`remat.apply`). ``profile_device``: where plans
+    are profiled (see :class:`remat.Guard`). ``plan_options``: passed to :func:`remat.plan`.
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, loss_fn=None, blocks=None,
-                 report_after_steps: int = 2, say: Optional[Callable[[str], None]] = None, **plan_options):
-        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps, say=say,
-                         plan_options=plan_options)
+                 report_after_steps: int = 2, profile_device: str = "auto",
+                 say: Optional[Callable[[str], None]] = None, **plan_options):
+        super().__init__(budget, spec, head=head, report_after_steps=report_after_steps,
+                         profile_device=profile_device, say=say, plan_options=plan_options)
         self.loss_fn = loss_fn
         self.blocks = blocks
         self._steps = 0
