@@ -11,9 +11,21 @@ model -- on the CPU, or on the ``meta`` device without weights -- is profiled wi
 tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
 on a laptop. Offload treatments are only planned when :mod:`remat.offload.engine` imports and the
 target is a GPU; the chunked head only when :mod:`remat.treat.head` can reproduce the model's loss.
+
+Compiled models: ``plan(..., compile=True)`` profiles every block class x treatment and the
+head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans for the flow
+``remat.apply(model, plan); model.compile()`` (or ``torch.compile(model)``). Compile changes
+the numbers a lot (the bench model's ``full`` keeps 27.6 GiB eager, 15.8 GiB compiled), so
+neither kind of plan transfers: a compiled plan applied to a model that is then *not* compiled
+runs correctly but its peak can be far above the prediction, and an eager plan under compile
+wastes speed. The plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and
+``remat doctor`` to check against how the model runs. Compiled plans need the model on a GPU
+(fake tensors cannot run compiled code: ValueError) and never offload (see
+:data:`remat.profiling._compiled.OFFLOAD_UNDER_COMPILE`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch.nn as nn
@@ -28,7 +40,8 @@ from remat.units import parse_budget
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
-         blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None) -> Plan:
+         blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
+         compile: bool = False) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
@@ -45,17 +58,38 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
     ``device``: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline
     times); default: measured on the GPU when the model is there (see :func:`remat.profile`).
+    ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
+    ``torch.compile(model)``): costs measured compiled, on the GPU only, no offload; the plan's
+    ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
     """
     budget_bytes = parse_budget(budget)
+    if compile and treatments is not None:
+        offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
+        if offloading:
+            from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
+            raise ValueError(f"treatments {offloading} cannot be planned with compile=True: {OFFLOAD_UNDER_COMPILE}; "
+                             "leave them out, or plan without compile=True")
     prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer, blocks=blocks,
-                    progress=progress)
+                    progress=progress, compile=compile)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
-    return solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+    chosen = solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+    return _marked(chosen, prof)
+
+
+def _marked(chosen: Plan, prof) -> Plan:
+    """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled."""
+    if not prof.notes.get("compile"):
+        return chosen
+    extra = {"compile": True, "compile_backend": prof.notes.get("compile_backend")}
+    if isinstance(prof.notes.get("calibration"), dict):
+        extra["compile_calibration"] = prof.notes["calibration"]
+    return replace(chosen, notes=dict(chosen.notes, **extra))
 
 
 def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
-    """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan."""
+    """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan. With ``compile=True``
+    compile the model yourself afterwards (``model.compile()``): the plan was made for it."""
     from remat.api import apply
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))
@@ -66,7 +100,7 @@ def _allowed(prof, treatments) -> Optional[list]:
     available = list(prof.treatments(0))
     if treatments is not None:
         return list(treatments)
-    if prof.rates.name == "cpu" or not offload_available():
+    if prof.rates.name == "cpu" or not offload_available() or prof.notes.get("compile"):
         available = [t for t in available if t not in OFFLOADING_TREATMENTS]
     return available
 

@@ -32,6 +32,15 @@ plan from the pieces instead of running the whole model per treatment. Blocks th
 only in configuration (Gemma-2's sliding-window and global layers, encoder and decoder) are
 profiled apart.
 
+Compiled (``backend`` given, ``remat.plan(..., compile=True)``): the same runs through the
+block's compiled call and with the model compiled around the stubs; see
+:mod:`remat.profiling._compiled`. Offload treatments are not derived then.
+
+Stable times (issue 11: one budget got two plans from two profiles an hour apart, the
+``selective`` block's host-side time being the unstable term): a block's seconds are the
+median of every reading of ``ROUNDS`` timed chains (not of one chain), the head's the median
+of ``repeats + 1`` stubbed steps, with Python's garbage collector held off while timing.
+
 Limits: a block must take its hidden state as the first floating-point positional argument
 or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
 elements are None in the stub run); treatments a block cannot take (no attention
@@ -52,7 +61,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointError
 
-from remat.profiling._meters import _chain
+from remat.profiling._meters import _chain, _gc_paused
 from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, BlockCost, HeadCost, ProfileBody
 from remat.treat import patches
 from remat.treat.treatments import apply_treatment, remove_treatment
@@ -67,7 +76,20 @@ class MissingLoss(TypeError):
     """The step's loss cannot be computed without a ``loss_fn``: raised, never swallowed."""
 
 
-def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1):
+def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1,
+                  backend=None):
+    """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
+    backend name to measure everything compiled (see :mod:`remat.profiling._compiled`), else eager."""
+    try:
+        return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
+                             repeats, backend)
+    finally:
+        if backend is not None:  # the user's own compile must not meet the profile's cache entries
+            import torch._dynamo
+            torch._dynamo.reset()
+
+
+def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend):
     started = time.perf_counter()
     capture = _capture(model, batch, loss_fn, named)
     signatures, firsts, block_class = {}, [], []
@@ -78,24 +100,34 @@ def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             firsts.append(index)
         block_class.append(signatures[sig])
     params = {id(p.untyped_storage()) for p in model.parameters()}
-    classes = []
+    classes, skipped = [], {}
     for c, index in enumerate(firsts):
         block = named[index][1]
         args, kwargs = capture.inputs[index]
         costs = {}
         for treatment in MEASURED_TREATMENTS:
-            say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment}")
+            say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment}"
+                + ("" if backend is None else " (compiling it: tens of seconds on a large block)"))
             try:
                 costs[treatment] = _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats,
-                                               keep=costs.get("keep"))
+                                               keep=costs.get("keep"), backend=backend)
             except ValueError:  # e.g. no attention sub-module to checkpoint: not available here
                 continue
+            except Exception as e:  # a treatment that does not compile is left out of a compiled plan, said
+                if backend is None or treatment == "keep" or not _compile_failure(e):
+                    raise
+                skipped[f"compile:{treatment}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                warnings.warn(f"remat: {type(block).__name__} under {treatment!r} did not compile "
+                              f"({type(e).__name__}: {str(e)[:200]}); planning without it", stacklevel=4)
         for derived, base in DERIVED.items():
-            if base in costs:
+            if base in costs and backend is None:  # no offload under compile: see _compiled.OFFLOAD_UNDER_COMPILE
                 costs[derived] = replace(costs[base], offload_bytes=costs[base].offloadable)
         classes.append(costs)
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     heads, notes = [], {}
+    if backend is not None:
+        from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
+        notes.update(compile=True, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE, **skipped)
     for mode in head_modes:
         if mode == "chunked":
             reason = _chunked_unavailable(model)
@@ -104,9 +136,10 @@ def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 continue
         options = [None] if mode == "plain" else _chunk_options(chunks, hidden)
         for chunk in options:
-            say(f"profiling embeddings and head: {mode}{'' if chunk is None else f' ({chunk} tokens)'}")
+            say(f"profiling embeddings and head: {mode}{'' if chunk is None else f' ({chunk} tokens)'}"
+                + ("" if backend is None else ", compiled"))
             try:
-                heads.append(_head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats))
+                heads.append(_head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend))
             except MissingLoss:
                 raise
             except Exception as e:  # the head may refuse this model: say so, plan without it
@@ -122,6 +155,14 @@ def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     names = tuple(name for name, _ in named)
     return ProfileBody(classes=tuple(classes), block_class=tuple(block_class), heads=tuple(heads),
                        hidden_bytes=_nbytes(hidden), notes=notes, block_names=names)
+
+
+def _compile_failure(error: BaseException) -> bool:
+    """An error of dynamo or inductor (not an OOM, not the model's own error in eager code)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    import torch._dynamo.exc
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException) or "Inductor" in type(error).__name__
 
 
 def _chunked_unavailable(model):
@@ -305,12 +346,20 @@ class _Sink(torch.autograd.Function):
         return torch.ones(shape, dtype=dtype, device=device)
 
 
-def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None) -> BlockCost:
+def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None,
+                backend=None) -> BlockCost:
     apply_treatment(block, treatment)
     try:
+        call = block
+        if backend is not None:  # compiled once per class x treatment; the first call compiles, unmeasured
+            from remat.profiling._compiled import check_compiled, compile_block
+            call, counter = compile_block(block, backend)
+            meter.zero()
+            _block_run(block, args, kwargs, meter, params, track=False, call=call)
+            check_compiled(counter, f"{type(block).__name__} under {treatment!r}")
         try:
             marks, saved, input_saved, out_bytes = _chain(
-                meter, lambda: _block_run(block, args, kwargs, meter, params), 1)
+                meter, lambda: _block_run(block, args, kwargs, meter, params, call=call), 1)
         except CheckpointError:
             # A saved-tensor hook makes autograd hand back a new alias of each saved input, so a
             # checkpointed sub-module called with one tensor three times (nn.MultiheadAttention's
@@ -319,14 +368,14 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
             if keep is None:
                 raise
             marks, saved, input_saved, out_bytes = _chain(
-                meter, lambda: _block_run(block, args, kwargs, meter, params, track=False), 1)
+                meter, lambda: _block_run(block, args, kwargs, meter, params, track=False, call=call), 1)
             input_saved = keep.saves_input
-        if repeats > 1:  # on a GPU: bytes from a warm run, seconds from a chain
-            marks = meter.finish(_block_run(block, args, kwargs, meter, params, track=False)[0])
+        if repeats > 1:  # on a GPU: bytes from a warm run, seconds from chains
+            marks = meter.finish(_block_run(block, args, kwargs, meter, params, track=False, call=call)[0])
             # as many forwards in a row as half the free memory holds, up to repeats + 1
             free, _ = torch.cuda.mem_get_info()
             count = int(max(1, min(repeats + 1, 0.5 * free // max(marks[0][1], marks[2][1], 1))))
-            fwd_s, bwd_s = _block_seconds(block, args, kwargs, count)
+            fwd_s, bwd_s = _block_seconds(block, args, kwargs, count, call=call, rounds=ROUNDS)
         else:
             fwd_s, bwd_s = marks[0][2], marks[2][2]
     finally:
@@ -339,8 +388,10 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
                      offloadable=offloadable)
 
 
-def _block_run(block, args, kwargs, meter, params, track=True):
-    """One forward and backward of ``block`` alone; raw marks (see the meters) and what it saved."""
+def _block_run(block, args, kwargs, meter, params, track=True, call=None):
+    """One forward and backward of ``block`` alone (through ``call``, its compiled call, if given);
+    raw marks (see the meters) and what it saved."""
+    call = block if call is None else call
     hidden = _hidden_of(args, kwargs)
     # Inside a stack every block's input requires grad (it comes from the block before).
     x = hidden.detach().clone().requires_grad_(True)
@@ -360,7 +411,7 @@ def _block_run(block, args, kwargs, meter, params, track=True):
     meter.begin()
     marks = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if track else contextlib.nullcontext():
-        out = block(*args, **kwargs)
+        out = call(*args, **kwargs)
     marks.append(meter.mark())                 # forward: peak, and kept + output
     first = out if isinstance(out, torch.Tensor) else out[0]
     out_bytes = _nbytes(first)
@@ -377,20 +428,38 @@ def _block_run(block, args, kwargs, meter, params, track=True):
     return marks, saved, input_saved[0], out_bytes
 
 
-def _block_seconds(block, args, kwargs, count: int) -> tuple:
+# Timed chains per block x treatment after the warm one. One chain's median moved a host-bound
+# ``selective`` block by several percent between two profiles on one H100 (two plans chosen
+# for one budget, issue 11); the median over all readings of a few chains, with the garbage
+# collector held off while timing, is what a steady step shows.
+ROUNDS = 3
+
+
+def _block_seconds(block, args, kwargs, count: int, call=None, rounds: int = 1) -> tuple:
     """Effective forward and backward seconds of ``block`` on a GPU: ``count`` forwards in a
-    row, then their backwards in reverse, as a step runs them; medians without the first.
+    row, then their backwards in reverse, as a step runs them; the median of every reading
+    but each chain's first, over ``rounds`` timed chains.
 
-    The chain runs twice and the second is timed: the first makes the caching allocator
-    hold ``count`` runs' memory (a warm step allocates nothing; a cold ``cudaMalloc`` costs
-    the host ~1 ms a block, which a first-time chain read as a host-bound block: +12.7% on
-    qwen-1.5b ``keep``, whose chain was the first of its profile, on an H200).
+    A first, untimed chain makes the caching allocator hold ``count`` runs' memory (a warm step
+    allocates nothing; a cold ``cudaMalloc`` costs the host ~1 ms a block, which a first-time
+    chain read as a host-bound block: +12.7% on qwen-1.5b ``keep``, whose chain was the first
+    of its profile, on an H200). Python's garbage collector is held off while timing (one
+    collection inside a chain reads as a slow, host-bound block; the readings are medians of
+    steady runs, and a step's median is too).
     """
-    _block_chain(block, args, kwargs, count)
-    return _block_chain(block, args, kwargs, count)
+    _block_chain(block, args, kwargs, count, call)
+    fwd, bwd = [], []
+    with _gc_paused():
+        for _ in range(max(1, rounds)):
+            f, b = _block_chain(block, args, kwargs, count, call)
+            fwd += f[1:] or f
+            bwd += b[1:] or b
+    return statistics.median(fwd), statistics.median(bwd)
 
 
-def _block_chain(block, args, kwargs, count: int) -> tuple:
+def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
+    """Per-run forward and backward seconds of one chain (see :func:`_block_seconds`)."""
+    call = block if call is None else call
     hidden = _hidden_of(args, kwargs)
     xs = [hidden.detach().clone().requires_grad_(True) for _ in range(count)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * count + 1)]
@@ -399,7 +468,7 @@ def _block_chain(block, args, kwargs, count: int) -> tuple:
     events[0].record()
     for j, x in enumerate(xs):
         a, kw = _with_hidden(args, kwargs, x)
-        out = block(*a, **kw)
+        out = call(*a, **kw)
         sinks.append(_Sink.apply(out if isinstance(out, torch.Tensor) else out[0]))
         del out
         events[j + 1].record()
@@ -411,16 +480,23 @@ def _block_chain(block, args, kwargs, count: int) -> tuple:
     torch.cuda.synchronize()
     block.zero_grad(set_to_none=True)
     seconds = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(2 * count)]
-    fwd, bwd = seconds[:count], seconds[count:]
-    return statistics.median(fwd[1:] or fwd), statistics.median(bwd[1:] or bwd)
+    return seconds[:count], seconds[count:]
 
 
-def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats) -> HeadCost:
+def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend=None) -> HeadCost:
     if mode == "chunked":
         from remat.treat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)
     try:
-        (m,) = _chain(meter, lambda: (_stub_run(model, batch, loss_fn, named, capture, meter),), repeats)
+        with contextlib.ExitStack() as stack:
+            # installed once for all runs: a compiled model would recompile for new stubs at every run
+            stubs = stack.enter_context(_Stubs(named, compiled=backend is not None))
+            if backend is not None:  # the model compiled as Module.compile() does; the first run compiles
+                from remat.profiling._compiled import check_compiled, compiled_model
+                counter = stack.enter_context(compiled_model(model, backend))
+            (m,) = _chain(meter, lambda: (_stub_run(model, batch, loss_fn, capture, meter, stubs),), repeats)
+            if backend is not None:
+                check_compiled(counter, f"the {mode} head")
     finally:
         if mode == "chunked":
             from remat.treat.head import disable_chunked_head
@@ -430,6 +506,27 @@ def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeat
     return HeadCost(mode=mode, chunk_tokens=chunk, pre_peak=pre_peak, pre_end=pre_end, head_fwd_peak=hf_peak,
                     head_fwd_end=hf_end, head_bwd_peak=hb_peak, head_bwd_end=hb_end, pre_bwd_peak=pb_peak,
                     pre_bwd_end=pb_end, pre_fwd_s=pre_s, head_fwd_s=hf_s, head_bwd_s=hb_s, pre_bwd_s=pb_s)
+
+
+class _Stubs(contextlib.ExitStack):
+    """Every block's forward replaced by a stub for the ``with`` block; ``run`` is the step it serves.
+
+    Under a compiled model each stub is a ``torch.compiler.disable`` frame: the graph breaks
+    there, the meter reads between the embeddings' and the head's compiled graphs."""
+
+    def __init__(self, named, compiled=False):
+        super().__init__()
+        self.named, self.compiled, self.run = named, compiled, None
+
+    def __enter__(self):
+        super().__enter__()
+        function = _stub_forward
+        if self.compiled:
+            from remat.profiling._compiled import eager
+            function = eager(_stub_forward)
+        for index, (_, block) in enumerate(self.named):
+            self.enter_context(patches.temporarily(block, "forward", function, tag=STUB_TAG, state=(self, index)))
+        return self
 
 
 class _StubRun:
@@ -464,8 +561,8 @@ class _StubRun:
 
 
 def _stub_forward(patch, *args, **kwargs):
-    run, index = patch.state
-    return run.forward(index, args, kwargs)
+    stubs, index = patch.state
+    return stubs.run.forward(index, args, kwargs)
 
 
 def _replay(sub, x, structure):
@@ -480,16 +577,13 @@ def _replay(sub, x, structure):
             hook(sub, (x,), out)
 
 
-def _stub_run(model, batch, loss_fn, named, capture, meter):
-    """A step in which every block is a stub: measures embeddings, head and loss."""
+def _stub_run(model, batch, loss_fn, capture, meter, stubs):
+    """A step in which every block is a stub (``stubs``, installed): measures embeddings, head and loss."""
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
     zero.grad = torch.zeros_like(zero)  # accumulated in place: no new storage during the step
-    run = _StubRun(capture, meter, zero)
-    with contextlib.ExitStack() as stack:
-        for index, (_, block) in enumerate(named):
-            stack.enter_context(patches.temporarily(block, "forward", _stub_forward, tag=STUB_TAG,
-                                                    state=(run, index)))
+    run = stubs.run = _StubRun(capture, meter, zero)
+    try:
         model.zero_grad(set_to_none=True)
         meter.begin()
         loss = loss_fn(model, batch)
@@ -500,6 +594,8 @@ def _stub_run(model, batch, loss_fn, named, capture, meter):
             run.mark()
         run.mark()                                                        # step done
         model.zero_grad(set_to_none=True)
+    finally:
+        stubs.run = None
     run.held.clear()
     if len(run.marks) != 6:
         raise ValueError(f"the stubbed step ran {len(run.marks)} of its 6 phases: a block was not called, or "

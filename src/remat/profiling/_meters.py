@@ -23,6 +23,8 @@ were calibrated once against H100 anchors on the bench model.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import weakref
 from functools import partial
@@ -164,8 +166,9 @@ class _CudaMeter:
 
 def _chain(meter, run, repeats):
     """``run()`` once to warm up, then ``repeats + 1`` times back to back (no synchronisation
-    between them); the first of those is dropped. Returns the marks (now, peak, seconds) per
-    phase: bytes from the last run, seconds the median; a fake run (``repeats`` 1) is its own.
+    between them, the garbage collector held off); the first of those is dropped. Returns the
+    marks (now, peak, seconds) per phase: bytes from the last run, seconds the median; a fake
+    run (``repeats`` 1) is its own.
     ``run`` returns (raw marks, extras...); the warm-up's extras are returned with the marks.
     """
     meter.zero()
@@ -175,7 +178,24 @@ def _chain(meter, run, repeats):
         return (meter.finish(first[0]),) + extras
     meter.finish(first[0])
     meter.zero()
-    raw = [run()[0] for _ in range(repeats + 1)]
+    with _gc_paused():
+        raw = [run()[0] for _ in range(repeats + 1)]
     timed = [meter.finish(r) for r in raw][1:]
     marks = [(now, peak, statistics.median(t[k][2] for t in timed)) for k, (now, peak, _) in enumerate(timed[-1])]
     return (marks,) + extras
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's garbage collector off for the ``with`` block (one collection first), then as it was.
+
+    A collection inside a timed run reads as a slow, host-bound phase; profile readings are
+    medians of steady runs, as a step's median is."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -34,6 +34,13 @@ pinned copy rates are measured. Saved-tensor hooks (warm-up run only) record whi
 storages a block saves, to tell whether it keeps its input and how many bytes the offload
 engine would move.
 
+Compiled models (``compile=True``): the same runs, each block class x treatment compiled
+alone and the stubbed step with the model compiled; calibrated on one compiled step. Needs a
+GPU (no fake path: a clear ValueError). See :mod:`remat.profiling._compiled`.
+
+Stability: each GPU timing is a median over several chains (``REPEATS``, ``ROUNDS``), the
+garbage collector held off, so that independent profiles pick the same plan.
+
 Why not profile the whole model per treatment, or use ``torch.cuda.memory._record_memory_history``?
 Whole-model runs cost depth x treatments and need the real model on a real GPU; the block
 decomposition is exact for sequential block stacks and costs one block.
@@ -64,6 +71,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.profiling._calibrate import _calibrate, _copy_rates
+from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
+from remat.profiling._compiled import calibrate_compiled
 from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fake
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
@@ -80,7 +89,7 @@ from remat.treat.discovery import discover
 def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
-            progress=None, calibrate: bool = True) -> Profile:
+            progress=None, calibrate: bool = True, compile: bool = False) -> Profile:
     """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
@@ -99,6 +108,15 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     ``device``: ``"cuda"`` measures on the GPU (the model must be there), ``"fake"``
     estimates with fake tensors and the rates of ``gpu`` (h100, h200, a100, cpu); default:
     ``"cuda"`` when the model's parameters are on a GPU, else ``"fake"``.
+
+    ``compile=True``: the costs of the model as it will run after ``model.compile()`` (or
+    ``torch.compile(model)``): every block class x treatment and every head mode is measured
+    compiled (:mod:`remat.profiling._compiled`; a compile per class x treatment, tens of seconds
+    each on a large block, reported through ``progress``). Offload treatments are left out
+    (``notes["offload"]`` says why) and ``notes["compile"]`` is True. Needs the model on a GPU:
+    a fake-tensor profile cannot run compiled code, so ``device="fake"`` (or a model off the GPU)
+    raises ValueError rather than returning eager numbers as compiled ones. Dynamo's caches are
+    reset when it is done (anything else compiled in the process recompiles on its next call).
     """
     if optimizer not in OPTIMIZER_BYTES_PER_PARAM:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES_PER_PARAM)}, got {optimizer!r}")
@@ -109,6 +127,10 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     device = device or ("cuda" if first.device.type == "cuda" else "fake")
     if device not in ("cuda", "fake"):
         raise ValueError(f"device must be 'cuda' or 'fake', got {device!r}")
+    if compile and device == "fake":
+        from remat.profiling._compiled import NEEDS_GPU
+        where = "device='fake' was asked for" if first.device.type == "cuda" else f"the model is on {first.device}"
+        raise ValueError(f"{NEEDS_GPU} ({where})")
     if device == "cuda":
         if first.device.type != "cuda":
             raise ValueError("device='cuda' measures on the GPU: move the model there first (model.cuda())")
@@ -129,7 +151,13 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
                                  min_offload_bytes, say)
         return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, calibrate, held.held_grad_bytes)
+                             min_offload_bytes, say, calibrate, held.held_grad_bytes, compile)
+
+
+# Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is
+# timed ROUNDS times (remat.profiling._measure); the stubbed head step runs REPEATS + 1 times.
+# Was 3 and one chain: the plan for one budget flipped between two profiles on one H100 (issue 11).
+REPEATS = 5
 
 
 def _known_gpu(name: str) -> bool:
@@ -231,13 +259,14 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
 
 
 def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True, held_grad_bytes=0) -> Profile:
+                  calibrate=True, held_grad_bytes=0, compile=False) -> Profile:
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
     meter = _CudaMeter()
+    backend = COMPILE_BACKEND if compile else None
     body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats=3)
+                         repeats=REPEATS, backend=backend)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
@@ -249,6 +278,8 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     if not calibrate:
         return prof
     try:
+        if compile:
+            return calibrate_compiled(model, batch, loss_fn, named, prof, say, backend)
         return _calibrate(model, batch, loss_fn, named, prof, say)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)

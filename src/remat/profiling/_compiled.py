@@ -1,0 +1,178 @@
+"""Profiling for compiled models: each block × treatment and the head measured as ``torch.compile`` runs them.
+
+The user's flow is ``plan = remat.plan(model, batch, budget, compile=True); remat.apply(model,
+plan); model.compile()``. Compile changes every treatment's memory (the bench model's ``full``
+keeps 27.59 GiB eager, 15.79 GiB compiled: AOTAutograd's partitioner saves other tensors than
+eager autograd, and inductor fuses the pointwise ops whose outputs eager keeps) and its time,
+so a compiled plan must be profiled compiled. How:
+
+- A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
+  ``torch.compile(block, dynamic=False)`` with a fresh dynamo cache, once per class × treatment)
+  and measured by the same meter and the same chains as an eager block
+  (:mod:`remat.profiling._measure`); a first call compiles, outside any measurement.
+- The head: the stubbed step (blocks replaced by stubs) runs with the whole model compiled as
+  ``Module.compile()`` compiles it (:func:`compiled_model`); each stub is a ``torch.compiler.disable``
+  frame, so the embeddings and the head+loss are compiled graphs of their own and the meter
+  reads between them. The chunked head's interception runs eager as it does in the user's flow.
+- Calibration (:func:`calibrate_compiled`): one real compiled step of the fastest uniform plan
+  that fits in free memory; forward and backward seconds are scaled by in-step / profiled, as
+  the eager calibration does per block (a compiled step has no block boundaries to time).
+
+A backend that counts graphs (:class:`CountingBackend`) wraps inductor: a block that compiled
+no graph (dynamo skipped the frame, or fell back to eager at a cache limit) raises instead of
+returning eager numbers as compiled ones. ``torch._dynamo.reset()`` runs before each compile
+and once at the end (every compile here traces the same code objects, the block's forward, so
+without it the user's own ``model.compile()`` would later hit the recompile limit): anything
+else the process had compiled recompiles on its next call.
+
+Offload treatments are left out of compiled plans (:data:`OFFLOAD_UNDER_COMPILE`): dynamo breaks
+the graph at the offload engine's ``saved_tensors_hooks`` (every offloaded block becomes a
+graph boundary) and AOTAutograd saves its own tensors, not what the eager engine was modelled
+on. Limits: a block compiled alone cannot fuse across its boundary with its neighbours as the
+whole-model graph does (the calibration absorbs the time part of that); there is no fake-tensor
+path (``remat.profile(..., compile=True)`` needs the model on a GPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from remat.planning.costs import MEASURED_TREATMENTS, Profile
+
+BACKEND = "inductor"
+OFFLOAD_UNDER_COMPILE = ("offload treatments are not planned for compiled models: dynamo breaks the graph at the "
+                         "offload engine's saved_tensors_hooks (every offloaded block would split the compiled "
+                         "graph) and AOTAutograd saves other tensors than the engine's eager model assumes")
+NEEDS_GPU = ("compile=True plans need the model on a GPU: compiled memory and time are measured by running each "
+             "block and the head compiled (torch.compile), which fake tensors cannot do. Move the model to the GPU "
+             "(model.cuda()) and plan there, or plan without compile=True (eager numbers: compile usually lowers "
+             "memory, e.g. 'full' 27.6 -> 15.8 GiB on the bench model, so an eager plan is conservative in memory)")
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles and hands them to ``backend``."""
+
+    def __init__(self, backend: str = BACKEND):
+        self.backend, self.graphs = backend, 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+        self.graphs += 1
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+
+def compile_block(block, backend: str):
+    """``block``'s call compiled alone (``dynamic=False``, fresh dynamo cache), called once to compile.
+
+    Returns ``(call, counter)``; the caller makes the first call (it compiles) with real inputs."""
+    torch._dynamo.reset()
+    counter = CountingBackend(backend)
+    return torch.compile(block, backend=counter, dynamic=False), counter
+
+
+def check_compiled(counter: CountingBackend, what: str) -> None:
+    """Raise if nothing was compiled: the numbers would be eager ones."""
+    if counter.graphs == 0:
+        raise RuntimeError(f"remat: {what} ran without compiling any graph under torch.compile (dynamo skipped it "
+                           "or hit its cache limit); compiled costs cannot be measured for it")
+
+
+@contextlib.contextmanager
+def compiled_model(model, backend: str):
+    """``model`` compiled in place as ``Module.compile()`` does, for the ``with`` block; yields the counter."""
+    torch._dynamo.reset()
+    counter = CountingBackend(backend)
+    previous = model.__dict__.get("_compiled_call_impl")
+    model._compiled_call_impl = torch.compile(model._call_impl, backend=counter, dynamic=False)
+    try:
+        yield counter
+    finally:
+        model._compiled_call_impl = previous
+
+
+_EAGER = {}
+
+
+def eager(fn):
+    """``torch.compiler.disable(fn)``, made once per function (a new wrapper would recompile)."""
+    if fn not in _EAGER:
+        _EAGER[fn] = torch.compiler.disable(fn)
+    return _EAGER[fn]
+
+
+def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend: str = BACKEND) -> Profile:
+    """Scale the profile's seconds to those of a real compiled step (see the module doc).
+
+    The fastest uniform plan (no offload) whose predicted peak fits in 85% of free memory is
+    applied and the model compiled; two warm-up steps compile it, three are timed with CUDA
+    events at the loss (forward done) and after ``backward``. Forward seconds (embeddings,
+    blocks, head forward) are scaled by measured / predicted forward, backward likewise. The
+    predicted and measured peaks of that step are noted beside the ratios (not used)."""
+    from remat.planning.simulator import simulate
+    from remat.treat.treatments import apply_treatment, remove_treatment
+    device = next(model.parameters()).device
+    free, _ = torch.cuda.mem_get_info(device)
+    room = torch.cuda.memory_allocated(device) + 0.85 * free
+    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
+    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
+    fits = [f for f in fits if f[0].bound_bytes <= room]
+    if not fits:
+        return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
+    sim, treatment, head = min(fits, key=lambda f: f[0].step_s)
+    say(f"calibrating on a compiled step: {treatment}, head {head.mode} (compiling the whole model)")
+    for _, block in named:
+        apply_treatment(block, treatment)
+    if head.mode == "chunked":
+        from remat.treat.head import enable_chunked_head
+        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
+    try:
+        with compiled_model(model, backend) as counter:
+            for _ in range(2):
+                _timed_step(model, batch, loss_fn)
+            check_compiled(counter, "the calibration step")
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            steps = [_timed_step(model, batch, loss_fn) for _ in range(3)]
+            peak = torch.cuda.max_memory_allocated(device) - base
+    finally:
+        for _, block in named:
+            remove_treatment(block)
+        if head.mode == "chunked":
+            from remat.treat.head import disable_chunked_head
+            disable_chunked_head(model)
+        model.zero_grad(set_to_none=True)
+    costs = [prof.cost(i, treatment) for i in range(len(named))]
+    fwd_pred = head.pre_fwd_s + head.head_fwd_s + sum(c.fwd_s for c in costs)
+    bwd_pred = head.pre_bwd_s + head.head_bwd_s + sum(c.bwd_s for c in costs)
+    fwd = statistics.median(s[0] for s in steps) / max(fwd_pred, 1e-9)
+    bwd = statistics.median(s[1] for s in steps) / max(bwd_pred, 1e-9)
+    classes = tuple({t: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd) for t, c in costs_.items()}
+                    for costs_ in prof.classes)
+    heads = tuple(replace(h, pre_fwd_s=h.pre_fwd_s * fwd, head_fwd_s=h.head_fwd_s * fwd,
+                          head_bwd_s=h.head_bwd_s * bwd, pre_bwd_s=h.pre_bwd_s * bwd) for h in prof.heads)
+    note = {"plan": f"{treatment}, head {head.mode}, compiled", "forward": round(fwd, 4), "backward": round(bwd, 4),
+            "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s, 5),
+            "peak_bytes": int(peak + prof.static_bytes), "predicted_peak_bytes": int(sim.peak_bytes)}
+    return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
+
+
+def _timed_step(model, batch, loss_fn) -> tuple:
+    """(forward s, backward s, wall s) of one training step, CUDA events around each half."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    events[0].record()
+    loss = loss_fn(model, batch)
+    events[1].record()
+    loss.backward()
+    del loss
+    events[2].record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return events[0].elapsed_time(events[1]) / 1e3, events[1].elapsed_time(events[2]) / 1e3, wall

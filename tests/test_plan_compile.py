@@ -1,0 +1,251 @@
+"""Plans for compiled models (issue 11): ``remat.plan(model, batch, budget, compile=True)``.
+
+CPU: a compiled profile cannot be made on fake tensors, so ``compile=True`` off the GPU raises
+ValueError (never eager numbers labelled compiled); the compile branch of the measuring code
+(:func:`remat.profiling._measure._profile_body` with a ``torch.compile`` backend) runs on the
+CPU with backend ``aot_eager`` and a meter that reads nothing, to check its mechanism: one
+compile per block class x treatment and per head option, no recompile across the timed runs,
+no offload treatments, dynamo's caches left empty, and the profile marked compiled.
+
+GPU (marked ``gpu``): the flow users run, ``plan(compile=True)``, ``remat.apply``,
+``model.compile()``, on a bench-like model (the bench model's layer shapes, 4 layers, 2 x 2048
+tokens, bf16): measured peak within 5% of the prediction and step time within 10% (the
+issue's acceptance criterion; a timing, so it belongs to this GPU check, not to CPU tests).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import remat
+from remat.integrations.presets import build_model, load_config
+from remat.planning.plans import OFFLOADING_TREATMENTS
+from remat.profiling.profiler import profile
+
+
+def _tiny(device="cpu", dtype=torch.float32):
+    config = load_config("llama-tiny")
+    config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    return build_model(config, device=device, dtype=dtype)
+
+
+def test_compile_plan_off_the_gpu_is_a_clear_error():
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for call in (lambda: remat.plan(model, ids, "1GiB", compile=True),
+                 lambda: remat.auto(model, ids, "1GiB", compile=True),
+                 lambda: profile(model, ids, compile=True),
+                 lambda: profile(_tiny(device="meta", dtype=torch.bfloat16), ids, gpu="h100", compile=True)):
+        with pytest.raises(ValueError, match="compile=True plans need the model on a GPU"):
+            call()
+    assert remat.api.current_plan(model) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_compile_plan_refuses_offload_treatments():
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    with pytest.raises(ValueError, match="offload.*compile=True"):
+        remat.plan(model, ids, "1GiB", compile=True, treatments=["keep", "full+offload"])
+
+
+class _NullMeter:
+    """A meter that reads nothing (the CPU has no allocator statistics): marks are zeros."""
+
+    def zero(self):
+        pass
+
+    def begin(self):
+        pass
+
+    def mark(self):
+        return (0, 0, 0.0)
+
+    def finish(self, marks):
+        return marks
+
+
+@pytest.mark.slow
+def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
+    """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
+    import torch._dynamo
+
+    from remat.profiling import _compiled, _measure
+    from remat.profiling.profiler import model_loss
+    from remat.planning.costs import rates_for
+    from remat.treat.discovery import discover
+    model = _tiny().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    batch, loss_fn = model_loss(ids)
+    named = discover(model).blocks(model)
+    compiled = []
+    real_compile_block = _compiled.compile_block
+
+    def counting_compile_block(block, backend):
+        call, counter = real_compile_block(block, backend)
+        compiled.append(counter)
+        return call, counter
+    monkeypatch.setattr(_compiled, "compile_block", counting_compile_block)
+    chained = []
+
+    def cpu_seconds(block, args, kwargs, count, call=None, rounds=1):  # the GPU chain's calls, untimed
+        for _ in range(count * (rounds + 1)):
+            _measure._block_run(block, args, kwargs, _NullMeter(), set(), track=False, call=call)
+        chained.append(call)
+        return 0.0, 0.0
+    monkeypatch.setattr(_measure, "_block_seconds", cpu_seconds)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
+    said = []
+    body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"), ("plain", "chunked"),
+                                  (1024,), 0, said.append, repeats=3, backend="aot_eager")
+    assert body.notes["compile"] is True and "saved_tensors_hooks" in body.notes["offload"]
+    assert len(body.classes) == 1
+    treatments = set(body.classes[0])
+    assert treatments == {"keep", "full", "selective", "attention", "mlp"}
+    assert not treatments & set(OFFLOADING_TREATMENTS)
+    # one compile per treatment of the one block class, each one graph, none recompiled by the runs
+    assert len(compiled) == 5 and all(c.graphs == 1 for c in compiled), [c.graphs for c in compiled]
+    assert len(chained) == 5 and all(c is not b for c, (_, b) in zip(chained, named * 5))  # the compiled call
+    assert sum("compiling it" in s for s in said) == 5 and any("compiled" in s for s in said if "head" in s)
+    # saved bytes come from the compiled block's own saved tensors: full keeps its input, and less
+    keep, full = body.classes[0]["keep"], body.classes[0]["full"]
+    assert full.saves_input and 0 < full.offloadable < keep.offloadable
+    assert {h.mode for h in body.heads} == {"plain", "chunked"}
+    # the profile's cache entries are gone: the user's own compile starts with an empty cache
+    from torch._dynamo import convert_frame
+    assert not convert_frame.input_codes.seen
+    # and the model is untouched: no stub, no treatment, not compiled
+    assert model.__dict__.get("_compiled_call_impl") is None
+    assert all("forward" not in block.__dict__ for _, block in named)
+
+
+# ---------------------------------------------------------------- GPU: prediction vs a compiled step
+
+def _gpu(test):
+    """Marked ``gpu`` (skipped without CUDA) and ``slow`` (compiles: minutes on an H100)."""
+    for mark in (pytest.mark.gpu, pytest.mark.slow,
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")):
+        test = mark(test)
+    return test
+
+
+def _bench_like():
+    """The bench model's layer shapes (Llama-3.2-1B), 4 layers, bf16, on the GPU."""
+    config = load_config("llama-1b")
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    return build_model(config, device="cuda", dtype=torch.bfloat16)
+
+
+def _measure_compiled(model, ids, steps=7):
+    """(peak bytes, median step seconds) of ``model`` compiled, as the bench runs a step."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model.compile()
+    try:
+        for _ in range(3):  # compile and warm up
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+        times = []
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return torch.cuda.max_memory_allocated(), statistics.median(times)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def compiled_profile():
+    model = _bench_like()
+    ids = torch.randint(0, model.config.vocab_size, (2, 2048), device="cuda")
+    return model, ids, profile(model, ids, compile=True)
+
+
+@_gpu
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_gpu_compiled_plan_predicts_peak_and_time(compiled_profile, where):
+    """Budgets from the least compiled peak (0.0) to the keep plan's (1.0): the plan the solver
+    picks, applied and compiled, measures within 5% (peak) and 10% (step time) of its prediction."""
+    from remat.planning.simulator import simulate
+    from remat.planning.solver import solve
+    model, ids, prof = compiled_profile
+    assert prof.notes["compile"] is True and not set(prof.treatments(0)) & set(OFFLOADING_TREATMENTS)
+    low = min(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes
+              for t in prof.treatments(0) for h in prof.heads)
+    high = max(simulate(prof, "keep", head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes for h in prof.heads)
+    budget = int((low + where * (high - low)) * 1.01)
+    plan = solve(prof, budget)
+    remat.apply(model, plan)
+    try:
+        peak, step_s = _measure_compiled(model, ids)
+    finally:
+        remat.remove(model)
+    predicted_peak, predicted_s = plan.notes["predicted_peak_bytes"], plan.notes["predicted_step_s"]
+    summary = (plan.summary(), peak, predicted_peak, step_s, predicted_s, prof.notes.get("calibration"))
+    assert abs(peak - predicted_peak) / predicted_peak <= 0.05, summary
+    assert abs(step_s - predicted_s) / predicted_s <= 0.10, summary
+
+
+@_gpu
+@pytest.mark.parametrize("spec", ["keep", "full", "selective", "mlp"])
+def test_gpu_compiled_profile_predicts_uniform_plans(compiled_profile, spec):
+    """Each uniform treatment with the plain head, compiled: peak within 5% of the compiled profile's."""
+    from remat.planning.simulator import simulate
+    model, ids, prof = compiled_profile
+    remat.apply(model, spec, head="plain")
+    try:
+        peak, _ = _measure_compiled(model, ids)
+    finally:
+        remat.remove(model)
+    predicted = simulate(prof, spec, head="plain").peak_bytes
+    assert abs(peak - predicted) / predicted <= 0.05, (spec, peak, predicted)
+
+
+@_gpu
+def test_gpu_plan_compile_end_to_end_flow():
+    """Exactly the user's flow: remat.plan(compile=True), remat.apply, model.compile()."""
+    model = _bench_like()
+    ids = torch.randint(0, model.config.vocab_size, (2, 2048), device="cuda")
+    plan = remat.plan(model, ids, "30GiB", compile=True)
+    assert plan.notes["compile"] is True and plan.notes["compile_backend"] == "inductor"
+    assert not set(plan.blocks.values()) & set(OFFLOADING_TREATMENTS)
+    remat.apply(model, plan)
+    peak, step_s = _measure_compiled(model, ids)
+    assert peak <= 30 * 2**30 and abs(peak - plan.notes["predicted_peak_bytes"]) / peak <= 0.05
+    assert abs(step_s - plan.notes["predicted_step_s"]) / step_s <= 0.10, (plan.summary(), step_s)
+
+
+@_gpu
+def test_gpu_three_profiles_pick_one_plan():
+    """Stable plans: three independent eager profiles on one GPU choose the same plan per budget
+    (issue 11: two profiles an hour apart chose 11x selective + 5x full and 16x mlp for one budget)."""
+    from remat.planner import _allowed
+    from remat.planning.simulator import simulate
+    from remat.planning.solver import solve
+    model = _bench_like()
+    ids = torch.randint(0, model.config.vocab_size, (2, 2048), device="cuda")
+    profiles = [profile(model, ids) for _ in range(3)]
+    keep = simulate(profiles[0], "keep", head="plain").peak_bytes
+    budgets = [int(keep * f) for f in (0.45, 0.6, 0.8)]
+    for budget in budgets:
+        plans = [solve(p, budget, treatments=_allowed(p, None)) for p in profiles]
+        chosen = {(tuple(sorted(p.blocks.items())), p.head, p.chunk_tokens) for p in plans}
+        assert len(chosen) == 1, (budget, [p.summary() for p in plans],
+                                  [p.notes["predicted_step_s"] for p in plans])
