@@ -7,7 +7,9 @@ checkpointing being switched on *later* (the Trainer does that at ``train()`` wi
 ``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead
 of silently checkpointing every block twice.
 
-Applying again replaces the previous plan; a block is never wrapped twice.
+Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
+plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
+made fresh at each apply.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn as nn
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
 from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
+from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
 
 _PLAN = "_remat_plan"
@@ -30,7 +33,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
     ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"keep"``), ``"every:N[:treatment]"``,
-    ``"first:N[:treatment]"``, a ``{block_name: treatment}`` mapping, or a :class:`Plan`.
+    ``"first:N[:treatment]"``, ``"segments:K"`` / ``"segments:sqrt"`` (K consecutive blocks
+    checkpointed as one unit, see :mod:`remat.planning.plans`), a ``{block_name: treatment}``
+    mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
     tokens at a time; see :mod:`remat.treat.head`. ``offload_options`` go to
     :class:`remat.offload.engine.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
@@ -62,8 +67,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             from remat.offload.engine import OffloadEngine
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
+        segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})
         for index, (name, block) in enumerate(named):
-            apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index)
+            apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index,
+                            segment=segments.get(name, (None, 0)))
         if plan.head == "chunked":
             from remat.treat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)

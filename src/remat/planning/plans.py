@@ -10,6 +10,16 @@ Short string specs are turned into plans here too, against a model's discovered 
 ``"first:8"`` (``full`` on the first eight), and either with another treatment:
 ``"every:2:offload"``.
 
+``"segments:K"`` checkpoints K consecutive blocks as one unit (``checkpoint_sequential``'s
+semantics: only the unit's input is kept, its backward recomputes all K blocks), and
+``"segments:sqrt"`` takes K = round(sqrt(n)), the rule of thumb that balances kept inputs
+against the blocks recomputed at once. K counts *blocks per segment* (``checkpoint_sequential``'s
+``segments`` argument counts segments); segments never span two block lists (an encoder's
+and a decoder's), n and K are per list, the last segment of a list may be shorter, and a K
+of n or more makes the whole list one segment. In a plan each such block's treatment is
+``"segment:<i>"``: the blocks that share ``i`` form segment ``i`` and must be consecutive,
+so the grouping is in ``blocks`` itself and survives JSON, renaming and re-applying.
+
 Plans read from JSON are checked field by field before use: :meth:`Plan.load` and
 :meth:`Plan.from_dict` answer a wrong field (``blocks`` not an object, an unknown
 treatment, a ``head`` that is not ``plain``/``chunked``, a ``chunk_tokens`` of ``"abc"``,
@@ -20,8 +30,10 @@ to ask for the default chunk; no other falsy value stands in for it.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -31,6 +43,18 @@ TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+
 OFFLOADING_TREATMENTS = ("offload", "full+offload")
 HEAD_MODES = ("plain", "chunked")
 _FIELDS = ("version", "blocks", "head", "chunk_tokens", "notes")
+_SEGMENT = re.compile(r"segment:(0|[1-9][0-9]*)")
+
+
+def segment_of(treatment) -> Optional[int]:
+    """The segment number of a ``"segment:<i>"`` treatment, else None."""
+    found = _SEGMENT.fullmatch(treatment) if isinstance(treatment, str) else None
+    return int(found.group(1)) if found else None
+
+
+def is_treatment(value) -> bool:
+    """A block treatment a plan may name: one of TREATMENTS or ``"segment:<i>"``."""
+    return value in TREATMENTS or segment_of(value) is not None
 
 
 @dataclass(frozen=True)
@@ -53,10 +77,10 @@ class Plan:
         bad_names = [name for name in self.blocks if not isinstance(name, str)]
         if bad_names:
             raise TypeError(f"'blocks' must be keyed by block names (strings); got {bad_names[:3]!r}")
-        bad = {name: t for name, t in self.blocks.items() if t not in TREATMENTS}
+        bad = {name: t for name, t in self.blocks.items() if not is_treatment(t)}
         if bad:
             raise ValueError(f"unknown treatments in plan: {bad}; each value of 'blocks' must be a treatment "
-                             f"name (a string), one of {', '.join(TREATMENTS)}")
+                             f"name (a string), one of {', '.join(TREATMENTS)}, or 'segment:<i>' (i >= 0)")
         if self.head not in HEAD_MODES:
             raise ValueError(f"'head' must be a head mode (a string), one of {', '.join(HEAD_MODES)}; "
                              f"got {self.head!r} ({type(self.head).__name__})")
@@ -118,8 +142,12 @@ class Plan:
     def summary(self) -> str:
         counts = {}
         for t in self.blocks.values():
+            t = "segment" if segment_of(t) is not None else t
             counts[t] = counts.get(t, 0) + 1
         parts = [f"{n}x {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        segments = {segment_of(t) for t in self.blocks.values()} - {None}
+        if segments:
+            parts = [p + f" (in {len(segments)} segments)" if p.endswith(" segment") else p for p in parts]
         head = self.head + (f"({self.chunk_tokens})" if self.head == "chunked" and self.chunk_tokens else "")
         return f"{', '.join(parts) or 'no blocks'}; head {head}"
 
@@ -151,20 +179,24 @@ def resolve(spec, block_names) -> Plan:
     """Turn a spec (string, Plan or mapping) into a Plan over ``block_names``."""
     block_names = list(block_names)
     if isinstance(spec, Plan):
-        return _renamed(spec, block_names)
+        return _check_segments(_renamed(spec, block_names), block_names)
     if isinstance(spec, Mapping):
         return resolve(Plan(dict(spec)), block_names)
     if not isinstance(spec, str):
-        raise TypeError(f"spec must be a treatment name, 'every:N', 'first:N' or a remat.Plan; "
+        raise TypeError(f"spec must be a treatment name, 'every:N', 'first:N', 'segments:K' or a remat.Plan; "
                         f"got {type(spec).__name__}")
     if spec in TREATMENTS:
         return Plan({name: spec for name in block_names})
     kind, _, rest = spec.partition(":")
     count, _, treatment = rest.partition(":")
+    if kind == "segments":
+        return _segments(spec, count, treatment, block_names)
     treatment = treatment or "full"
-    grammar = f"expected one of {', '.join(TREATMENTS)}, 'every:N[:treatment]' or 'first:N[:treatment]' with N >= 1"
+    grammar = (f"expected one of {', '.join(TREATMENTS)}, 'every:N[:treatment]' or 'first:N[:treatment]' with "
+               "N >= 1, or 'segments:K' / 'segments:sqrt'")
     if kind not in ("every", "first"):
-        raise ValueError(f"cannot read spec {spec!r}: {kind!r} is neither a treatment nor 'every'/'first'; {grammar}")
+        raise ValueError(f"cannot read spec {spec!r}: {kind!r} is neither a treatment nor 'every'/'first'/"
+                         f"'segments'; {grammar}")
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"cannot read spec {spec!r}: N must be a whole number >= 1, got {count!r}; {grammar}")
     if treatment not in TREATMENTS:
@@ -172,6 +204,44 @@ def resolve(spec, block_names) -> Plan:
     n = int(count)
     chosen = block_names[::n] if kind == "every" else block_names[:n]
     return Plan({name: (treatment if name in chosen else "keep") for name in block_names})
+
+
+def _segments(spec: str, count: str, extra: str, block_names: list) -> Plan:
+    """``segments:K`` / ``segments:sqrt``: runs of K consecutive blocks of one list, numbered in order."""
+    grammar = ("expected 'segments:K' (K blocks per segment, a whole number >= 1) or 'segments:sqrt' "
+               "(K = round(sqrt(blocks in the list)))")
+    if extra:
+        raise ValueError(f"cannot read spec {spec!r}: a segment is recomputed whole, it takes no treatment "
+                         f"({extra!r}); {grammar}")
+    if count != "sqrt" and (not count.isdigit() or int(count) < 1):
+        raise ValueError(f"cannot read spec {spec!r}: K must be a whole number >= 1 or 'sqrt', got {count!r}; "
+                         f"{grammar}")
+    lists = {}  # blocks by the container they are in ("model.layers" -> [...]), in order
+    for name in block_names:
+        lists.setdefault(name.rpartition(".")[0], []).append(name)
+    blocks, number = {}, 0
+    for names in lists.values():
+        size = max(1, round(math.sqrt(len(names)))) if count == "sqrt" else int(count)
+        for start in range(0, len(names), size):
+            blocks.update({name: f"segment:{number}" for name in names[start:start + size]})
+            number += 1
+    return Plan({name: blocks[name] for name in block_names})
+
+
+def _check_segments(plan: Plan, block_names: list) -> Plan:
+    """``plan``, if each of its segments is a run of consecutive blocks; else a ValueError."""
+    where = {}
+    for index, name in enumerate(block_names):
+        number = segment_of(plan.blocks.get(name))
+        if number is not None:
+            where.setdefault(number, []).append(index)
+    for number, indices in where.items():
+        if indices != list(range(indices[0], indices[0] + len(indices))):
+            names = [block_names[i] for i in indices]
+            raise ValueError(f"segment {number} must be consecutive blocks (it is recomputed as one unit, each "
+                             f"block from the output of the one before); the plan gives it {names}. Number "
+                             "each run of consecutive blocks on its own, or use the 'segments:K' spec.")
+    return plan
 
 
 def _describe(value) -> str:

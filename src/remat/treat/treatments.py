@@ -26,6 +26,10 @@ Treatments:
 - ``attention`` / ``mlp``: ``full`` applied to that sub-module only.
 - ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
   checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
+- ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
+  (only the first block's inputs are kept; the backward recomputes the whole run), through
+  :mod:`remat.treat.segments`. The prelude here (cache, running statistics, the guards) is
+  the same as for the other treatments.
 
 Non-reentrant checkpointing gives parameter gradients even when no input requires grad
 (LoRA over frozen embeddings), so ``enable_input_require_grads`` is not needed.
@@ -46,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, TREATMENTS
-from remat.treat import patches
+from remat.planning.plans import OFFLOADING_TREATMENTS, TREATMENTS, is_treatment, segment_of
+from remat.treat import patches, segments
 from remat.treat.discovery import find_submodules
 
 _TAG = "treatment"
@@ -61,6 +65,8 @@ class TreatmentState:
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
     running_stats: tuple = ()  # modules whose running statistics the recompute must not update
+    segment: Any = None       # segment treatments: the Segment shared by the run's blocks
+    position: int = 0         # ... and this block's place in it
 
 
 def treatment_of(block: nn.Module) -> str:
@@ -70,8 +76,9 @@ def treatment_of(block: nn.Module) -> str:
 
 def check_treatment(block: nn.Module, treatment: str) -> None:
     """Raise the error :func:`apply_treatment` would raise, without changing ``block``."""
-    if treatment not in TREATMENTS:
-        raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)}")
+    if not is_treatment(treatment):
+        raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
+                         "or 'segment:<i>'")
     if treatment in ("attention", "mlp") and not find_submodules(block, treatment):
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
         raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
@@ -79,14 +86,19 @@ def check_treatment(block: nn.Module, treatment: str) -> None:
                          "'selective' for this block")
 
 
-def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0) -> None:
+def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0,
+                    segment: tuple = (None, 0)) -> None:
     """Treat ``block`` in place; a block that already has a treatment gets the new one.
 
+    ``segment``: for a ``"segment:<i>"`` treatment, ``(Segment, position)`` from
+    :func:`remat.treat.segments.segments_of`, shared by the segment's blocks.
     Every change goes through :mod:`remat.treat.patches`: the block's (or its attention/MLP
     sub-modules') ``forward``, and a ``_remat`` marker on the block holding the state."""
     check_treatment(block, treatment)
     if treatment in OFFLOADING_TREATMENTS and engine is None:
         raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
+    if segment_of(treatment) is not None and segment[0] is None:
+        raise ValueError(f"treatment {treatment!r} needs the segment its blocks share; use remat.apply()")
     remove_treatment(block)
     if treatment == "keep":
         return
@@ -98,7 +110,7 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
     for target in targets:
         stats = tuple(m for m in target.modules() if _has_running_stats(m))
         patches.install(target, "forward", _treated_forward, tag=_TAG,
-                        state=TreatmentState(state.treatment, state.engine, state.key, stats))
+                        state=TreatmentState(state.treatment, state.engine, state.key, stats, *segment))
     patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
 
 
@@ -138,6 +150,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     forward = patch.call_previous
     if self.training:
         forward, args, kwargs = _own_cache(forward, args, kwargs)
+    if state.segment is not None:  # the arguments as given: a segment keeps only its first block's
+        if state.running_stats:
+            forward = _stats_once(forward, state.running_stats)
+        return segments.call(state.segment, state.position, forward, args, kwargs)
     function, args = _positional(forward, args, kwargs)
     if state.running_stats:
         function = _stats_once(function, state.running_stats)
@@ -175,16 +191,16 @@ def _stats_once(function, modules):
     recomputed block updates them exactly once per forward, as without remat."""
     calls = [0]
 
-    def run(*flat):
+    def run(*flat, **kwargs):
         calls[0] += 1
         if calls[0] == 1:
-            return function(*flat)
+            return function(*flat, **kwargs)
         # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
         with _disable_current_modes():
             saved = [(b, b.detach().clone()) for m in modules for name, b in m.named_buffers(recurse=False)
                      if b is not None and (name.startswith("running_") or name == "num_batches_tracked")]
         try:
-            return function(*flat)
+            return function(*flat, **kwargs)
         finally:
             with _disable_current_modes(), torch.no_grad():
                 for buffer, value in saved:
@@ -247,11 +263,12 @@ def _own_cache(forward, args: tuple, kwargs: dict):
     if not keys and not slots:
         return forward, args, kwargs
     _warn_cache_once()
-    given_args, given_kwargs = args, kwargs
+    # only the caches: a segment must not keep its later blocks' inputs through this closure
+    given = {**{i: args[i] for i in slots}, **{k: kwargs[k] for k in keys}}
 
     def with_new_caches(*call_args, **call_kwargs):
-        call_args = tuple(_empty_like_cache(given_args[i]) if i in slots else v for i, v in enumerate(call_args))
-        call_kwargs.update({k: _empty_like_cache(given_kwargs[k]) for k in keys})
+        call_args = tuple(_empty_like_cache(given[i]) if i in slots else v for i, v in enumerate(call_args))
+        call_kwargs.update({k: _empty_like_cache(given[k]) for k in keys})
         return forward(*call_args, **call_kwargs)
     args = tuple(None if i in slots else v for i, v in enumerate(args))
     kwargs = {k: (None if k in keys else v) for k, v in kwargs.items()}

@@ -1,0 +1,207 @@
+"""Segments: K consecutive blocks checkpointed as one unit, while the model's own loop calls them.
+
+``torch.utils.checkpoint.checkpoint_sequential`` needs the blocks as a list of functions of
+one tensor; a Hugging Face model instead calls its layers in its own ``forward``, each with
+keyword arguments (rotary tables, masks, cache positions) that may differ per layer. So a
+segment cannot be one ``checkpoint(...)`` call. Instead each block of a segment runs under
+``saved_tensors_hooks`` that save nothing: every tensor autograd would keep is replaced by a
+placeholder (a :class:`_Holder`), and the call itself is recorded — the function, its
+arguments and the RNG and autocast state it ran with. The first placeholder unpacked in
+backward replays the recorded calls in order under ``enable_grad`` and hands each
+placeholder its recomputed tensor. What a segment keeps is therefore its first block's
+arguments; memory during its backward is the K blocks' activations at once, as with
+``checkpoint_sequential``; each block is recomputed once.
+
+How the calls are chained: a tensor argument of block j that *is* an output of an earlier
+block of the same run (the hidden state, as every stack passes it) is recorded as "output k
+of call i" and replayed from the recomputed output, so it is not kept; any other tensor
+argument (rotary tables, masks, or a hidden state the model changed between blocks) is kept
+as it was given, which is correct whatever the model does between blocks, only costlier.
+Code the model runs between blocks is not under the hooks and saves what it saves as usual.
+A run starts at the segment's first block, or at any block called out of order (a model
+that skips or repeats blocks still gets the right gradients), and ends at its last block.
+
+Saved tensors are matched to placeholders by their order within each call, as non-reentrant
+``checkpoint`` does; a block that saves a different number of tensors when recomputed (it
+branches on something that changed) is reported, not silently mismatched. RNG state is
+restored per call (CPU and the device of its tensor arguments, keyword ones included), so
+dropout draws the same masks; the autocast state of each call is restored too.
+
+Limits: under ``torch.compile`` a segment's blocks run eagerly (a graph break around each):
+compiled code saves other tensors than the eager replay would, so they cannot be matched.
+Under FSDP2 a segment must lie within one ``fully_shard`` unit, since blocks 0..K-2 are
+recomputed during block K-1's backward, when their own parameters may be resharded.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from remat.planning.plans import segment_of
+
+
+def segments_of(treatments: dict) -> dict:
+    """``{block name: (Segment, position in it)}`` for the ``"segment:<i>"`` blocks of
+    ``treatments`` (block name -> treatment, in block order; each segment consecutive)."""
+    members = {}
+    for name, treatment in treatments.items():
+        number = segment_of(treatment)
+        if number is not None:
+            members.setdefault(number, []).append(name)
+    found = {}
+    for number, names in members.items():
+        segment = Segment(number, len(names))
+        found.update({name: (segment, position) for position, name in enumerate(names)})
+    return found
+
+
+class Segment:
+    """Shared by the blocks of one segment: its size and the run its blocks are recording."""
+
+    def __init__(self, number: int, size: int):
+        self.number = number
+        self.size = size
+        self.run: Optional[_Run] = None
+
+    def __getstate__(self):  # a copy or a pickle of the model starts with no run in flight
+        return {"number": self.number, "size": self.size, "run": None}
+
+
+def call(segment: Segment, position: int, function: Callable, args: tuple, kwargs: dict):
+    """``function(*args, **kwargs)`` as block ``position`` of ``segment``: recorded, nothing saved."""
+    if torch.compiler.is_compiling():  # compiled code saves other tensors than an eager replay
+        return torch.compiler.disable(_call, recursive=True)(segment, position, function, args, kwargs)
+    return _call(segment, position, function, args, kwargs)
+
+
+def _call(segment: Segment, position: int, function: Callable, args: tuple, kwargs: dict):
+    run = segment.run
+    if position == 0 or run is None or len(run.calls) != position:
+        run = segment.run = _Run(segment.number)
+    try:
+        out = run.call(function, args, kwargs)
+    except BaseException:
+        segment.run = None
+        raise
+    if position == segment.size - 1:
+        segment.run = None  # from here the run lives on only in the placeholders autograd holds
+    return out
+
+
+class _Holder:
+    """What autograd holds instead of a saved tensor (a weak key: it dies with the graph)."""
+
+
+@dataclass(frozen=True)
+class _Output:
+    """In a recorded call: "tensor ``leaf`` of call ``call``'s output"."""
+
+    call: int
+    leaf: int
+
+
+@dataclass
+class _Call:
+    function: Callable
+    leaves: list          # its arguments, flattened; _Output where a leaf is an earlier call's output
+    spec: Any             # the pytree spec of (args, kwargs)
+    cpu_rng: torch.Tensor
+    devices: tuple        # (device type, device indices, their RNG states)
+    autocast: tuple       # ((device type, enabled, dtype), ...), cache_enabled
+    holders: list         # weak references to its placeholders, in the order they were saved
+
+
+class _Run:
+    """One forward through a segment: the calls recorded, and the tensors recomputed in backward."""
+
+    def __init__(self, number: int):
+        self.number = number
+        self.calls: list = []
+        self.outputs: dict = {}  # id(tensor) -> (weakref, version, _Output): chaining by identity
+        self.recomputed = weakref.WeakKeyDictionary()
+
+    def call(self, function, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
+        devices = (device_type, *get_device_states(*tensors)) if device_type else None
+        record = _Call(function, [self._source(leaf) for leaf in leaves], spec, torch.get_rng_state(),
+                       devices, _autocast_state(device_type), [])
+        self.calls.append(record)
+
+        def pack(tensor):
+            holder = _Holder()
+            record.holders.append(weakref.ref(holder))
+            return holder
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            out = function(*args, **kwargs)
+        index = len(self.calls) - 1
+        for leaf, value in enumerate(tree_flatten(out)[0]):
+            if isinstance(value, torch.Tensor):
+                self.outputs[id(value)] = (weakref.ref(value), value._version, _Output(index, leaf))
+        return out
+
+    def _source(self, leaf):
+        """``leaf`` as recorded: an earlier call's output (unchanged since) by reference, else itself."""
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        ref, version, source = self.outputs.get(id(leaf), (None, None, None))
+        return source if ref is not None and ref() is leaf and leaf._version == version else leaf
+
+    def _unpack(self, holder):
+        if holder not in self.recomputed:
+            self._recompute()
+        return self.recomputed[holder]
+
+    def _recompute(self):
+        outputs = []
+        devices = {(c.devices[0], i) for c in self.calls if c.devices for i in c.devices[1]}
+        device_type = next(iter(devices))[0] if devices else None
+        with torch.random.fork_rng(devices=sorted(i for _, i in devices), device_type=device_type or "cuda"), \
+                torch.enable_grad():
+            for index, record in enumerate(self.calls):
+                leaves = [outputs[v.call][v.leaf] if isinstance(v, _Output) else v for v in record.leaves]
+                args, kwargs = tree_unflatten(leaves, record.spec)
+                torch.set_rng_state(record.cpu_rng)
+                if record.devices:
+                    set_device_states(record.devices[1], record.devices[2], device_type=record.devices[0])
+                count = [0]
+
+                def pack(tensor, record=record, count=count):
+                    holder = record.holders[count[0]]() if count[0] < len(record.holders) else None
+                    count[0] += 1
+                    if holder is not None:
+                        self.recomputed[holder] = tensor.detach() if tensor.requires_grad else tensor
+                with _autocast(record.autocast), torch.autograd.graph.saved_tensors_hooks(pack, _never):
+                    out = record.function(*args, **kwargs)
+                if count[0] != len(record.holders):
+                    raise RuntimeError(
+                        f"remat segment {self.number}: block {index} of the segment saved {len(record.holders)} "
+                        f"tensors for backward in its forward but {count[0]} when recomputed, so the recompute "
+                        "took another path (the block branches on state that changed since its forward). Use "
+                        "'full' on these blocks instead of a segment.")
+                outputs.append(tree_flatten(out)[0])
+
+
+def _never(_):
+    raise RuntimeError("remat segments: a recomputed graph is never differentiated")
+
+
+def _autocast_state(device_type: Optional[str]) -> tuple:
+    kinds = ["cpu"] + ([device_type] if device_type and torch.amp.is_autocast_available(device_type) else [])
+    return (tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds),
+            torch.is_autocast_cache_enabled())
+
+
+def _autocast(state: tuple):
+    kinds, cache = state
+    stack = contextlib.ExitStack()
+    for kind, enabled, dtype in kinds:
+        stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+    return stack
