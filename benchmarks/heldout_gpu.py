@@ -116,7 +116,8 @@ def _step(model, batch, loss_fn):
 def _measure(model, batch, loss_fn, warmup, steps):
     """(loss of the first step, grads after it, peak bytes, median step s, spread)."""
     loss = _step(model, batch, loss_fn)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # on the host: a copy kept on the GPU would sit in every later row's peak (and in the plan's static bytes)
+    grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
     for _ in range(warmup - 1):
         _step(model, batch, loss_fn)
     model.zero_grad(set_to_none=True)
