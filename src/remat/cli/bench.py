@@ -9,20 +9,27 @@ table to stdout.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 
 HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpointing, every-2, "
-        "op-level SAC, save_on_cpu, torch.compile budgets) on one model and batch")
+        "op-level SAC, save_on_cpu, HF every-N/offload, torch.compile budgets, fused losses) on one "
+        "model and batch")
 EXAMPLES = """examples:
   remat bench                 # llama-tiny on the CPU (a minute); on a GPU, the bench model
   remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/  # GPU
   remat bench --model qwen-1.5b --batch 8 --seq 2048 --compile                                  # GPU
   remat bench --only eager,hf_full,remat:full,remat:selective
+  remat bench --compile --anchors liger,cce --out results/   # GPU: remat+compile@ plans, fused-loss anchors
+  remat bench --json > records.jsonl                         # records on stdout, nothing else
 
 Writes bench.jsonl (one JSON record per strategy), bench.md (a table) and bench.png (peak GiB
 on x, tokens/s on y) into --out. An out-of-memory is recorded as 'oom', not a crash.
+--compile adds torch.compile at activation_memory_budget 1.0/0.5/0.2 and, at every budget, a
+remat+compile@<budget> row: remat.plan(model, batch, budget, compile=True), applied, then
+model.compile(). benchmarks/frontier.py runs the whole bench N times in fresh processes.
 """
 
 GPU_DEFAULTS = dict(model="llama-1b", batch=4, seq=4096, budgets="10,16,25,32,45GiB")
@@ -42,7 +49,15 @@ def add_arguments(parser) -> None:
                         help="remat specs measured on every block (default: full,selective)")
     parser.add_argument("--only", help="comma-separated strategy names to run (e.g. eager,remat:full)")
     parser.add_argument("--compile", action="store_true",
-                        help="add torch.compile with activation_memory_budget 1.0/0.5/0.2 (minutes)")
+                        help="add torch.compile with activation_memory_budget 1.0/0.5/0.2 and a "
+                             "remat+compile@<budget> plan per budget (minutes)")
+    parser.add_argument("--compile-backend", help="torch.compile backend of the compiled rows (default "
+                                                  "inductor; aot_eager for a quick check of the wiring)")
+    parser.add_argument("--anchors", default="",
+                        help="comma-separated fused-loss anchors on a keep model: liger (liger-kernel), "
+                             "cce (cut-cross-entropy); refused if they do not import")
+    parser.add_argument("--json", action="store_true",
+                        help="print the records as JSON lines on stdout (and nothing else)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
@@ -76,12 +91,18 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     plan_rates = None if device == "cuda" else "cpu"  # on a GPU the planner measures it
 
+    fused = [a.strip() for a in args.anchors.split(",") if a.strip()]
+    unknown = [a for a in fused if a not in bench.FUSED_LOSSES]
+    if unknown:
+        raise ValueError(f"--anchors names unknown anchors {unknown}; known: {', '.join(bench.FUSED_LOSSES)}")
+    options = dict(compile_plans=args.compile, compile_backend=args.compile_backend, gpu=plan_rates)
     chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
-                                               gpu=plan_rates)
+                                           fused_anchors=fused, **options)
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in strategies if s.name in wanted]
-        unknown = wanted - {s.name for s in chosen} - ({"remat@auto"} if budgets_arg == "auto" else set())
+        auto_names = {"remat@auto", "remat+compile@auto"} if budgets_arg == "auto" else set()
+        unknown = wanted - {s.name for s in chosen} - auto_names
         if unknown:
             raise ValueError(f"--only names unknown strategies {sorted(unknown)}; known: "
                              f"{', '.join(s.name for s in strategies)}")
@@ -93,14 +114,17 @@ def run(args) -> int:
           f"{gpu or device}; {len(chosen)} strategies", file=sys.stderr)
     records = bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype, strategy_list=chosen,
                         warmup=args.warmup, steps=args.steps, out_jsonl=jsonl, progress=sys.stderr)
-    if budgets_arg == "auto" and (not args.only or "remat@auto" in args.only):
+    auto_wanted = {"remat@auto", "remat+compile@auto"} & set((args.only or "").split(","))
+    if budgets_arg == "auto" and (not args.only or auto_wanted):
         eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
         if eager is None:
             print("remat bench: eager did not run, so 'auto' budgets cannot be set", file=sys.stderr)
         else:
             floor = 2 * eager["static_bytes"]  # weights, and their gradients at the end of backward
             auto = [int(floor + (eager["peak_bytes"] - floor) * f) for f in AUTO_FRACTIONS]
-            more = bench.strategies(auto, uniform=(), anchors=False, gpu=plan_rates)
+            more = bench.strategies(auto, uniform=(), anchors=False, **options)
+            if args.only:
+                more = [s for s in more if s.name.split("@")[0] + "@auto" in auto_wanted]
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
                                  strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl,
                                  progress=sys.stderr)
@@ -112,6 +136,10 @@ def run(args) -> int:
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(table)
     why_not = report.plot(records, os.path.join(args.out, "bench.png"))
+    if args.json:
+        for record in records:
+            print(json.dumps(record))
+        return 0
     print(table)
     print(f"records: {jsonl}\ntable:   {os.path.join(args.out, 'bench.md')}")
     print(f"plot:    {os.path.join(args.out, 'bench.png')}" if why_not is None else f"no plot: {why_not}")

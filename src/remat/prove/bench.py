@@ -15,19 +15,33 @@ is a result (``oom``), not a crash; the next strategy starts from freed memory.
 Anchors: ``eager`` (no checkpointing), ``hf_full`` (HF gradient checkpointing,
 non-reentrant), ``every2`` (``checkpoint_wrapper`` on every second layer), ``sac`` (HF
 checkpointing with an op-level policy saving matmul and attention outputs),
-``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``) and, optionally,
-``compile_<b>`` (``torch.compile`` with ``activation_memory_budget=b``). remat rows:
-``remat:<spec>`` (a uniform spec) and ``remat@<budget>`` (the planner's plan for it).
+``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``hf_every2`` and
+``hf_offload`` (transformers' own ``activation_checkpointing_enable(every_n_layers=2)`` /
+``(offload=True)``; transformers 5.17 has the same arguments on ``gradient_checkpointing_enable``;
+where neither is there the rows are skipped, saying so) and, optionally, ``compile_<b>``
+(``torch.compile`` with ``activation_memory_budget=b``) and the field's fused losses on a
+``keep`` model (``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's
+``cut_cross_entropy.linear_cross_entropy``), when they import. remat rows: ``remat:<spec>``
+(a uniform spec), ``remat@<budget>`` (the planner's plan for it) and ``remat+compile@<budget>``
+(``remat.plan(model, batch, budget, compile=True)``, applied, then ``model.compile()``; the
+compile happens in the warm-up steps, whose time is recorded as ``warmup_s``).
+
+Compiled rows run last (a compile takes most of a minute); each starts from
+``torch._dynamo.reset()`` and the default ``activation_memory_budget``, and leaves both as
+it found them, so no row inherits another's compiler state.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import gc
+import importlib
+import inspect
 import json
 import statistics
 import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -38,25 +52,66 @@ GiB = 2 ** 30
 
 @dataclass(frozen=True)
 class Strategy:
+    """One row of the bench."""
     name: str
-    kind: str  # "anchor" or "remat"
-    prepare: Callable  # (model, batch) -> (forward callable, context manager factory, plan or None)
+    kind: str  # "anchor" (a stock strategy) or "remat"
+    prepare: Callable  # (model, batch) -> (forward, context manager factory, plan or None[, notes dict])
     budget_bytes: Optional[int] = None
+    compiled: bool = False  # runs under torch.compile: the compiler state is reset around it
 
 
 def _plain(model, batch):
     return model, contextlib.nullcontext, None
 
 
+def _enable_hf(model, checkpoint_kwargs: dict) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:  # newer transformers: gradient_checkpointing_enable is a deprecated alias
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
 def _hf_full(model, batch):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _enable_hf(model, {"use_reentrant": False})
     return model, contextlib.nullcontext, None
+
+
+def hf_checkpointing(model):
+    """transformers' own every-N / offload checkpointing on ``model``: ``(method, name of its
+    kwargs argument)``, or raises :class:`_Skip` saying why the installed transformers has none.
+
+    ``activation_checkpointing_enable(every_n_layers=, offload=)`` where it exists; transformers
+    5.17 has the same two arguments on ``gradient_checkpointing_enable`` (read from its source),
+    older versions on neither."""
+    method = getattr(model, "activation_checkpointing_enable", None)
+    if callable(method):
+        return method, "activation_checkpointing_kwargs"
+    method = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(method) and {"every_n_layers", "offload"} <= set(inspect.signature(method).parameters):
+        return method, "gradient_checkpointing_kwargs"
+    try:
+        import transformers
+        version = f"transformers {transformers.__version__}"
+    except ImportError:
+        version = "this model"
+    raise _Skip(f"{version} has no activation_checkpointing_enable(every_n_layers=, offload=) "
+                "(nor those arguments on gradient_checkpointing_enable)")
+
+
+def _hf_native(every_n_layers: int = 1, offload: bool = False):
+    def prepare(model, batch):
+        method, kwargs_name = hf_checkpointing(model)
+        if offload and next(model.parameters()).device.type != "cuda":
+            raise _Skip("offload moves activations to host memory: it only applies on a GPU")
+        method(**{kwargs_name: {"use_reentrant": False}}, every_n_layers=every_n_layers, offload=offload)
+        return model, contextlib.nullcontext, None, {"method": method.__name__}
+    return prepare
 
 
 def _hf_sac(model, batch):
     from remat.treat.treatments import selective_context
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "use_reentrant": False, "context_fn": selective_context})
+    _enable_hf(model, {"use_reentrant": False, "context_fn": selective_context})
     return model, contextlib.nullcontext, None
 
 
@@ -79,13 +134,16 @@ def _save_on_cpu(model, batch):
     return model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), None
 
 
-def _compiled(budget: float):
+def _compiled(budget: float, backend: Optional[str] = None):
     def prepare(model, batch):
         import torch._functorch.config as functorch_config
-        torch._dynamo.reset()
-        functorch_config.activation_memory_budget = budget
-        return torch.compile(model), contextlib.nullcontext, None
+        functorch_config.activation_memory_budget = budget  # measure() restores it afterwards
+        return torch.compile(model, **_backend(backend)), contextlib.nullcontext, None
     return prepare
+
+
+def _backend(backend: Optional[str]) -> dict:
+    return {"backend": backend} if backend else {}
 
 
 def _remat_spec(spec: str):
@@ -115,24 +173,129 @@ def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict):
     return prepare
 
 
+def _remat_compiled_budget(budget_bytes: int, gpu: Optional[str], backend: Optional[str]):
+    def prepare(model, batch):
+        import remat
+        kwargs = {"gpu": gpu} if gpu else {}
+        try:
+            plan = remat.plan(model, batch, budget_bytes, compile=True, **kwargs)
+        except TypeError as e:
+            if "compile" not in str(e):
+                raise
+            raise _Skip(f"this remat.plan does not plan for compiled models yet ({e})") from None
+        remat.apply(model, plan)
+        model.compile(**_backend(backend))  # in place: remat's wrappers stay visible to remat.remove
+        return model, contextlib.nullcontext, plan
+    return prepare
+
+
 class _Skip(Exception):
     """A strategy that does not apply here; the message says why."""
 
 
+# --- the field's fused linear cross-entropy losses, on a keep model -------------------------
+
+# name -> (module to import, distribution to install, what the row measures)
+FUSED_LOSSES = {
+    "liger": ("liger_kernel", "liger-kernel", "Liger LigerFusedLinearCrossEntropyLoss"),
+    "cce": ("cut_cross_entropy", "cut-cross-entropy", "Apple cut_cross_entropy.linear_cross_entropy"),
+}
+
+
+def fused_loss_unavailable(name: str) -> Optional[str]:
+    """None if the anchor ``name`` can run here, else a message that says what to install."""
+    if name not in FUSED_LOSSES:
+        return f"unknown anchor {name!r}; known: {', '.join(FUSED_LOSSES)}"
+    module, dist, _ = FUSED_LOSSES[name]
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a kernel package failing at import (no Triton, no GPU)
+        return (f"the {name} anchor needs the {module} module, which does not import here "
+                f"({type(e).__name__}: {str(e)[:120]}); install it with `pip install {dist}` or, on a "
+                f"machine without a package registry, `pip install --no-deps .whl/{module}-*.whl`")
+    return None
+
+
+def fused_loss(name: str) -> Callable:
+    """``loss(hidden [N, H], weight [V, H], targets [N]) -> mean CE`` of the anchor ``name``
+    (targets equal to -100 are ignored, as in Hugging Face's loss)."""
+    if name == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        module = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        return lambda hidden, weight, targets: module(weight, hidden, targets)
+    if name == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+        return lambda hidden, weight, targets: linear_cross_entropy(hidden, weight, targets, ignore_index=-100)
+    raise ValueError(f"unknown fused loss {name!r}; known: {', '.join(FUSED_LOSSES)}")
+
+
+def fused_loss_forward(model, loss: Callable) -> Callable:
+    """``forward(input_ids=, labels=, ...)`` for a causal LM whose head and loss are ``loss`` on
+    the final hidden states and the output embedding's weight; returns an object with
+    ``.loss``, as a Hugging Face model does. Targets are shifted as Hugging Face shifts them
+    (``labels[:, 1:]``, then one ignored position per row), so the loss is the model's own."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise _Skip("the fused-loss anchors take an LM head without bias")
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise _Skip("the model transforms its logits (soft-capping or scaling); the anchor would not "
+                    "compute the model's loss")
+    body = model.base_model
+
+    def forward(input_ids, labels=None, **kwargs):
+        hidden = body(input_ids=input_ids, **kwargs).last_hidden_state
+        labels = input_ids if labels is None else labels
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        return types.SimpleNamespace(loss=loss(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                               targets.reshape(-1)))
+    return forward
+
+
+def _fused_anchor(name: str):
+    def prepare(model, batch):
+        if next(model.parameters()).device.type != "cuda":
+            raise _Skip(f"{name} runs Triton kernels: it only applies on a GPU")
+        why = fused_loss_unavailable(name)
+        if why:
+            raise _Skip(why)
+        return fused_loss_forward(model, fused_loss(name)), contextlib.nullcontext, None, {
+            "method": FUSED_LOSSES[name][2]}
+    return prepare
+
+
 def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(), anchors=True,
-               gpu: Optional[str] = None) -> list:
-    """The strategies to measure; ``gpu`` names the rates the planner uses off-GPU."""
+               gpu: Optional[str] = None, compile_plans: bool = False, fused_anchors=(),
+               compile_backend: Optional[str] = None) -> list:
+    """The strategies to measure, in order. ``gpu`` names the rates the planner uses off-GPU.
+
+    ``compile_plans``: a ``remat+compile@<budget>`` row per budget. ``fused_anchors``: names in
+    :data:`FUSED_LOSSES`; one that does not import is refused here (ValueError saying what to
+    install), before anything is measured. ``compile_backend``: ``torch.compile``'s backend
+    for every compiled row (default inductor; ``aot_eager`` keeps CPU tests fast)."""
+    for name in fused_anchors:
+        why = fused_loss_unavailable(name)
+        if why:
+            raise ValueError(why)
     out = []
     if anchors:
         out += [Strategy("eager", "anchor", _plain), Strategy("hf_full", "anchor", _hf_full),
                 Strategy("every2", "anchor", _every2), Strategy("sac", "anchor", _hf_sac),
-                Strategy("save_on_cpu", "anchor", _save_on_cpu)]
+                Strategy("save_on_cpu", "anchor", _save_on_cpu),
+                Strategy("hf_every2", "anchor", _hf_native(every_n_layers=2)),
+                Strategy("hf_offload", "anchor", _hf_native(offload=True))]
     out += [Strategy(f"remat:{spec}", "remat", _remat_spec(spec)) for spec in uniform]
     profiles = {}
     out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles), budget_bytes=b)
             for b in budgets]
-    if anchors:  # last: a compile takes most of a minute, and the rest should not wait on it
-        out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b)) for b in compile_budgets]
+    out += [Strategy(name, "anchor", _fused_anchor(name)) for name in fused_anchors]
+    # last: a compile takes most of a minute, and the rest should not wait on it
+    if anchors:
+        out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
+                for b in compile_budgets]
+    if compile_plans:
+        out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_compiled_budget(b, gpu, compile_backend),
+                         budget_bytes=b, compiled=True) for b in budgets]
     return out
 
 
@@ -170,7 +333,10 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
     record = {"strategy": strategy.name, "kind": strategy.kind}
     if strategy.budget_bytes is not None:
         record["budget_bytes"] = strategy.budget_bytes
+    if strategy.compiled:
+        record["compiled"] = True
     model = forward = None
+    compiler_state = _compiler_state() if strategy.compiled else None
     try:
         model = build()
         if cuda:
@@ -178,19 +344,24 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
             torch.cuda.reset_peak_memory_stats()
         record["static_bytes"] = sum(t.numel() * t.element_size()
                                      for t in list(model.parameters()) + list(model.buffers()))
-        forward, context, plan = strategy.prepare(model, batch)
+        forward, context, plan, *notes = strategy.prepare(model, batch)
+        for extra in notes:
+            record.update(extra)
         if plan is not None:
             record.update(plan=plan.summary(), **{k: plan.notes[k] for k in
                                                  ("predicted_peak_bytes", "predicted_step_s", "peak_at")
                                                  if k in plan.notes})
         first_loss = None
-        for _ in range(warmup):
+        start = time.perf_counter()
+        for _ in range(warmup):  # a compiled row compiles here
             model.zero_grad(set_to_none=True)
             loss = _step(forward, context, batch)
             first_loss = loss if first_loss is None else first_loss
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+        record["warmup_s"] = time.perf_counter() - start
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
 
         def one_step():
@@ -220,10 +391,26 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
         record.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
     finally:
         del model, forward
+        if compiler_state is not None:
+            _restore_compiler(compiler_state)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     return record
+
+
+def _compiler_state() -> dict:
+    """Reset dynamo (a compiled row must not reuse another's graphs) and save the knob rows set."""
+    import torch._functorch.config as functorch_config
+    torch._dynamo.reset()
+    return {"activation_memory_budget": functorch_config.activation_memory_budget}
+
+
+def _restore_compiler(state: dict) -> None:
+    import torch._functorch.config as functorch_config
+    torch._dynamo.reset()
+    for key, value in state.items():
+        setattr(functorch_config, key, value)
 
 
 def environment(device: torch.device) -> dict:

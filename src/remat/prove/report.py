@@ -1,8 +1,8 @@
 """Bench records -> a markdown table and a memory/throughput frontier plot.
 
 The plot puts peak GiB on x and tokens/s on y, so "up and to the left" is better:
-anchors are grey circles, remat's rows are blue squares, budgets are dashed vertical
-lines, and eager's throughput is a dotted horizontal line. Everything is labelled, so the
+anchors are grey circles, remat's eager rows blue squares, remat+compile rows orange
+diamonds, budgets are dashed vertical lines, and eager's throughput is a dotted horizontal line. Everything is labelled, so the
 picture reads without the table. matplotlib is optional: without it only the table is
 written, and the command says so.
 """
@@ -45,34 +45,206 @@ def markdown(records: list, title: str = "") -> str:
             notes.append("under budget" if r["peak_bytes"] <= r["budget_bytes"] else "OVER BUDGET")
         if r.get("plan"):
             notes.append(r["plan"])
+        if r.get("plans_differ"):
+            notes.append("plans differ across runs")
+        if r.get("method"):
+            notes.append(r["method"])
+        if r.get("compiled") and r.get("warmup_s") is not None:
+            notes.append(f"compile + warm-up {r['warmup_s']:.0f} s")
         lines.append(f"| {r['strategy']} | {budget} | {format_size(r['peak_bytes'])} | {predicted} | {spread} | {vs} | "
                      f"{pred_time} | {equal} | {_cell('; '.join(notes))} |")
     return "\n".join(lines) + "\n"
 
 
 def budget_table(records: list) -> str:
-    """At each budget: the fastest stock strategy that fits beside remat's plan for it."""
+    """At each budget: the fastest stock strategy that fits beside remat's best row for it.
+
+    remat's row is the faster of ``remat@<budget>`` (eager) and ``remat+compile@<budget>`` among
+    those whose measured peak is within the budget (the faster of all, marked OVER BUDGET, if
+    none is); the stock strategies are every ``anchor`` row, compiled ones included."""
     budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
     eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
     if not budgets or eager is None:
         return ""
     anchors = [r for r in records if r["kind"] == "anchor" and r.get("status") == "ok"]
-    lines = ["| budget | best stock strategy that fits | remat | remat peak | remat vs best stock |",
-             "|---|---|---|---|---|"]
+    lines = ["| budget | best stock strategy that fits | remat (eager) | remat+compile | remat | remat peak | "
+             "remat vs best stock |", "|---|---|---|---|---|---|---|"]
     for budget in budgets:
         fits = [r for r in anchors if r["peak_bytes"] <= budget]
         best = max(fits, key=lambda r: r["tokens_per_s"], default=None)
-        mine = next((r for r in records if r.get("budget_bytes") == budget and r["kind"] == "remat"), None)
-        best_text = f"{best['strategy']} {best['vs_eager'] if 'vs_eager' in best else 1.0:.3f}x" if best else "none fits"
-        if mine is None or mine.get("status") != "ok":
-            mine_text, peak, versus = (mine or {}).get("status", "not run"), "", ""
+        mine = [r for r in records if r.get("budget_bytes") == budget and r["kind"] == "remat"]
+        eager_plan = next((r for r in mine if not r.get("compiled")), None)
+        compiled_plan = next((r for r in mine if r.get("compiled")), None)
+        chosen = best_within(mine, budget)
+        best_text = f"{best['strategy']} {_ratio(best):.3f}x" if best else "none fits"
+        if chosen is None:
+            mine_text, peak, versus = "not run" if not mine else "/".join(r.get("status", "?") for r in mine), "", ""
         else:
-            mine_text = f"{mine['vs_eager']:.3f}x eager"
-            over = mine["peak_bytes"] > budget
-            peak = format_size(mine["peak_bytes"]) + (" OVER BUDGET" if over else "")
-            versus = f"{mine['tokens_per_s'] / best['tokens_per_s']:.3f}x" if best else "only remat fits"
-        lines.append(f"| {format_size(budget)} | {best_text} | {mine_text} | {peak} | {versus} |")
+            mine_text = f"{chosen['strategy']} {_ratio(chosen):.3f}x"
+            peak = format_size(chosen["peak_bytes"]) + (" OVER BUDGET" if chosen["peak_bytes"] > budget else "")
+            versus = f"{chosen['tokens_per_s'] / best['tokens_per_s']:.3f}x" if best else "only remat fits"
+        lines.append(f"| {format_size(budget)} | {best_text} | {_row_text(eager_plan, budget)} | "
+                     f"{_row_text(compiled_plan, budget)} | {mine_text} | {peak} | {versus} |")
     return "\n".join(lines) + "\n"
+
+
+def best_within(rows: list, budget: int) -> Optional[dict]:
+    """The fastest ``ok`` row whose peak is within ``budget``; else the fastest ``ok`` row; else None."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    fits = [r for r in ok if r["peak_bytes"] <= budget]
+    return max(fits or ok, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def _ratio(record: dict) -> float:
+    return record.get("vs_eager", 1.0 if record.get("strategy") == "eager" else float("nan"))
+
+
+def _row_text(record: Optional[dict], budget: int) -> str:
+    if record is None:
+        return ""
+    if record.get("status") != "ok":
+        return str(record.get("status"))
+    over = " OVER" if record["peak_bytes"] > budget else ""
+    return f"{_ratio(record):.3f}x, {format_size(record['peak_bytes'])}{over}"
+
+
+def group(record: dict) -> str:
+    """Which series a row is drawn in: ``stock``, ``remat`` (eager) or ``remat+compile``."""
+    if record.get("kind") != "remat":
+        return "stock"
+    return "remat+compile" if record.get("compiled") else "remat"
+
+
+# --- repeated runs: worst of N, and whether the measured frontier is monotone --------------
+
+def combine_runs(runs: list) -> list:
+    """One record per strategy from N runs' records (lists of dicts, as in bench.jsonl): the worst.
+
+    A strategy that failed in any run (oom, error, skipped, or missing) is that failure in the
+    combined record (``reason`` names the run); otherwise the record of its slowest run (by the
+    same-process ratio to eager, else tokens/s), with the largest peak of all runs, the spread
+    over all runs and per-run lists (``vs_eager_runs``, ``peak_bytes_runs``, ``plans``) beside
+    it. ``plans_differ`` says whether the planner chose different plans across runs."""
+    order, by = [], {}
+    for records in runs:
+        for r in records:
+            if r["strategy"] not in by:
+                order.append(r["strategy"])
+                by[r["strategy"]] = [None] * len(runs)
+    for index, records in enumerate(runs):
+        for r in records:
+            by[r["strategy"]][index] = r
+    out = []
+    for name in order:
+        rows = by[name]
+        present = [r for r in rows if r is not None]
+        ok = [r for r in present if r.get("status") == "ok"]
+        base = dict(present[0], n_runs=len(runs), runs_ok=len(ok))
+        failed = [(i, r) for i, r in enumerate(rows) if r is None or r.get("status") != "ok"]
+        if failed:
+            index, bad = failed[0]
+            base.update(status=bad.get("status") if bad else "missing",
+                        reason=f"run {index + 1} of {len(runs)}: " + (bad.get("reason", "") if bad else "not run"))
+            out.append(base)
+            continue
+        key = (lambda r: r["vs_eager"]) if all("vs_eager" in r for r in ok) else (lambda r: r["tokens_per_s"])
+        worst = min(ok, key=key)
+        combined = dict(worst, n_runs=len(runs), runs_ok=len(ok))
+        peak = max(r["peak_bytes"] for r in ok)
+        combined.update(peak_bytes=peak, peak_GiB=peak / GiB, step_s_min=min(r["step_s_min"] for r in ok),
+                        step_s_max=max(r["step_s_max"] for r in ok),
+                        tokens_per_s_runs=[r["tokens_per_s"] for r in ok],
+                        peak_bytes_runs=[r["peak_bytes"] for r in ok])
+        if "vs_eager" in worst:
+            combined["vs_eager_runs"] = [r["vs_eager"] for r in ok]
+        if any(r.get("plan") for r in ok):
+            combined["plans"] = [r.get("plan") for r in ok]
+            combined["plans_differ"] = len(set(combined["plans"])) > 1
+        for k in ("predicted_peak_bytes", "predicted_step_s"):
+            if any(k in r for r in ok):
+                combined[f"{k}_runs"] = [r.get(k) for r in ok]
+        out.append(combined)
+    return out
+
+
+def monotone_violations(records: list, tolerance: float = 0.01) -> list:
+    """Where the measured frontier goes down as the budget goes up (beyond ``tolerance``).
+
+    Checked per series: remat's eager plans, remat+compile plans, and remat's best row per
+    budget (:func:`best_within`); a point is a violation when its ratio to eager is below
+    ``(1 - tolerance)`` times the best ratio at any smaller budget. Rows that did not run
+    are left out here (the table shows them)."""
+    budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
+    series = {"remat": {}, "remat+compile": {}, "best": {}}
+    for budget in budgets:
+        mine = [r for r in records if r.get("budget_bytes") == budget and r.get("kind") == "remat"]
+        for r in mine:
+            if r.get("status") == "ok":
+                series[group(r)][budget] = r
+        chosen = best_within(mine, budget)
+        if chosen is not None:
+            series["best"][budget] = chosen
+    out = []
+    for name, points in series.items():
+        best_budget, best_ratio = None, float("-inf")
+        for budget in sorted(points):
+            ratio = points[budget].get("vs_eager", float("nan"))
+            if best_budget is not None and ratio < (1 - tolerance) * best_ratio:
+                out.append(dict(series=name, budget_bytes=budget, vs_eager=ratio, strategy=points[budget]["strategy"],
+                                smaller_budget_bytes=best_budget, smaller_vs_eager=best_ratio))
+            if ratio > best_ratio:
+                best_budget, best_ratio = budget, ratio
+    return out
+
+
+def frontier_table(records: list, targets: Optional[dict] = None, stock_margin: float = 1.03) -> str:
+    """Per budget, from worst-of-N records: remat's eager and compiled plans (the worst ratio and
+    every run's), the best stock strategy that fits, and the targets where ``targets`` gives them
+    (``{budget_bytes: {"remat": ratio, "remat+compile": ratio}}``; remat's best must also be
+    ``stock_margin`` times the best stock strategy that fits)."""
+    budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
+    if not budgets:
+        return ""
+    anchors = [r for r in records if r.get("kind") == "anchor" and r.get("status") == "ok"]
+    lines = ["| budget | remat (eager): worst, runs | remat+compile: worst, runs | best stock that fits | "
+             "remat best vs stock | plans stable | targets |", "|---|---|---|---|---|---|---|"]
+    for budget in budgets:
+        mine = [r for r in records if r.get("budget_bytes") == budget and r.get("kind") == "remat"]
+        cells, verdicts = [], []
+        for name in ("remat", "remat+compile"):
+            row = next((r for r in mine if group(r) == name), None)
+            cells.append(_runs_text(row, budget))
+            target = (targets or {}).get(budget, {}).get(name)
+            if target is not None:
+                ok = (row is not None and row.get("status") == "ok" and row["peak_bytes"] <= budget
+                      and row.get("vs_eager", 0) >= target)
+                verdicts.append(f"{name} >= {target:g}: {'PASS' if ok else 'FAIL'}")
+        best = max((r for r in anchors if r["peak_bytes"] <= budget), key=lambda r: r["tokens_per_s"], default=None)
+        chosen = best_within(mine, budget)
+        if chosen is not None and chosen["peak_bytes"] <= budget:
+            versus = chosen.get("vs_eager", 0) / best.get("vs_eager", 1.0) if best else None
+            versus_text = f"{versus:.3f}x" if versus is not None else "only remat fits"
+            if targets and budget in targets:
+                verdicts.append(f"vs stock >= {stock_margin:g}: "
+                                f"{'PASS' if versus is None or versus >= stock_margin else 'FAIL'}")
+        else:
+            versus_text = "no remat row within budget"
+        stable = {r.get("plans_differ") for r in mine if "plans_differ" in r}
+        stable_text = "no (plans differ)" if True in stable else ("yes" if stable else "")
+        best_text = f"{best['strategy']} {_ratio(best):.3f}x" if best else "none fits"
+        lines.append(f"| {format_size(budget)} | {cells[0]} | {cells[1]} | {best_text} | {versus_text} | "
+                     f"{stable_text} | {'; '.join(verdicts)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _runs_text(row: Optional[dict], budget: int) -> str:
+    if row is None:
+        return ""
+    if row.get("status") != "ok":
+        return f"{row.get('status')} ({_cell(row.get('reason', ''))[:60]})"
+    runs = ", ".join(f"{v:.3f}" for v in row.get("vs_eager_runs", []))
+    over = " OVER BUDGET" if row["peak_bytes"] > budget else ""
+    return f"{_ratio(row):.3f}x ({runs}), {format_size(row['peak_bytes'])}{over}"
 
 
 def _cell(text: str) -> str:
@@ -93,15 +265,17 @@ def plot(records: list, path: str, title: str = "") -> Optional[str]:
     scale, unit = (GiB, "GiB") if max(r["peak_bytes"] for r in ok) >= GiB else (2 ** 20, "MiB")
     eager = next((r for r in ok if r["strategy"] == "eager"), None)
     norm = eager["tokens_per_s"] if eager else 1.0
-    ys = {id(r): r["tokens_per_s"] / norm for r in ok}
+    # a row's own same-process ratio where it has one (worst-of-N records carry the worst ratio)
+    ys = {id(r): r.get("vs_eager", r["tokens_per_s"] / norm) for r in ok}
     # a far-off point (save_on_cpu at 0.14x) would squash the rest: clip the axis, mark it below
     floor = _axis_floor(sorted(ys.values()))
     fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
-    styles = {"anchor": dict(marker="o", color="0.45", label="stock strategies"),
-              "remat": dict(marker="s", color="tab:blue", label="remat")}
+    styles = {"stock": dict(marker="o", color="0.45", label="stock strategies"),
+              "remat": dict(marker="s", color="tab:blue", label="remat (eager)"),
+              "remat+compile": dict(marker="D", color="tab:orange", label="remat + torch.compile")}
     placed = []
     for kind, style in styles.items():
-        rows = sorted((r for r in ok if r["kind"] == kind), key=lambda r: r["peak_bytes"])
+        rows = sorted((r for r in ok if group(r) == kind), key=lambda r: r["peak_bytes"])
         if not rows:
             continue
         xs = [r["peak_bytes"] / scale for r in rows]
@@ -122,7 +296,7 @@ def plot(records: list, path: str, title: str = "") -> Optional[str]:
                     xycoords=("data", "axes fraction"), va="top", fontsize=7, color="tab:blue", alpha=0.7)
     ax.set_xlabel(f"peak memory ({unit})  — lower is better")
     ax.set_ylabel(f"throughput vs eager (eager = {norm:,.0f} tokens/s)" if eager else "tokens / s")
-    ax.set_ylim(bottom=floor - 0.02 if floor > 0 else 0)
+    ax.set_ylim(bottom=floor - 0.02 if floor > 0 else 0, top=max(ys.values()) * 1.04 + 0.02)  # room for labels
     first = ok[0]
     ax.set_title(title or f"{first.get('model')}, batch {first.get('batch')} x {first.get('seq')}, "
                           f"on {first.get('gpu') or first.get('device')}: up and to the left is better")

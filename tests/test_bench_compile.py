@@ -1,0 +1,296 @@
+"""The bench side of compile planning, on the CPU: the strategy list with compile and anchors,
+remat+compile@ rows (against a stand-in ``remat.plan(..., compile=True)``), transformers' own
+every-N / offload rows, the fused-loss anchors' wiring and refusal, the "At each budget" table,
+and the repeated-runs combiner (worst of N, monotone frontier) on synthetic records."""
+import importlib.util
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import remat
+from remat.cli import main
+from remat.prove import bench, report
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _names(strategy_list):
+    return [s.name for s in strategy_list]
+
+
+def _no_module(monkeypatch, missing):
+    real = bench.importlib.import_module
+
+    def fake(name, *args, **kwargs):
+        if name in missing:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *args, **kwargs) if name not in ("liger_kernel", "cut_cross_entropy") else types.ModuleType(name)
+    monkeypatch.setattr(bench.importlib, "import_module", fake)
+
+
+# --- the strategy list ----------------------------------------------------------------------
+
+def test_strategy_list_with_compile_plans_and_anchors(monkeypatch):
+    _no_module(monkeypatch, missing=())  # both anchors "import"
+    listed = bench.strategies([10 * GiB, 16 * GiB], uniform=("full",), compile_budgets=(1.0, 0.5),
+                              compile_plans=True, fused_anchors=("liger", "cce"))
+    names = _names(listed)
+    assert names == ["eager", "hf_full", "every2", "sac", "save_on_cpu", "hf_every2", "hf_offload", "remat:full",
+                     "remat@10GiB", "remat@16GiB", "liger", "cce", "compile_1", "compile_0.5",
+                     "remat+compile@10GiB", "remat+compile@16GiB"]
+    by = {s.name: s for s in listed}
+    assert by["remat+compile@16GiB"].budget_bytes == 16 * GiB and by["remat+compile@16GiB"].kind == "remat"
+    assert {s.name for s in listed if s.compiled} == {"compile_1", "compile_0.5", "remat+compile@10GiB",
+                                                      "remat+compile@16GiB"}
+    assert by["liger"].kind == by["compile_1"].kind == by["hf_every2"].kind == "anchor"
+    # without the flags: no compiled rows, no fused anchors
+    plain = _names(bench.strategies([10 * GiB]))
+    assert not any(n.startswith(("compile_", "remat+compile", "liger", "cce")) for n in plain)
+
+
+def test_anchors_refused_with_a_clear_message_when_not_importable(monkeypatch):
+    _no_module(monkeypatch, missing=("liger_kernel",))
+    with pytest.raises(ValueError, match=r"liger anchor needs the liger_kernel module.*pip install"):
+        bench.strategies([], fused_anchors=("cce", "liger"))
+    assert bench.fused_loss_unavailable("cce") is None
+    assert "unknown anchor" in bench.fused_loss_unavailable("apex")
+
+
+def test_cli_refuses_anchors_before_building_anything(monkeypatch, tmp_path, capsys):
+    _no_module(monkeypatch, missing=("liger_kernel", "cut_cross_entropy"))
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("nothing may be measured"))
+    assert main(["bench", "--anchors", "cce", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cce anchor needs the cut_cross_entropy module" in err and "--no-deps .whl/" in err
+    assert main(["bench", "--anchors", "liger,fast", "--out", str(tmp_path)]) == 2
+    assert "unknown anchors ['fast']" in capsys.readouterr().err
+
+
+# --- rows ------------------------------------------------------------------------------------
+
+def _tiny_batch(seq=16):
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _tiny_build():
+    from remat.integrations.presets import build_model, load_config
+    return build_model(load_config("llama-tiny"), dtype=torch.float32)
+
+
+def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
+    seen = {}
+
+    def plan(model, batch, budget, *, compile=False, **kwargs):  # the call the planner is getting
+        seen.update(compile=compile, budget=budget, kwargs=kwargs)
+        return remat.Plan(blocks={"model.layers.0": "full"}, head="plain",
+                          notes={"predicted_peak_bytes": 3 * MiB, "predicted_step_s": 0.01, "peak_at": "test"})
+    monkeypatch.setattr(remat, "plan", plan)
+    compiled = []
+    real_compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: (compiled.append(kw), real_compile(self, **kw))[1])
+    (row,) = [s for s in bench.strategies([64 * MiB], compile_plans=True, compile_backend="eager", gpu="cpu",
+                                          anchors=False, uniform=()) if s.compiled]
+    record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
+    assert record["status"] == "ok", record
+    assert seen == {"compile": True, "budget": 64 * MiB, "kwargs": {"gpu": "cpu"}}
+    assert compiled == [{"backend": "eager"}]
+    assert record["compiled"] and record["strategy"] == "remat+compile@64MiB"
+    assert record["predicted_peak_bytes"] == 3 * MiB and record["predicted_step_s"] == 0.01
+    assert record["plan"] == "1x full; head plain"
+    assert record["warmup_s"] > 0 and record["peak_bytes"] > 0
+
+
+def test_remat_compile_row_skipped_while_plan_lacks_compile(monkeypatch):
+    def plan(model, batch, budget, **kwargs):
+        raise TypeError("plan() got an unexpected keyword argument 'compile'")
+    monkeypatch.setattr(remat, "plan", plan)
+    row = bench.strategies([64 * MiB], compile_plans=True, anchors=False, uniform=())[-1]
+    record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
+    assert record["status"] == "skipped" and "does not plan for compiled models yet" in record["reason"]
+
+
+def test_compiled_rows_leave_the_compiler_as_they_found_it():
+    import torch._functorch.config as functorch_config
+    before = functorch_config.activation_memory_budget
+
+    def prepare(model, batch):
+        functorch_config.activation_memory_budget = 0.3
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    record = bench.measure(lambda: torch.nn.Linear(2, 2), bench.Strategy("c", "anchor", prepare, compiled=True),
+                           _tiny_batch(4))
+    assert record["status"] == "oom" and record["compiled"]
+    assert functorch_config.activation_memory_budget == before
+
+
+def test_hf_every2_runs_only_where_transformers_has_the_method():
+    hf = [s for s in bench.strategies() if s.name in ("hf_every2", "hf_offload")]
+    every2, offload = hf
+    record = bench.measure(_tiny_build, every2, _tiny_batch(), warmup=1, steps=1)
+    method = getattr(_tiny_build(), "activation_checkpointing_enable", None)
+    if method is None:
+        assert record["status"] == "skipped" and "transformers" in record["reason"]
+    else:
+        assert record["status"] == "ok" and record["method"] == "activation_checkpointing_enable"
+    # the mechanism: every second decoder layer checkpointed
+    model = _tiny_build()
+    every2.prepare(model, _tiny_batch())
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False]
+    # offload applies on a GPU only, and says so
+    assert "only applies on a GPU" in bench.measure(_tiny_build, offload, _tiny_batch())["reason"]
+
+    # a transformers without the method: the row is skipped, with the reason
+    class Old(torch.nn.Module):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            pass
+    record = bench.measure(Old, every2, _tiny_batch(4))
+    assert record["status"] == "skipped" and "has no activation_checkpointing_enable" in record["reason"]
+
+    # transformers 5.17: the same arguments on gradient_checkpointing_enable
+    class V517(Old):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+            self.called = (gradient_checkpointing_kwargs, every_n_layers, offload)
+    model = V517()
+    method, kwargs_name = bench.hf_checkpointing(model)
+    assert method.__name__ == "gradient_checkpointing_enable" and kwargs_name == "gradient_checkpointing_kwargs"
+
+
+def test_fused_loss_forward_computes_the_models_own_loss():
+    model = _tiny_build()
+    batch = _tiny_batch(24)
+    batch["labels"] = batch["labels"].clone()
+    batch["labels"][0, ::5] = -100
+
+    def reference_loss(hidden, weight, targets):  # stands in for Liger / CCE (Triton, GPU only)
+        return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=-100)
+    fused = bench.fused_loss_forward(model, reference_loss)(**batch).loss
+    expected = model(**batch).loss
+    torch.testing.assert_close(fused, expected)
+    # and the anchor row itself refuses the CPU, saying why
+    record = bench.measure(_tiny_build, bench.Strategy("liger", "anchor", bench._fused_anchor("liger")), batch)
+    assert record["status"] == "skipped" and "only applies on a GPU" in record["reason"]
+
+
+# --- the report ------------------------------------------------------------------------------
+
+def _rec(name, kind, peak_gib, ratio, budget_gib=None, compiled=False, plan=None, status="ok", **extra):
+    r = dict(strategy=name, kind=kind, status=status, model="m", batch=1, seq=8, dtype="bf16", gpu="H100")
+    if budget_gib:
+        r["budget_bytes"] = int(budget_gib * GiB)
+    if compiled:
+        r["compiled"] = True
+    if status == "ok":
+        tokens = 40000 * ratio
+        r.update(peak_bytes=int(peak_gib * GiB), peak_GiB=peak_gib, tokens_per_s=tokens, step_s=16384 / tokens,
+                 step_s_min=16384 / tokens * 0.99, step_s_max=16384 / tokens * 1.01, loss=1.0)
+        if name != "eager":
+            r["vs_eager"] = ratio
+    else:
+        r["reason"] = "CUDA out of memory"
+    if plan:
+        r["plan"] = plan
+    r.update(extra)
+    return r
+
+
+def _one_run(shift=0.0, plan16="16x mlp; head chunked", dip=False):
+    return [_rec("eager", "anchor", 53, 1.0), _rec("hf_full", "anchor", 27.6, 0.82),
+            _rec("compile_0.5", "anchor", 27.5, 0.97, compiled=True),
+            _rec("compile_0.2", "anchor", 20.9, 0.92, compiled=True),
+            _rec("remat@16GiB", "remat", 15.7, 0.95 + shift, 16, plan=plan16),
+            _rec("remat@25GiB", "remat", 24.5, (0.90 if dip else 1.00) + shift, 25, plan="8x mlp, 8x keep"),
+            _rec("remat+compile@16GiB", "remat", 15.9, 0.99 + shift, 16, compiled=True, plan="16x selective"),
+            _rec("remat+compile@25GiB", "remat", 26.0, 1.09 + shift, 25, compiled=True, plan="16x keep")]
+
+
+def test_budget_table_takes_the_best_remat_row_within_the_budget():
+    table = report.budget_table(_one_run())
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    # 16 GiB: the compiled plan is faster and within budget; nothing stock fits
+    assert "remat+compile@16GiB 0.990x" in rows["16.00 GiB"] and "none fits" in rows["16.00 GiB"]
+    # 25 GiB: the compiled plan went over its budget, so the eager plan is remat's row; the best
+    # stock strategy that fits is a compile budget
+    assert "remat@25GiB 1.000x" in rows["25.00 GiB"] and "26.00 GiB OVER" in rows["25.00 GiB"]
+    assert "compile_0.2 0.920x" in rows["25.00 GiB"] and f"{1.0 / 0.92:.3f}x" in rows["25.00 GiB"]
+    assert "best stock strategy that fits" in table and "remat+compile" in table
+
+
+def test_plot_draws_compiled_plans_as_their_own_series(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert report.plot(_one_run(), str(tmp_path / "f.png")) is None
+    assert (tmp_path / "f.png").stat().st_size > 10_000
+    assert [report.group(r) for r in _one_run()[3:6]] == ["stock", "remat", "remat"]
+    assert report.group(_one_run()[-1]) == "remat+compile"
+
+
+# --- repeated runs ---------------------------------------------------------------------------
+
+def test_combine_runs_keeps_the_worst_of_n():
+    runs = [_one_run(0.0), _one_run(-0.03, plan16="11x selective, 5x full; head chunked"), _one_run(0.01)]
+    runs[1][1] = _rec("hf_full", "anchor", 27.6, 0.82, status="oom")
+    runs[2][4]["peak_bytes"] = int(15.95 * GiB)  # the largest peak wins, even from a faster run
+    combined = {r["strategy"]: r for r in report.combine_runs(runs)}
+    plan16 = combined["remat@16GiB"]
+    assert plan16["vs_eager"] == pytest.approx(0.92) and plan16["vs_eager_runs"] == pytest.approx([0.95, 0.92, 0.96])
+    assert plan16["peak_bytes"] == int(15.95 * GiB) and plan16["n_runs"] == 3 and plan16["runs_ok"] == 3
+    assert plan16["plans_differ"] and not combined["remat@25GiB"]["plans_differ"]
+    assert plan16["tokens_per_s"] == min(plan16["tokens_per_s_runs"])
+    assert combined["hf_full"]["status"] == "oom" and combined["hf_full"]["reason"].startswith("run 2 of 3")
+    # a strategy missing from one run is a failure of that run
+    short = report.combine_runs([_one_run(), _one_run()[:-1]])
+    assert short[-1]["status"] == "missing" and "run 2 of 2" in short[-1]["reason"]
+
+
+def test_monotone_check_flags_a_frontier_that_goes_down():
+    assert report.monotone_violations(report.combine_runs([_one_run(), _one_run(0.01)])) == []
+    dipped = report.combine_runs([_one_run(), _one_run(dip=True)])
+    violations = report.monotone_violations(dipped)
+    # remat's eager series dips; so does its best row (the compiled 25 GiB plan is over budget)
+    assert [v["series"] for v in violations] == ["remat", "best"]
+    assert violations[0]["budget_bytes"] == 25 * GiB and violations[0]["smaller_budget_bytes"] == 16 * GiB
+    # within the 1% tolerance: not a violation
+    nearly = _one_run()
+    nearly[5] = _rec("remat@25GiB", "remat", 24.5, 0.945, 25)  # 0.95 at 16 GiB
+    assert [v for v in report.monotone_violations(nearly) if v["series"] == "remat"] == []
+
+
+def _frontier_module():
+    spec = importlib.util.spec_from_file_location("frontier", os.path.join(ROOT, "benchmarks", "frontier.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_frontier_combines_run_folders_into_a_report(tmp_path):
+    frontier = _frontier_module()
+    folders = []
+    for index, run in enumerate([_one_run(), _one_run(-0.02), _one_run(dip=True)], 1):
+        folder = tmp_path / f"run{index}"
+        folder.mkdir()
+        (folder / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
+        folders.append(str(folder))
+    out = tmp_path / "combined"
+    assert frontier.main(["--combine", *folders, "--out", str(out)]) == 0
+    summary = json.loads((out / "frontier.json").read_text())
+    assert not summary["monotone"] and summary["violations"][0]["series"] == "remat"
+    text = (out / "frontier.md").read_text()
+    assert "worst of 3" in text and "NOT MONOTONE (remat)" in text
+    assert "remat >= 0.95: FAIL" in text and "vs stock >= 1.03: PASS" in text  # 16 GiB: worst 0.93; no stock fits
+    assert "0.930x (0.950, 0.930, 0.950)" in text
+    # the command each run launches: a fresh interpreter, --json, its own folder
+    command = frontier.bench_command(["--compile"], "d/run1")
+    assert command[0] == sys.executable and command[3:] == ["bench", "--compile", "--json", "--out", "d/run1"]
+
+
+def test_cli_json_prints_records_only(tmp_path, capsys):
+    assert main(["bench", "--model", "llama-tiny", "--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1",
+                 "--only", "eager", "--json", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["strategy"] == "eager"
