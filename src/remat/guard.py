@@ -234,14 +234,14 @@ def _rate_table(device) -> Optional[str]:
 def _unplanned_bytes(model: nn.Module, device, options: dict) -> int:
     """GPU bytes a fake profile does not see: allocated memory beyond parameters, buffers, the
     optimizer state it is told about and the grads (the plan counts those as they are made)."""
-    from remat.planning.costs import OPTIMIZER_BYTES_PER_PARAM
+    from remat.planning.costs import optimizer_state_bytes
+    from remat.profiling.profiler import trainable_shapes
     params = {id(p): p for p in model.parameters()}.values()
     storages = {}
     for t in [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)]:
         if t.device == device:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    optimizer = OPTIMIZER_BYTES_PER_PARAM.get(options.get("optimizer", "none"), 0) * sum(
-        p.numel() for p in params if p.requires_grad)
+    optimizer = optimizer_state_bytes(options.get("optimizer", "none"), trainable_shapes(model))
     return max(0, torch.cuda.memory_allocated(device) - sum(storages.values()) - optimizer)
 
 

@@ -52,8 +52,8 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     LM head plans with the plain head only. The model is left exactly as it was found (an
     applied plan, gradients, buffers, RNG ...; see :func:`remat.profile`). ``budget``: bytes or "24GiB".
     ``gpu``: rates to plan for when the model is not on a GPU (h100, h200, a100).
-    ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two fp32
-    states per trainable parameter) or "adamw8bit". Raises ValueError (``NoPlanFits``)
+    ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two states per
+    trainable parameter, in its dtype, as ``torch.optim.AdamW`` keeps them) or "adamw8bit". Raises ValueError (``NoPlanFits``)
     naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
     ``device``: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline

@@ -24,7 +24,10 @@ from remat.planning.offload_model import EngineModel
 
 MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp")
 DERIVED = {"offload": "keep", "full+offload": "full"}
-OPTIMIZER_BYTES_PER_PARAM = {"none": 0, "adamw": 8, "adamw8bit": 2}
+OPTIMIZER_STATES = {"none": (0, None), "adamw": (2, None), "adamw8bit": (2, 1)}
+"""Per trainable parameter: the optimizer's state tensors and the bytes of one element of each
+(None: the parameter's own, as ``torch.optim.AdamW``'s ``zeros_like`` states are: 8 bytes a
+parameter in fp32, 4 in bf16; bitsandbytes' 8-bit states are 1 byte whatever the parameter)."""
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
@@ -46,6 +49,14 @@ GPUS = {
 }
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                "half": 2, "fp16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def optimizer_state_bytes(optimizer: str, params) -> int:
+    """Bytes of ``optimizer``'s state for ``params``, ``(numel, element_size)`` of each trainable parameter."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    states, element = OPTIMIZER_STATES[optimizer]
+    return sum(states * numel * (element or size) for numel, size in params)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +257,7 @@ class Profile:
     buffer_bytes: int
     """Bytes of the buffers."""
     optimizer: str
-    """The optimizer whose state is counted: a key of :data:`OPTIMIZER_BYTES_PER_PARAM`."""
+    """The optimizer whose state is counted: a key of :data:`OPTIMIZER_STATES`."""
     optimizer_bytes: int
     """Bytes of its state."""
     static_bytes: int

@@ -77,8 +77,8 @@ from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fa
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
-    CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_BYTES_PER_PARAM, BlockCost,
-    HeadCost, Profile, Rates, rates_for,
+    CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, BlockCost,
+    HeadCost, Profile, Rates, optimizer_state_bytes, rates_for,
 )
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
@@ -118,8 +118,8 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     raises ValueError rather than returning eager numbers as compiled ones. Dynamo's caches are
     reset when it is done (anything else compiled in the process recompiles on its next call).
     """
-    if optimizer not in OPTIMIZER_BYTES_PER_PARAM:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES_PER_PARAM)}, got {optimizer!r}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     batch, loss_fn = model_loss(batch, loss_fn)
     first = next(model.parameters(), None)
     if first is None:
@@ -158,6 +158,12 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
 # timed ROUNDS times (remat.profiling._measure); the stubbed head step runs REPEATS + 1 times.
 # Was 3 and one chain: the plan for one budget flipped between two profiles on one H100 (issue 11).
 REPEATS = 5
+
+
+def trainable_shapes(model: nn.Module) -> list:
+    """``(numel, element_size)`` of each trainable parameter of ``model``, shared ones once."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return [(p.numel(), p.element_size()) for p in params]
 
 
 def _known_gpu(name: str) -> bool:
@@ -241,7 +247,6 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     param_bytes = _storage_bytes(model.parameters())
     buffer_bytes = _storage_bytes(model.buffers())
-    trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
     restore = _swap_to_fake(model, fake_mode)
     try:
         with fake_mode, _AnyDtypeKernels():
@@ -253,7 +258,7 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                                      say)
     finally:
         restore()
-    optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer] * trainable
+    optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
     return _finish(model, body, batch, rates, "fake", optimizer, optimizer_bytes, param_bytes,
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
 
@@ -269,8 +274,7 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                          repeats=REPEATS, backend=backend)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
-    optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[optimizer] * trainable
+    optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
     # the user's gradients, set aside while profiling, are not part of a step's static memory
     static = torch.cuda.memory_allocated(device) - held_grad_bytes + optimizer_bytes
     prof = _finish(model, body, batch, rates, "cuda", optimizer, optimizer_bytes,
