@@ -92,6 +92,8 @@ def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
         return remat.Plan(blocks={"model.layers.0": "full"}, head="plain",
                           notes={"predicted_peak_bytes": 3 * MiB, "predicted_step_s": 0.01, "peak_at": "test"})
     monkeypatch.setattr(remat, "plan", plan)
+    profiled = []   # one compiled profile for every budget, made by remat.profile(..., compile=True)
+    monkeypatch.setattr(remat, "profile", lambda model, batch, **kw: profiled.append(kw) or "the profile")
     compiled = []
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
@@ -100,21 +102,13 @@ def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
                                           anchors=False, uniform=()) if s.compiled]
     record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
     assert record["status"] == "ok", record
-    assert seen == {"compile": True, "budget": 64 * MiB, "kwargs": {"gpu": "cpu"}}
+    assert profiled == [{"compile": True, "gpu": "cpu"}]
+    assert seen == {"compile": True, "budget": 64 * MiB, "kwargs": {"gpu": "cpu", "profiled": "the profile"}}
     assert compiled == [{"backend": "eager"}]
     assert record["compiled"] and record["strategy"] == "remat+compile@64MiB"
     assert record["predicted_peak_bytes"] == 3 * MiB and record["predicted_step_s"] == 0.01
     assert record["plan"] == "1x full; head plain"
     assert record["warmup_s"] > 0 and record["peak_bytes"] > 0
-
-
-def test_remat_compile_row_skipped_while_plan_lacks_compile(monkeypatch):
-    def plan(model, batch, budget, **kwargs):
-        raise TypeError("plan() got an unexpected keyword argument 'compile'")
-    monkeypatch.setattr(remat, "plan", plan)
-    row = bench.strategies([64 * MiB], compile_plans=True, anchors=False, uniform=())[-1]
-    record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
-    assert record["status"] == "skipped" and "does not plan for compiled models yet" in record["reason"]
 
 
 def test_compiled_rows_leave_the_compiler_as_they_found_it():

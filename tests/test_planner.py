@@ -373,3 +373,22 @@ def test_optimizer_state_follows_the_parameter_dtype(dtype, adamw_bytes):
     ids = torch.zeros(2, 64, dtype=torch.long)
     for optimizer, per_param in (("none", 0), ("adamw", adamw_bytes), ("adamw8bit", 2)):
         assert profile(model, ids, gpu="h100", optimizer=optimizer).optimizer_bytes == per_param * trainable
+
+
+def test_one_profile_serves_many_budgets():
+    """``remat.plan(..., profiled=)`` solves a profile made earlier: the plan equals one profiled
+    afresh, and a profile made in the other compile mode is refused."""
+    import dataclasses
+
+    import torch
+
+    import remat
+    from remat.integrations.presets import build_model, load_config
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(2, 256, dtype=torch.long)
+    prof = remat.profile(model, ids, gpu="h100")
+    fresh, reused = (remat.plan(model, ids, "30MiB", gpu="h100", **kw) for kw in ({}, {"profiled": prof}))
+    assert reused.blocks == fresh.blocks and reused.head == fresh.head
+    compiled = dataclasses.replace(prof, notes=dict(prof.notes, compile=True))
+    with pytest.raises(ValueError, match="compile=True"):
+        remat.plan(model, ids, "30MiB", profiled=compiled)

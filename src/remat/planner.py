@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch.nn as nn
 
+from remat.planning.costs import Profile
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
@@ -41,7 +42,7 @@ from remat.units import parse_budget
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
-         compile: bool = False) -> Plan:
+         compile: bool = False, profiled: Optional[Profile] = None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
@@ -61,6 +62,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
     ``torch.compile(model)``): costs measured compiled, on the GPU only, no offload; the plan's
     ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
+    ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
+    ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
+    serves many budgets.
     """
     budget_bytes = parse_budget(budget)
     if compile and treatments is not None:
@@ -69,8 +73,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
             from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
             raise ValueError(f"treatments {offloading} cannot be planned with compile=True: {OFFLOAD_UNDER_COMPILE}; "
                              "leave them out, or plan without compile=True")
-    prof = _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer, blocks=blocks,
-                    progress=progress, compile=compile)
+    if profiled is not None and bool(profiled.notes.get("compile")) != bool(compile):
+        raise ValueError(f"profiled was made with compile={bool(profiled.notes.get('compile'))}, "
+                         f"but compile={compile} was asked: profile again with remat.profile(..., compile={compile})")
+    prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
+                                blocks=blocks, progress=progress, compile=compile)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     chosen = solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)

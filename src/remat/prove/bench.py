@@ -159,32 +159,20 @@ def _remat_spec(spec: str):
     return prepare
 
 
-def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict):
-    def prepare(model, batch):
-        import remat
-        from remat.profiling.profiler import profile
-        from remat.planning.solver import solve
-        key = tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()))
-        if key not in profiles:  # one profile serves every budget: it depends on shapes only
-            profiles[key] = profile(model, batch, gpu=gpu)
-        plan = solve(profiles[key], budget_bytes)
-        remat.apply(model, plan)
-        return model, contextlib.nullcontext, plan
-    return prepare
-
-
-def _remat_compiled_budget(budget_bytes: int, gpu: Optional[str], backend: Optional[str]):
+def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict, *, compile: bool = False,
+                  backend: Optional[str] = None):
+    """remat's plan for ``budget_bytes`` (``compile``: planned for, and run under, ``model.compile()``).
+    One profile per batch shape and mode serves every budget: ``remat.plan(..., profiled=)``."""
     def prepare(model, batch):
         import remat
         kwargs = {"gpu": gpu} if gpu else {}
-        try:
-            plan = remat.plan(model, batch, budget_bytes, compile=True, **kwargs)
-        except TypeError as e:
-            if "compile" not in str(e):
-                raise
-            raise _Skip(f"this remat.plan does not plan for compiled models yet ({e})") from None
+        key = (compile, tuple((k, tuple(v.shape)) for k, v in sorted(batch.items())))
+        if key not in profiles:
+            profiles[key] = remat.profile(model, batch, compile=compile, **kwargs)
+        plan = remat.plan(model, batch, budget_bytes, compile=compile, profiled=profiles[key], **kwargs)
         remat.apply(model, plan)
-        model.compile(**_backend(backend))  # in place: remat's wrappers stay visible to remat.remove
+        if compile:
+            model.compile(**_backend(backend))  # in place: remat's wrappers stay visible to remat.remove
         return model, contextlib.nullcontext, plan
     return prepare
 
@@ -294,7 +282,8 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
                 for b in compile_budgets]
     if compile_plans:
-        out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_compiled_budget(b, gpu, compile_backend),
+        out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles, compile=True,
+                                                                       backend=compile_backend),
                          budget_bytes=b, compiled=True) for b in budgets]
     return out
 
