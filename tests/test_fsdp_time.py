@@ -172,3 +172,23 @@ def test_bus_rate_needs_a_process_group():
 def test_every_gpu_has_a_bus_rate():
     from remat.planning.costs import GPUS
     assert all(rates_for(name).bus_Bps == GPUS[name]["bus_GBps"] * 1e9 > 0 for name in GPUS)
+
+
+def test_the_solver_minimises_the_step_with_exposed_communication():
+    """Under FSDP2 the DP's objective is the simulator's step (compute + exposed collectives),
+    and a plan's notes carry the collectives."""
+    import remat
+    from remat.integrations.presets import build_model, load_config
+    from remat.planning.sharding import shard
+    from remat.planning.solver import plan_seconds
+    from remat.profiling.profiler import block_param_bytes, profile
+    import torch
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
+    prof = profile(model, torch.zeros(2, 256, dtype=torch.long), gpu="h100")
+    slow_bus = shard(prof, 8, block_param_bytes(model, prof), bus_Bps=1e8)
+    for spec in ("keep", "full"):
+        treatments = [spec] * len(slow_bus.block_names)
+        assert plan_seconds(slow_bus, treatments, slow_bus.head("plain")) == pytest.approx(
+            remat.simulate(slow_bus, spec, head="plain").step_s, rel=1e-6)
+    plan = remat.solve(slow_bus, 10 ** 12, heads=["plain"])
+    assert plan.notes["exposed_comm_s"] > 0 and plan.notes["fsdp_world"] == 8

@@ -232,12 +232,6 @@ def run(args) -> int:
         plan = solve_from_args(prof, budget, treatments, say)
     except NoPlanFits as e:
         raise ValueError(no_fit_message(e, budget, args)) from None
-    if prof.comm is not None:  # the collectives' seconds join the plan's notes (--out, --json)
-        from remat.planning.plans import Plan
-        from remat.planning.sharding import comm_notes
-        from remat.planning.simulator import simulate
-        notes = comm_notes(prof, simulate(prof, plan))
-        plan = Plan(blocks=plan.blocks, head=plan.head, chunk_tokens=plan.chunk_tokens, notes={**plan.notes, **notes})
     if args.out:
         plan.save(args.out)
         print(f"written    {args.out}", file=sys.stderr)

@@ -59,6 +59,7 @@ import numpy as np
 from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_input, input_bytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.sharding import comm_notes
 from remat.planning.simulator import offload_sizes, simulate
 from remat.units import format_size, parse_budget
 
@@ -148,6 +149,7 @@ def _plan(profile, chosen, head, budget) -> Plan:
              "predicted_tokens_per_s": round(result.tokens_per_s, 1), "budget_bytes": budget,
              "peak_at": result.peak_at, "gpu": profile.rates.name, "measured_rates": profile.rates.measured,
              "batch": profile.batch, "seq": profile.seq, "optimizer": profile.optimizer}
+    notes.update(comm_notes(profile, result))
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,
                      exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at)
@@ -173,7 +175,7 @@ def _evaluate(profile, treatments, head, options=None):
     tab = _Tables(profile, options, head)
     index = [options.index(t) for t in treatments]
     live = LiveBytes(profile.static_bytes, head)
-    seconds, flag, peak = _head_seconds(head), False, live.embeddings_forward().peak
+    seconds, flag, peak = _head_seconds(profile, head), False, live.embeddings_forward().peak
     terms, backward_engine = [], []
     for i, t in enumerate(index):
         p = index[i - 1] if i else 0
@@ -194,8 +196,9 @@ def _evaluate(profile, treatments, head, options=None):
     return float(seconds), float(peak)
 
 
-def _head_seconds(head) -> float:
-    return head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s
+def _head_seconds(profile, head) -> float:
+    seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s
+    return seconds + (profile.comm.fixed_exposed_s(head) if profile.comm is not None else 0.0)
 
 
 def _states(window, largest, prev_off, f_of, prefetch_blocks):
@@ -229,6 +232,8 @@ class _Tables:
                     terms = block_terms(c, freed_input(previous, h), input_bytes(previous, h), self.off[i, t])
                     self.d[i, p, t], self.fwd[i, p, t], self.bwd[i, p, t] = terms.kept, terms.forward, terms.backward
                     seconds = c.fwd_s + c.bwd_s
+                    if profile.comm is not None:  # FSDP2: what this block's compute cannot hide
+                        seconds += profile.comm.block_exposed_s(i, c.fwd_s, c.bwd_s)
                     if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
                         seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
                         seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
@@ -348,7 +353,7 @@ def _fastest(profile, options, head, budget, resolution):
     seconds, chosen = found
     if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes > budget:
         return None  # never: the DP bounds every phase from above (kept for safety)
-    return seconds + _head_seconds(head), chosen
+    return seconds + _head_seconds(profile, head), chosen
 
 
 def _smallest(profile, options, head_options, resolution, margin):
