@@ -238,9 +238,13 @@ def _positional(forward, args: tuple, kwargs: dict):
         return (functools.partial(forward, **kwargs) if kwargs else forward), args
     rest = {k: v for k, v in kwargs.items() if k not in tensor_keys}
     count = len(args)
+    # the closure lives until the recompute: it must hold no tensor, or ``full+offload`` moves
+    # the block's input to the host while this reference keeps the GPU copy alive
+    constants = [None if s is not None else value for value, s in zip(given, slot)]
+    del given
 
     def function(*flat):
-        values = [given[i] if s is None else flat[s] for i, s in enumerate(slot)]
+        values = [constants[i] if s is None else flat[s] for i, s in enumerate(slot)]
         return forward(*values[:count], **rest, **dict(zip(tensor_keys, values[count:])))
     return function, tuple(inputs)
 
