@@ -123,6 +123,53 @@ def test_plan_json_is_the_only_stdout_and_progress_goes_to_stderr(capsys, monkey
     assert "building llama-tiny" in captured.err and "solving for 4.00 MiB" in captured.err
 
 
+def test_plan_compile_without_cuda_is_refused_before_building(capsys, monkeypatch):
+    import torch
+
+    from remat.cli import plan as plan_cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(plan_cli, "profile_from_args", lambda *a: pytest.fail("built the model"))
+    line = _error(capsys, ["plan", *TINY, "--budget", "1GiB", "--compile"])
+    assert "--compile measures the compiled blocks on a GPU" in line and "Drop --compile for an eager plan" in line
+
+
+def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys, monkeypatch, tmp_path):
+    """The GPU itself is not here: the CUDA check is passed and the compiled profile stood in for
+    by an eager one marked compiled (the real one: tests/test_plan_compile.py, GPU)."""
+    import dataclasses
+
+    import torch
+
+    import remat
+    from remat.cli import plan as plan_cli
+    from remat.integrations.presets import build_model
+    from remat.profiling.profiler import profile
+    built = {}
+
+    def fake_build(config, *, device="cpu", dtype=None, **kwargs):
+        built["device"] = device
+        return build_model(config, device="cpu", dtype=torch.float32)
+
+    def fake_profile(model, batch, *, compile=False, **kwargs):
+        built["compile"], built["gpu"] = compile, kwargs.get("gpu")
+        prof = profile(model, batch, gpu="h100", optimizer=kwargs["optimizer"])
+        return dataclasses.replace(prof, notes=dict(prof.notes, compile=True, compile_backend="inductor"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr("remat.integrations.presets.build_model", fake_build)
+    monkeypatch.setattr("remat.profiling.profiler.profile", fake_profile)
+    out_path = tmp_path / "plan.json"
+    assert main(["plan", *TINY, "--budget", "1GiB", "--compile", "--out", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    assert built == {"device": "cuda", "compile": True, "gpu": None}
+    assert "planned for compiled execution" in out and "model.compile()" in out
+    assert remat.Plan.load(str(out_path)).notes["compile"] is True
+    monkeypatch.undo()
+    assert main(["plan", *TINY, "--budget", "1GiB"]) == 0
+    assert "compiled" not in capsys.readouterr().out
+
+
 def test_estimate_json_and_table(capsys):
     assert main(["estimate", *TINY, "--budget", "4MiB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -3,8 +3,9 @@
 The lines are read from each command module's ``EXAMPLES`` (the text ``--help`` shows) and run
 in-process through ``remat.cli.main`` in a scratch folder, where ``mistral-7b.json`` (the
 example of a config file of any name) is written first, and ``plan.json`` (a llama-8b plan, as
-``remat plan --out`` writes it) where an example reads one. An example whose comment says
-is ``GPU`` needs CUDA and is skipped without it; the others run on the CPU. Big models are
+``remat plan --out`` writes it) where an example reads one. An example whose comment starts
+with ``GPU`` (``# GPU`` or ``# GPU: what it shows``) needs CUDA and is skipped without it; the
+others run on the CPU. Big models are
 planned on the meta device, so they cost seconds, not memory; they carry the ``slow`` mark.
 """
 import json
@@ -24,7 +25,7 @@ def _examples():
             if not line.startswith("  remat "):
                 continue
             command, _, comment = line.strip().partition("#")
-            marks = [pytest.mark.gpu] if comment.strip() == "GPU" else []
+            marks = [pytest.mark.gpu] if comment.strip().split(":")[0].strip() == "GPU" else []
             if not any(word in command for word in QUICK):
                 marks.append(pytest.mark.slow)
             yield pytest.param(command.strip(), marks=marks, id=command.strip())
@@ -45,7 +46,8 @@ def test_example_runs(command, tmp_path, monkeypatch, capsys):
     MistralConfig().to_json_file("mistral-7b.json")  # Mistral-7B's shape, the config-file example
     if "plan.json" in command and "--out plan.json" not in command:   # a plan `remat plan --out` wrote
         from remat import Plan
-        Plan({f"model.layers.{i}": "full" for i in range(32)}, head="chunked").save("plan.json")
+        notes = {"predicted_peak_bytes": 38 * 2**30, "predicted_step_s": 2.5}   # an eager plan's prediction
+        Plan({f"model.layers.{i}": "full" for i in range(32)}, head="chunked", notes=notes).save("plan.json")
     argv = shlex.split(command)[1:]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out

@@ -1,6 +1,7 @@
 """``remat doctor`` (issue 13): each check is triggered by a setup built to have that one
 problem, and says nothing on a good one. The GPU check (measured against predicted) carries
-the gpu marker."""
+the gpu marker. Compiled models are compiled (``Module.compile()``, ``torch.compile``) but never
+called here: doctor reads how they will run and steps them eagerly."""
 import warnings
 
 import pytest
@@ -138,6 +139,64 @@ def test_a_faster_plan_fits_the_budget():
     assert _checks(findings) == ["faster-plan"] and findings[0].cost >= 0.05
 
 
+def _planned(model, **notes):
+    """``model`` with the plan remat.plan makes for TIGHT applied, its notes updated with ``notes``."""
+    import dataclasses
+    plan = remat.plan(model, _batch(), TIGHT)
+    return remat.apply(model, dataclasses.replace(plan, notes=dict(plan.notes, **notes)))
+
+
+def test_a_plan_for_compile_on_a_model_that_runs_eagerly():
+    model = _planned(_model(), compile=True)
+    findings = doctor(model)
+    assert _checks(findings) == ["compile-mismatch"] and findings[0].severity == "warning"
+    assert "made for a compiled model" in findings[0].what and "runs uncompiled" in findings[0].what
+    assert "27.6 GiB eager, 15.8 GiB compiled" in findings[0].why and "model.compile()" in findings[0].fix
+    assert doctor(model, compiled=True) == []                  # compiled after doctor: what the plan is for
+    model.compile()
+    assert doctor(model) == []
+    assert doctor(remat.apply(_model(), "full")) == []          # a spec: no prediction to break
+
+
+def test_an_eager_plan_on_a_compiled_model():
+    model = _planned(_model())
+    assert doctor(model) == []
+    in_place = _planned(_model())
+    in_place.compile()
+    for compiled in (torch.compile(model), in_place):           # a wrapper, or compiled in place
+        findings = doctor(compiled)
+        assert _checks(findings) == ["compile-mismatch"] and "made for eager execution" in findings[0].what
+        assert "compile=True" in findings[0].fix
+    block = _planned(_model())
+    block.model.layers[0].compile()                            # per-block compile counts too
+    assert _checks(doctor(block)) == ["compile-mismatch"]
+    assert doctor(block, compiled=False) == []
+
+
+def test_a_compiled_model_is_stepped_eagerly_and_not_judged_by_eager_plans():
+    model = _planned(_model(), compile=True)
+    model.compile()
+    never = lambda *args, **kwargs: pytest.fail("doctor ran the compiled forward")  # noqa: E731
+    model._compiled_call_impl = never
+    findings = doctor(model, _batch(), budget=TIGHT)
+    assert _checks(findings) == ["plans-not-checked"] and findings[0].severity == "note"
+    assert "compile=True" in findings[0].fix
+    assert model._compiled_call_impl is never                 # put back
+
+
+def test_segments_plans_are_not_simulated():
+    from remat.planning.simulator import simulate
+    from remat.profiling.profiler import profile
+    model = remat.apply(_model(), "segments:2")
+    with pytest.raises(ValueError, match="segments plan .* applied as given and not simulated"):
+        simulate(profile(model, _batch()), remat.api.current_plan(model))
+    findings = doctor(model, _batch(), budget="1GB")            # keep fits: said without a simulation
+    assert _checks(findings) == ["keep-fits"] and "segments timed as full" in findings[0].why
+    findings = doctor(model, _batch(), budget=TIGHT)
+    assert _checks(findings) == ["plans-not-checked"] and "segments plan" in findings[0].what
+    assert "faster-plan" in findings[0].what
+
+
 def test_findings_are_ordered_worst_first(tmp_path):
     args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"preserve_rng_state": False})
     model = _model(attention_dropout=0.1, use_cache=True)
@@ -189,3 +248,13 @@ def test_cli_plan_file(tmp_path, capsys):
     assert status == 0 and "the applied remat plan (4x full" in out
     with pytest.raises(ValueError, match="--hf-checkpointing"):
         _cli(["--model", "llama-tiny", "--reentrant"], capsys)
+
+
+def test_cli_plan_made_for_compile(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    notes = {"predicted_peak_bytes": 2**20, "predicted_step_s": 0.01, "compile": True}
+    remat.Plan(blocks={f"model.layers.{i}": "full" for i in range(4)}, notes=notes).save(str(plan))
+    status, out = _cli(["--model", "llama-tiny", "--plan", str(plan)], capsys)
+    assert status == 0 and "[warning]" in out and "runs uncompiled" in out
+    status, out = _cli(["--model", "llama-tiny", "--plan", str(plan), "--compile"], capsys)
+    assert status == 0 and "no problems found" in out

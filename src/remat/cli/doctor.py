@@ -5,8 +5,10 @@ optionally with a saved remat plan applied (``--plan``) or with Hugging Face che
 (``--hf-checkpointing``, with ``--reentrant`` / ``--no-preserve-rng`` for its keywords), and
 :func:`remat.integrations.doctor.doctor` looks at it. With ``--budget`` remat profiles the model at
 ``--batch`` x ``--seq`` and says whether the checkpointing asked for is needed at all, or
-whether another plan fits faster. A meta model runs no real step, so the checks that need one
-(parameters without gradients, measured against predicted) are for the Python API.
+whether another plan fits faster. ``--compile`` says that training compiles the model after
+``remat.apply`` (the meta model here is never compiled): a plan made for compile on a model
+that runs eagerly, or the reverse, is reported. A meta model runs no real step, so the checks
+that need one (parameters without gradients, measured against predicted) are for the Python API.
 
 Exit status: 0 when nothing or only warnings and notes were found, 1 when an error was, 2 for a
 usage mistake (as every command).
@@ -18,6 +20,7 @@ EXAMPLES = """examples:
   remat doctor --model llama-tiny
   remat doctor --model llama-1b --batch 4 --seq 4096 --budget 60GiB --hf-checkpointing
   remat doctor --model llama-8b --batch 2 --seq 4096 --budget 40GiB --plan plan.json
+  remat doctor --model llama-8b --plan plan.json --compile
 
 In a script (a real step, TrainingArguments and an accelerate config too):
   from remat.integrations.doctor import doctor
@@ -31,6 +34,9 @@ def add_arguments(parser) -> None:
     parser.set_defaults(batch=1, seq=512)
     parser.add_argument("--budget", help="peak memory budget of one device, e.g. 24GiB (enables the plan checks)")
     parser.add_argument("--plan", help="a remat plan (JSON, from `remat plan --out`) applied to the model")
+    parser.add_argument("--compile", action="store_true",
+                        help="training compiles the model after remat.apply (model.compile()): checks --plan was "
+                             "made for that (remat plan --compile)")
     parser.add_argument("--hf-checkpointing", action="store_true",
                         help="Hugging Face gradient checkpointing on (what gradient_checkpointing=True does)")
     parser.add_argument("--reentrant", action="store_true", help="with --hf-checkpointing: use_reentrant=True")
@@ -64,7 +70,7 @@ def run(args) -> int:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     findings = doctor(model, ids if budget is not None else None, budget=budget, gpu=args.gpu,
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, compiled=args.compile)
     if not findings:
         print(f"remat doctor: no problems found in {args.model}"
               + ("" if budget is not None else " (pass --budget to check the checkpointing against a budget)"))

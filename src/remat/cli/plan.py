@@ -5,6 +5,13 @@ tensors at the rates of ``--gpu``; see :mod:`remat.planner`. ``--out`` writes th
 JSON for ``remat.apply(model, remat.Plan.load(path))``; ``--json`` prints the same JSON
 on stdout and nothing else, for scripts.
 
+``--compile`` plans for the model compiled after ``remat.apply`` (``model.compile()``):
+compile changes every treatment's memory and time, so each block and the head are measured
+compiled (``remat.plan(..., compile=True)``, :mod:`remat.profiling._compiled`). That cannot be
+done with fake tensors, so the model is built on the GPU with random weights (as ``remat
+bench`` builds it), at the GPU's own rates (``--gpu`` is not used); without CUDA the command
+stops before building anything and says to drop ``--compile`` for an eager plan.
+
 Everything cheap is checked before the model is built (``--budget`` with
 :func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``, ``--gpu``, the
 ``--out`` folder), so a typo fails at once rather than after a minute of profiling.
@@ -31,9 +38,12 @@ EXAMPLES = """examples:
   remat plan --model mistral-7b.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw8bit
   remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 16
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
+  remat plan --model llama-tiny --batch 2 --seq 128 --budget 1GiB --compile   # GPU
 
 --model takes a preset, a Hugging Face JSON config file of any name (mistral-7b.json) or a
 folder holding config.json. --json prints the plan on stdout in the format --out writes.
+--compile plans for `remat.apply(model, plan); model.compile()`: it builds the model on the GPU
+with random weights and measures each block compiled (needs CUDA).
 """
 
 PROGRESS_AFTER_S = 2.0  # quiet for quick runs; a line per stage once a run takes longer
@@ -63,6 +73,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")
     parser.add_argument("--phases", action="store_true", help="also print every phase of the step (timeline)")
+    parser.add_argument("--compile", action="store_true",
+                        help="plan for the model compiled after remat.apply (model.compile()): measured compiled on "
+                             "this machine's GPU with random weights, no offload (needs CUDA; --gpu is not used)")
 
 
 def check_model_arguments(args) -> None:
@@ -101,18 +114,38 @@ def working(say, message: str, every_s: float = HEARTBEAT_S):
         thread.join()
 
 
+def check_compile(args) -> None:
+    """``--compile`` needs CUDA: say so before the model is built (a ValueError, the CLI's one line)."""
+    if not getattr(args, "compile", False):
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError("--compile measures the compiled blocks on a GPU; this machine has no CUDA device. Drop "
+                         "--compile for an eager plan (made on the meta device at --gpu's rates; compile usually "
+                         "lowers memory, so an eager plan is conservative in memory), or run remat plan --compile "
+                         "on the GPU that trains")
+
+
 def profile_from_args(args, say):
-    """Build the model on the meta device and profile it, telling ``say`` each stage."""
+    """Build the model on the meta device and profile it, telling ``say`` each stage; with
+    ``--compile``, build it on the GPU with random weights and profile it compiled."""
     import torch
 
     from remat.integrations.presets import build_model, load_config
     from remat.profiling.profiler import block_param_bytes, profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = load_config(args.model)
-    say(f"building {args.model} on the meta device")
-    model = build_model(config, device="meta", dtype=dtype)
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+    if getattr(args, "compile", False):
+        say(f"building {args.model} on {torch.cuda.get_device_name()} with random weights")
+        model = build_model(config, device="cuda", dtype=dtype)
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(next(model.parameters()).device)
+        prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=True)
+    else:
+        say(f"building {args.model} on the meta device")
+        model = build_model(config, device="meta", dtype=dtype)
+        ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
     if args.fsdp != 1:
         from remat.planning.sharding import shard
         say(f"sharding for {args.fsdp} FSDP ranks")
@@ -225,6 +258,7 @@ def run(args) -> int:
     budget = parse_budget(args.budget)
     check_model_arguments(args)
     check_out_path(args.out)
+    check_compile(args)
     say = progress()
     prof = profile_from_args(args, say)
     treatments = treatments_from_args(prof, args)
@@ -232,6 +266,8 @@ def run(args) -> int:
         plan = solve_from_args(prof, budget, treatments, say)
     except NoPlanFits as e:
         raise ValueError(no_fit_message(e, budget, args)) from None
+    from remat.planner import _marked
+    plan = _marked(plan, prof)   # notes["compile"] for a compiled profile, as remat.plan marks it
     if args.out:
         plan.save(args.out)
         print(f"written    {args.out}", file=sys.stderr)
@@ -244,6 +280,9 @@ def run(args) -> int:
     source = "measured" if prof.rates.measured else "roofline estimate"
     print(f"model      {args.model}  batch {args.batch} x {args.seq} tokens, {args.dtype}, "
           f"optimizer {args.optimizer}, rates {prof.rates.name} ({source})")
+    if plan.notes.get("compile"):
+        print("compiled   planned for compiled execution: remat.apply(model, plan), then model.compile() "
+              "(costs measured compiled; run uncompiled, its peak and time are not these)")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
     print(f"static     {format_size(prof.static_bytes)}")

@@ -24,33 +24,39 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
 - ``rng-not-preserved``: ``preserve_rng_state=False`` with dropout: the recomputed forward draws
   other dropout masks than the forward did, and the gradients are wrong.
 - ``head-bypassed``: remat's chunked head sits under TRL's fused LM head, which never calls it.
+- ``compile-mismatch``: the applied plan was made for a compiled model (``notes["compile"]``) and
+  the model runs uncompiled, or the reverse: the plan's peak and time do not hold (compile changes
+  every treatment's memory). "Compiled": a ``torch.compile`` wrapper, ``Module.compile()`` on the
+  model or a block, or ``compiled=True`` for a model compiled after doctor runs.
 - ``keep-fits``: checkpointing is on but keeping every activation fits the budget: the
   recomputation (20-30% of a step) buys nothing.
 - ``faster-plan``: another plan fits the same budget with a predicted step time at least 5%
   shorter than the applied one (Hugging Face checkpointing counts as ``full`` on every block).
 - ``prediction-off``: (``run_step=True`` on CUDA, a remat plan applied) the measured peak or
   step time is more than 10% from the plan's prediction.
+- ``plans-not-checked`` (a note): ``keep-fits`` / ``faster-plan`` could not be judged: a segments
+  plan (not simulated: no prediction to compare) or a compiled run (remat's profile here is eager).
+
+The checks that only read the setup live here with the report; those that run a step, a profile
+or a measurement are in :mod:`remat.integrations.doctor_runs`.
 
 Ordering: errors (wrong results or a crash to come) before warnings (memory or time lost)
 before notes; within a severity, by ``cost``: the fraction of the step's time or memory at
 stake, as far as remat can estimate it.
 
 Limits: the step, the profile and the measurement run on the model as it is (its device, its
-dtype); a model on the ``meta`` device can be profiled but not stepped.
+dtype); a model on the ``meta`` device can be profiled but not stepped. The step and the profile
+run a compiled model eagerly (compiling there would take minutes and measure nothing they need);
+only the measurement (``run_step``) runs it compiled, as it trains.
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.nn as nn
 
 SEVERITIES = ("error", "warning", "note")
-_FASTER = 0.05      # a plan this much faster than the applied one is worth a finding
-_OFF = 0.10         # measured vs predicted
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class Finding:
 
 
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
-           accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none") -> list:
+           accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
+           compiled: Optional[bool] = None) -> list:
     """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
 
     ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
@@ -83,31 +90,58 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     ``"24GiB"``); with a batch, remat profiles the model to compare plans (``gpu``, ``optimizer``
     as :func:`remat.plan`). ``run_step``: on CUDA, also measure the applied plan's peak and step
     time against its prediction. ``loss_fn(model, batch)``: the step's loss (default: a Hugging
-    Face model's ``.loss``, labels = input_ids when absent). Empty list: nothing found.
+    Face model's ``.loss``, labels = input_ids when absent). ``compiled``: whether training runs
+    the model compiled; default: as it is now (a ``torch.compile`` wrapper, or ``Module.compile()``
+    called on it or its blocks); pass True for a model compiled after this call. Empty list:
+    nothing found.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor expects a torch.nn.Module, got {type(model).__name__}")
+    from remat.integrations import doctor_runs as runs
+    compiled = runs_compiled(model) if compiled is None else bool(compiled)
+    inner = unwrapped(model)   # the step and the profile run the model itself, eagerly
     findings = []
-    kwargs = _checkpoint_kwargs(model, training_args)
+    kwargs = _checkpoint_kwargs(inner, training_args)
     findings += _check_training_args(training_args, accelerate_config)
-    findings += _check_reentrant(model, training_args, kwargs)
-    findings += _check_rng(model, training_args, kwargs)
-    findings += _check_head_bypassed(model)
-    if batch is not None and not _on_meta(model):
-        findings += _check_step(model, batch, loss_fn)
+    findings += _check_reentrant(inner, training_args, kwargs)
+    findings += _check_rng(inner, training_args, kwargs)
+    findings += _check_head_bypassed(inner)
+    findings += _check_compile(inner, compiled)
+    if batch is not None and not _on_meta(inner):
+        findings += runs.check_step(inner, batch, loss_fn)
     if batch is not None and budget is not None:
-        findings += _check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer)
-    if run_step and batch is not None and _on_cuda(model):
-        findings += _check_prediction(model, batch, loss_fn)
+        findings += runs.check_plans(inner, batch, budget, training_args, loss_fn, gpu, optimizer, compiled)
+    if run_step and batch is not None and _on_cuda(inner):
+        findings += runs.check_prediction(model, batch, loss_fn)
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), -f.cost))
 
 
 # -- what the setup asks for -----------------------------------------------------------------
-def _hf_checkpointing_on(model: nn.Module) -> bool:
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside ``torch.compile``'s wrapper(s) (``OptimizedModule._orig_mod``), else ``model``."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod
+    return model
+
+
+def runs_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs compiled: a ``torch.compile`` wrapper, or ``Module.compile()`` called on
+    it or any of its modules (per-block compile)."""
+    return unwrapped(model) is not model or any(
+        m.__dict__.get("_compiled_call_impl") is not None for m in model.modules())
+
+
+def applied_plan(model: nn.Module):
+    """The remat plan applied to ``model`` (or the model a compile wrapper holds), or None."""
+    from remat.api import current_plan
+    return current_plan(unwrapped(model))
+
+
+def hf_checkpointing_on(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def _args_checkpointing(training_args) -> bool:
+def args_checkpointing(training_args) -> bool:
     return bool(training_args is not None and (getattr(training_args, "activation_checkpointing", False)
                                                or getattr(training_args, "gradient_checkpointing", False)))
 
@@ -119,7 +153,7 @@ def _checkpoint_kwargs(model: nn.Module, training_args) -> dict:
         fn = m.__dict__.get("_gradient_checkpointing_func")
         if getattr(m, "gradient_checkpointing", False) is True and fn is not None:
             return dict(getattr(fn, "keywords", {}) or {})
-    if _args_checkpointing(training_args):
+    if args_checkpointing(training_args):
         for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
             value = getattr(training_args, name, None)
             if isinstance(value, dict):
@@ -135,7 +169,7 @@ def _check_training_args(training_args, accelerate_config) -> list:
     if isinstance(accelerate_config, dict):
         fsdp = accelerate_config.get("fsdp_config") or {}
         fsdp_ac = fsdp_ac or _truthy(fsdp.get("fsdp_activation_checkpointing", fsdp.get("activation_checkpointing")))
-    if not (fsdp_ac and _args_checkpointing(training_args)):
+    if not (fsdp_ac and args_checkpointing(training_args)):
         return []
     return [Finding(
         check="hf-and-fsdp-checkpointing", severity="error", cost=0.25,
@@ -187,8 +221,8 @@ def _enable_adds_input_grads(model: nn.Module) -> bool:
 def _check_reentrant(model, training_args, kwargs) -> list:
     if kwargs.get("use_reentrant") is not True or not _frozen_inputs(model):
         return []
-    on_model = _hf_checkpointing_on(model)
-    if not on_model and not (_args_checkpointing(training_args) and not _enable_adds_input_grads(model)):
+    on_model = hf_checkpointing_on(model)
+    if not on_model and not (args_checkpointing(training_args) and not _enable_adds_input_grads(model)):
         return []   # the Trainer's enable call will add the input-grad hook itself
     return [Finding(
         check="reentrant-frozen-inputs", severity="error", cost=1.0,
@@ -212,7 +246,7 @@ def _has_dropout(model: nn.Module) -> bool:
 def _check_rng(model, training_args, kwargs) -> list:
     if kwargs.get("preserve_rng_state", True) is not False or not _has_dropout(model):
         return []
-    if not (_hf_checkpointing_on(model) or _args_checkpointing(training_args)):
+    if not (hf_checkpointing_on(model) or args_checkpointing(training_args)):
         return []
     return [Finding(
         check="rng-not-preserved", severity="error", cost=1.0,
@@ -239,160 +273,31 @@ def _check_head_bypassed(model) -> list:
             "remat.integrations.hf.RematCallback, which does this")]
 
 
-# -- one real step ---------------------------------------------------------------------------
-def _loss(model, batch, loss_fn):
-    if loss_fn is not None:
-        return loss_fn(model, batch)
-    if isinstance(batch, torch.Tensor):
-        return model(input_ids=batch, labels=batch).loss
-    if isinstance(batch, dict):
-        inputs = dict(batch)
-        if "labels" not in inputs and "input_ids" in inputs:
-            inputs["labels"] = inputs["input_ids"]
-        return model(**inputs).loss
-    raise TypeError(f"doctor runs a step on a dict of tensors or a tensor of ids; a {type(batch).__name__} batch "
-                    "needs loss_fn=lambda model, batch: ...")
-
-
-def _check_step(model, batch, loss_fn) -> list:
-    from remat.profiling.snapshot import preserved
-    findings = []
-    with preserved(model):
-        model.train()
-        out_loss = _loss(model, batch, loss_fn)
-        if out_loss.requires_grad:   # else nothing trainable reaches the loss: every parameter is missing
-            out_loss.backward()
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-        total = sum(1 for p in model.parameters() if p.requires_grad)
-    if missing:
-        findings.append(Finding(
-            check="no-grad", severity="error", cost=len(missing) / max(total, 1),
-            what=f"{len(missing)} of {total} trainable parameters got no gradient in a training step: "
-                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-            why="they will never change; if they are adapters, the fine-tune trains nothing",
-            fix="freeze what should not train (requires_grad_(False)); for adapters inside checkpointed blocks use "
-                "non-reentrant checkpointing (use_reentrant=False) or enable_input_require_grads()"))
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
-        findings.append(Finding(
-            check="use-cache", severity="note", cost=0.01,
-            what=f"{type(model).__name__}.config.use_cache is True during training",
-            why="a training forward builds a key/value cache nobody reads: transformers warns and turns it off "
-                "under its checkpointing, remat drops it in treated blocks, untreated blocks still build it",
-            fix="model.config.use_cache = False before training (TRL's SFTTrainer passes use_cache=False itself)"))
-    return findings
-
-
-# -- plans: remat's profile at this batch and budget ---------------------------------------
-@contextlib.contextmanager
-def _hf_checkpointing_off(model):
-    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for m in on:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m in on:
-            m.gradient_checkpointing = True
-
-
-def _check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer) -> list:
-    from remat.api import current_plan
-    from remat.planning.plans import Plan
-    from remat.planning.simulator import simulate
-    from remat.planning.solver import NoPlanFits, solve
-    from remat.profiling.profiler import profile
-    from remat.units import format_size, parse_budget
-    budget = parse_budget(budget)
-    applied = current_plan(model)
-    hf = _hf_checkpointing_on(model) or _args_checkpointing(training_args)
-    if applied is None and not hf:
-        return []
-    with _hf_checkpointing_off(model):
-        prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer)
-    if applied is None or hf:
-        applied = Plan(blocks={name: "full" for name in prof.block_names}, head="plain")
-        source = "Hugging Face checkpointing (full on every block)"
-    else:
-        source = f"the applied remat plan ({applied.summary()})"
-    if all(t == "keep" for t in applied.blocks.values()):
-        return []
-    now = simulate(prof, applied)
-    keep = simulate(prof, Plan(blocks={n: "keep" for n in prof.block_names}, head=applied.head,
-                               chunk_tokens=applied.chunk_tokens))
-    if keep.peak_bytes <= budget:
-        lost = max(0.0, 1 - keep.step_s / now.step_s) if now.step_s else 0.0
-        return [Finding(
-            check="keep-fits", severity="warning", cost=lost,
-            what=f"{source} recomputes, but keeping every activation fits {format_size(budget)} at this batch "
-                 f"(predicted peak {format_size(keep.peak_bytes)})",
-            why=f"the recomputation buys nothing here: about {lost:.0%} of the step time is thrown away "
-                f"({now.step_s * 1e3:.1f} ms against {keep.step_s * 1e3:.1f} ms predicted)",
-            fix="turn checkpointing off (gradient_checkpointing=False / remat.remove(model)), or let remat plan it: "
-                f"remat.auto(model, batch, budget='{format_size(budget)}')")]
-    try:
-        best = solve(prof, budget)
-    except NoPlanFits:
-        return []
-    best_s = best.notes["predicted_step_s"]
-    if now.step_s and best_s < now.step_s * (1 - _FASTER):
-        gain = 1 - best_s / now.step_s
-        return [Finding(
-            check="faster-plan", severity="warning", cost=gain,
-            what=f"{source} fits {format_size(budget)}, but the plan {best.summary()} fits it too and is "
-                 f"predicted {gain:.0%} faster",
-            why=f"predicted step {now.step_s * 1e3:.1f} ms now against {best_s * 1e3:.1f} ms "
-                f"(peak {format_size(best.notes['predicted_peak_bytes'])})",
-            fix=f"remat.auto(model, batch, budget='{format_size(budget)}') (or RematCallback(budget=...) in a Trainer)")]
-    return []
-
-
-# -- the applied plan, measured (CUDA) -----------------------------------------------------
-def _check_prediction(model, batch, loss_fn) -> list:
-    from remat.api import current_plan
-    from remat.profiling.snapshot import preserved
-    from remat.units import format_size
-    plan = current_plan(model)
+def _check_compile(model, compiled: bool) -> list:
+    plan = applied_plan(model)
     if plan is None or "predicted_peak_bytes" not in plan.notes:
+        return []   # no plan, or one given by hand (a spec): no prediction to hold or break
+    planned = bool(plan.notes.get("compile"))
+    if planned == compiled:
         return []
-    device = next(model.parameters()).device
-    times = []
-    with preserved(model):
-        model.train()
-        for _ in range(3):   # the first one warms up
-            for p in model.parameters():
-                p.grad = None
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-            _loss(model, batch, loss_fn).backward()
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        for p in model.parameters():
-            p.grad = None
-        peak = torch.cuda.max_memory_allocated(device)
-    step = sorted(times[1:])[len(times[1:]) // 2]
-    findings = []
-    predicted_peak, predicted_s = plan.notes["predicted_peak_bytes"], plan.notes.get("predicted_step_s")
-    off_peak = abs(peak - predicted_peak) / predicted_peak
-    if off_peak > _OFF:
-        findings.append(Finding(
-            check="prediction-off", severity="warning", cost=off_peak,
-            what=f"measured peak {format_size(peak)} against the plan's predicted {format_size(predicted_peak)} "
-                 f"({off_peak:.0%} off)",
-            why="the plan was chosen for a peak that is not the one that runs: the budget may not hold",
-            fix="re-plan at the batch that runs (remat.plan with this batch, on this GPU), and report it if it "
-                "stays off"))
-    if predicted_s:
-        off_time = abs(step - predicted_s) / predicted_s
-        if off_time > _OFF:
-            findings.append(Finding(
-                check="prediction-off", severity="note", cost=off_time,
-                what=f"measured step {step * 1e3:.1f} ms against the plan's predicted {predicted_s * 1e3:.1f} ms "
-                     f"({off_time:.0%} off)",
-                why="the plan's choice between treatments rests on the predicted times",
-                fix="plan on the GPU that trains (its rates are measured there), at the batch that runs"))
-    return findings
+    why = ("compile changes every treatment's memory and time (the bench model's full keeps 27.6 GiB eager, "
+           "15.8 GiB compiled), so the plan's predicted peak {:.2f} GiB and step time do not hold for this step"
+           .format(plan.notes["predicted_peak_bytes"] / 2**30))
+    if planned:
+        return [Finding(
+            check="compile-mismatch", severity="warning", cost=0.4,
+            what=f"the applied plan ({plan.summary()}) was made for a compiled model (remat.plan(..., compile=True)) "
+                 "but the model runs uncompiled",
+            why=why + "; uncompiled, its peak can be far above the budget it was chosen for",
+            fix="compile the model after remat.apply (model.compile() or torch.compile(model); tell doctor with "
+                "compiled=True / remat doctor --compile when it is compiled later), or re-plan for eager "
+                "execution: remat.plan(model, batch, budget) without compile=True")]
+    return [Finding(
+        check="compile-mismatch", severity="warning", cost=0.1,
+        what=f"the applied plan ({plan.summary()}) was made for eager execution but the model runs compiled",
+        why=why + "; compiled blocks usually keep less, so the plan recomputes more than the budget needs",
+        fix="on the GPU, re-plan for compile: remat.plan(model, batch, budget, compile=True) (remat plan "
+            "--compile), apply it, then compile")]
 
 
 def _on_meta(model) -> bool:

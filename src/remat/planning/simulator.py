@@ -67,6 +67,8 @@ bound. When the window makes the host wait at every block, the GPU's queue drain
 latency shows; that is not charged, so such plans run slower than predicted. Optimizer steps
 and data loading are not in the step. Collectives: FSDP2's copy-in/copy-out kernels and the SMs
 NCCL takes from compute are not charged; concurrent gathers and reduce-scatters share the link.
+Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
+simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ from typing import NamedTuple, Optional
 
 from remat.planning.memory import Bytes, LiveBytes, plan_terms
 from remat.planning.offload_model import engine_overhead
-from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, segment_of
 
 
 class Phase(NamedTuple):
@@ -223,6 +225,11 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
     ``head``/``chunk_tokens`` default to the plan's own (a Plan) or ``"plain"``.
     """
     treatments = block_treatments(profile, plan)
+    segmented = [t for t in treatments if segment_of(t) is not None]
+    if segmented:
+        raise ValueError(f"a segments plan ({len(segmented)} blocks in segments, e.g. {segmented[0]!r}) is applied "
+                         "as given and not simulated: the profile has no cost for K blocks recomputed at once; "
+                         "simulate a plan of per-block treatments (full, selective, ...) instead")
     if isinstance(plan, Plan):
         head = head or plan.head
         chunk_tokens = chunk_tokens or plan.chunk_tokens
