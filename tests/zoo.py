@@ -32,7 +32,10 @@ DROPOUT = 0.1
 VOCAB = 256
 SEQ = 12
 BATCH = 2
-TREATMENTS = ("full", "selective", "attention", "mlp", "every:2", "offload", "full+offload")
+# "segments:2": two consecutive blocks recomputed as one unit (remat.treat.segments); on the
+# two-layer models that is the whole stack (each stack of an encoder-decoder), and the last
+# segment is a single block on sequential_mlp (2+1) and the UNet (2+2+1)
+TREATMENTS = ("full", "selective", "attention", "mlp", "every:2", "offload", "full+offload", "segments:2")
 
 
 class Unavailable(Exception):
@@ -432,6 +435,12 @@ def run_treatment(name: str, spec: str, steps: int = 2) -> str:
             return "refused"
         raise
     assert not missing, f"{spec!r} was accepted, but {name}'s blocks have no {spec} sub-module"
+    # "exact" must not come from a block left untreated: each carries what the plan gave it
+    from remat.api import treatments
+    planned = remat.current_plan(model).blocks
+    installed = treatments(model, case.blocks)
+    assert installed == {block: planned.get(block, "keep") for block in installed}, \
+        f"{spec!r}: the blocks carry {installed}, the plan says {dict(planned)}"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="remat offload:")
         check_exact(case, treated=model, reference=reference, steps=steps)
