@@ -12,7 +12,7 @@ under each strategy:
 - ``chunked``: ``remat.apply(m, "keep", head="chunked")``, the head alone;
 - ``liger`` / ``cce``: a ``keep`` model whose head and loss are Liger's
   ``LigerFusedLinearCrossEntropyLoss`` / Apple's ``cut_cross_entropy.linear_cross_entropy`` on the
-  final hidden states and the LM head's weight (:func:`remat.prove.bench.fused_loss_forward`;
+  final hidden states and the LM head's weight (:func:`remat.prove.anchors.fused_loss_forward`;
   recorded with the reason when the package does not import).
 
 Per strategy: peak (``max_memory_allocated`` after a reset, over the timed steps), static bytes
@@ -50,7 +50,8 @@ import torch
 
 import remat
 from remat.api import current_plan
-from remat.prove.bench import FUSED_LOSSES, fused_loss, fused_loss_forward, fused_loss_unavailable, timed_steps
+from remat.prove.anchors import FUSED_LOSSES, fused_loss, fused_loss_forward, fused_loss_unavailable
+from remat.prove.bench import timed_steps
 from remat.treat.chunked_loss import default_chunk_tokens
 from remat.integrations.presets import build_model, load_config
 

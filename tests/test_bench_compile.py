@@ -13,7 +13,7 @@ import torch
 
 import remat
 from remat.cli import main
-from remat.prove import bench, report
+from remat.prove import anchors, bench, report
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -25,13 +25,13 @@ def _names(strategy_list):
 
 
 def _no_module(monkeypatch, missing):
-    real = bench.importlib.import_module
+    real = anchors.importlib.import_module
 
     def fake(name, *args, **kwargs):
         if name in missing:
             raise ModuleNotFoundError(f"No module named {name!r}")
         return real(name, *args, **kwargs) if name not in ("liger_kernel", "cut_cross_entropy") else types.ModuleType(name)
-    monkeypatch.setattr(bench.importlib, "import_module", fake)
+    monkeypatch.setattr(anchors.importlib, "import_module", fake)
 
 
 # --- the strategy list ----------------------------------------------------------------------
@@ -58,8 +58,8 @@ def test_anchors_refused_with_a_clear_message_when_not_importable(monkeypatch):
     _no_module(monkeypatch, missing=("liger_kernel",))
     with pytest.raises(ValueError, match=r"liger anchor needs the liger_kernel module.*pip install"):
         bench.strategies([], fused_anchors=("cce", "liger"))
-    assert bench.fused_loss_unavailable("cce") is None
-    assert "unknown anchor" in bench.fused_loss_unavailable("apex")
+    assert anchors.fused_loss_unavailable("cce") is None
+    assert "unknown anchor" in anchors.fused_loss_unavailable("apex")
 
 
 def test_cli_refuses_anchors_before_building_anything(monkeypatch, tmp_path, capsys):
@@ -164,11 +164,11 @@ def test_fused_loss_forward_computes_the_models_own_loss():
 
     def reference_loss(hidden, weight, targets):  # stands in for Liger / CCE (Triton, GPU only)
         return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=-100)
-    fused = bench.fused_loss_forward(model, reference_loss)(**batch).loss
+    fused = anchors.fused_loss_forward(model, reference_loss)(**batch).loss
     expected = model(**batch).loss
     torch.testing.assert_close(fused, expected)
     # and the anchor row itself refuses the CPU, saying why
-    record = bench.measure(_tiny_build, bench.Strategy("liger", "anchor", bench._fused_anchor("liger")), batch)
+    record = bench.measure(_tiny_build, bench.Strategy("liger", "anchor", anchors.fused_anchor("liger")), batch)
     assert record["status"] == "skipped" and "only applies on a GPU" in record["reason"]
 
 

@@ -70,6 +70,7 @@ def run(args) -> int:
 
     from remat.prove import bench
     from remat.prove import report
+    from remat.prove.anchors import FUSED_LOSSES
     from remat.units import parse_budget
 
     _check_counts(args)
@@ -92,9 +93,9 @@ def run(args) -> int:
     plan_rates = None if device == "cuda" else "cpu"  # on a GPU the planner measures it
 
     fused = [a.strip() for a in args.anchors.split(",") if a.strip()]
-    unknown = [a for a in fused if a not in bench.FUSED_LOSSES]
+    unknown = [a for a in fused if a not in FUSED_LOSSES]
     if unknown:
-        raise ValueError(f"--anchors names unknown anchors {unknown}; known: {', '.join(bench.FUSED_LOSSES)}")
+        raise ValueError(f"--anchors names unknown anchors {unknown}; known: {', '.join(FUSED_LOSSES)}")
     options = dict(compile_plans=args.compile, compile_backend=args.compile_backend, gpu=plan_rates)
     chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
                                            fused_anchors=fused, **options)

@@ -21,10 +21,11 @@ checkpointing with an op-level policy saving matmul and attention outputs),
 where neither is there the rows are skipped, saying so) and, optionally, ``compile_<b>``
 (``torch.compile`` with ``activation_memory_budget=b``) and the field's fused losses on a
 ``keep`` model (``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's
-``cut_cross_entropy.linear_cross_entropy``), when they import. remat rows: ``remat:<spec>``
-(a uniform spec), ``remat@<budget>`` (the planner's plan for it) and ``remat+compile@<budget>``
-(``remat.plan(model, batch, budget, compile=True)``, applied, then ``model.compile()``; the
-compile happens in the warm-up steps, whose time is recorded as ``warmup_s``).
+``cut_cross_entropy.linear_cross_entropy``; :mod:`remat.prove.anchors`), when they import.
+remat rows: ``remat:<spec>`` (a uniform spec), ``remat@<budget>`` (the planner's plan for it)
+and ``remat+compile@<budget>`` (``remat.plan(model, batch, budget, compile=True)``, applied,
+then ``model.compile()``; the compile happens in the warm-up steps, whose time is recorded as
+``warmup_s``).
 
 Compiled rows run last (a compile takes most of a minute); each starts from
 ``torch._dynamo.reset()`` and the default ``activation_memory_budget``, and leaves both as
@@ -35,17 +36,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import importlib
 import inspect
 import json
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from remat.prove.anchors import Skip, fused_anchor, fused_loss_unavailable
 
 GiB = 2 ** 30
 
@@ -79,7 +80,7 @@ def _hf_full(model, batch):
 
 def hf_checkpointing(model):
     """transformers' own every-N / offload checkpointing on ``model``: ``(method, name of its
-    kwargs argument)``, or raises :class:`_Skip` saying why the installed transformers has none.
+    kwargs argument)``, or raises :class:`Skip` saying why the installed transformers has none.
 
     ``activation_checkpointing_enable(every_n_layers=, offload=)`` where it exists; transformers
     5.17 has the same two arguments on ``gradient_checkpointing_enable`` (read from its source),
@@ -95,7 +96,7 @@ def hf_checkpointing(model):
         version = f"transformers {transformers.__version__}"
     except ImportError:
         version = "this model"
-    raise _Skip(f"{version} has no activation_checkpointing_enable(every_n_layers=, offload=) "
+    raise Skip(f"{version} has no activation_checkpointing_enable(every_n_layers=, offload=) "
                 "(nor those arguments on gradient_checkpointing_enable)")
 
 
@@ -103,7 +104,7 @@ def _hf_native(every_n_layers: int = 1, offload: bool = False):
     def prepare(model, batch):
         method, kwargs_name = hf_checkpointing(model)
         if offload and next(model.parameters()).device.type != "cuda":
-            raise _Skip("offload moves activations to host memory: it only applies on a GPU")
+            raise Skip("offload moves activations to host memory: it only applies on a GPU")
         method(**{kwargs_name: {"use_reentrant": False}}, every_n_layers=every_n_layers, offload=offload)
         return model, contextlib.nullcontext, None, {"method": method.__name__}
     return prepare
@@ -130,7 +131,7 @@ def _every2(model, batch):
 
 def _save_on_cpu(model, batch):
     if next(model.parameters()).device.type != "cuda":
-        raise _Skip("save_on_cpu moves activations to host memory: it only applies on a GPU")
+        raise Skip("save_on_cpu moves activations to host memory: it only applies on a GPU")
     return model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), None
 
 
@@ -177,90 +178,16 @@ def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict, *, comp
     return prepare
 
 
-class _Skip(Exception):
-    """A strategy that does not apply here; the message says why."""
-
-
-# --- the field's fused linear cross-entropy losses, on a keep model -------------------------
-
-# name -> (module to import, distribution to install, what the row measures)
-FUSED_LOSSES = {
-    "liger": ("liger_kernel", "liger-kernel", "Liger LigerFusedLinearCrossEntropyLoss"),
-    "cce": ("cut_cross_entropy", "cut-cross-entropy", "Apple cut_cross_entropy.linear_cross_entropy"),
-}
-
-
-def fused_loss_unavailable(name: str) -> Optional[str]:
-    """None if the anchor ``name`` can run here, else a message that says what to install."""
-    if name not in FUSED_LOSSES:
-        return f"unknown anchor {name!r}; known: {', '.join(FUSED_LOSSES)}"
-    module, dist, _ = FUSED_LOSSES[name]
-    try:
-        importlib.import_module(module)
-    except Exception as e:  # ImportError, or a kernel package failing at import (no Triton, no GPU)
-        return (f"the {name} anchor needs the {module} module, which does not import here "
-                f"({type(e).__name__}: {str(e)[:120]}); install it with `pip install {dist}` or, on a "
-                f"machine without a package registry, `pip install --no-deps .whl/{module}-*.whl`")
-    return None
-
-
-def fused_loss(name: str) -> Callable:
-    """``loss(hidden [N, H], weight [V, H], targets [N]) -> mean CE`` of the anchor ``name``
-    (targets equal to -100 are ignored, as in Hugging Face's loss)."""
-    if name == "liger":
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        module = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-        return lambda hidden, weight, targets: module(weight, hidden, targets)
-    if name == "cce":
-        from cut_cross_entropy import linear_cross_entropy
-        return lambda hidden, weight, targets: linear_cross_entropy(hidden, weight, targets, ignore_index=-100)
-    raise ValueError(f"unknown fused loss {name!r}; known: {', '.join(FUSED_LOSSES)}")
-
-
-def fused_loss_forward(model, loss: Callable) -> Callable:
-    """``forward(input_ids=, labels=, ...)`` for a causal LM whose head and loss are ``loss`` on
-    the final hidden states and the output embedding's weight; returns an object with
-    ``.loss``, as a Hugging Face model does. Targets are shifted as Hugging Face shifts them
-    (``labels[:, 1:]``, then one ignored position per row), so the loss is the model's own."""
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise _Skip("the fused-loss anchors take an LM head without bias")
-    config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        raise _Skip("the model transforms its logits (soft-capping or scaling); the anchor would not "
-                    "compute the model's loss")
-    body = model.base_model
-
-    def forward(input_ids, labels=None, **kwargs):
-        hidden = body(input_ids=input_ids, **kwargs).last_hidden_state
-        labels = input_ids if labels is None else labels
-        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-        return types.SimpleNamespace(loss=loss(hidden.reshape(-1, hidden.shape[-1]), head.weight,
-                                               targets.reshape(-1)))
-    return forward
-
-
-def _fused_anchor(name: str):
-    def prepare(model, batch):
-        if next(model.parameters()).device.type != "cuda":
-            raise _Skip(f"{name} runs Triton kernels: it only applies on a GPU")
-        why = fused_loss_unavailable(name)
-        if why:
-            raise _Skip(why)
-        return fused_loss_forward(model, fused_loss(name)), contextlib.nullcontext, None, {
-            "method": FUSED_LOSSES[name][2]}
-    return prepare
-
-
 def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(), anchors=True,
                gpu: Optional[str] = None, compile_plans: bool = False, fused_anchors=(),
                compile_backend: Optional[str] = None) -> list:
     """The strategies to measure, in order. ``gpu`` names the rates the planner uses off-GPU.
 
     ``compile_plans``: a ``remat+compile@<budget>`` row per budget. ``fused_anchors``: names in
-    :data:`FUSED_LOSSES`; one that does not import is refused here (ValueError saying what to
-    install), before anything is measured. ``compile_backend``: ``torch.compile``'s backend
-    for every compiled row (default inductor; ``aot_eager`` keeps CPU tests fast)."""
+    :data:`remat.prove.anchors.FUSED_LOSSES`; one that does not import is refused here
+    (ValueError saying what to install), before anything is measured. ``compile_backend``:
+    ``torch.compile``'s backend for every compiled row (default inductor; ``aot_eager`` keeps
+    CPU tests fast)."""
     for name in fused_anchors:
         why = fused_loss_unavailable(name)
         if why:
@@ -276,7 +203,7 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
     profiles = {}
     out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles), budget_bytes=b)
             for b in budgets]
-    out += [Strategy(name, "anchor", _fused_anchor(name)) for name in fused_anchors]
+    out += [Strategy(name, "anchor", fused_anchor(name)) for name in fused_anchors]
     # last: a compile takes most of a minute, and the rest should not wait on it
     if anchors:
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
@@ -370,7 +297,7 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
         record.update(status="ok", peak_bytes=int(peak), peak_GiB=peak / GiB, step_s=median,
                       step_s_min=min(times), step_s_max=max(times), tokens_per_s=tokens / median,
                       loss=float(first_loss if first_loss is not None else loss))
-    except _Skip as e:
+    except Skip as e:
         record.update(status="skipped", reason=str(e))
     except ValueError as e:  # the planner's NoPlanFits, or a spec that does not apply
         record.update(status="skipped", reason=str(e)[:300])
