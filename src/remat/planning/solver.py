@@ -25,12 +25,23 @@ gradients); and, for plans that offload, up to ``engine_bounds`` (which
 equals the engine's rule for uniform offload and can exceed it by up to one window when
 offloaded and kept blocks alternate); both only ever make it conservative: every plan it
 returns simulates within the budget, and no plan is missed unless it fits by less than
-``budget / resolution`` per block (plus that slack, with offload). The time it minimises
-is additive: each block's seconds plus, for offload, the copy time its neighbours cannot
-hide (pairwise). Without offload that is the simulator's step time; with offload it is a
-pessimistic stand-in for the simulator's bus model (a copy can also hide behind blocks
-further on), so the DP may prefer recompute where offload would be as fast; the plan's
-reported time is the simulator's.
+``budget / resolution`` per block (plus that slack, with offload; uniform plans are never
+missed: see below). The time it minimises is additive: each block's seconds plus, for
+offload, the copy time its neighbours cannot hide (pairwise). Without offload that is the
+simulator's step time; with offload it is a pessimistic stand-in for the simulator's bus
+model (a copy can also hide behind blocks further on), so the DP may prefer recompute where
+offload would be as fast; the plan's reported time is the simulator's.
+
+Exact candidates: a budget taken from another tool's peak (HF's full checkpointing: ``full``
+on every block) is a uniform plan's own peak give or take a few hundred kilobytes, less than
+the DP's rounding (a ViT-L's 24 blocks at 3 GB: 18 MB), so the DP alone returned a slower
+mix. After the DP, every uniform plan (one treatment on every block, per head option) is
+checked with the simulator's bound (and the offload margin), and the fastest of those and the
+DP's plan wins, in the DP's own time (:func:`plan_seconds`). That is treatments x heads
+simulations (under 0.1 s for 80 blocks), where a finer DP costs in proportion to its
+resolution; mixed plans that fit by less than the rounding can still be missed.
+:func:`_smallest` takes the same candidates, so the budget an error names is never above the
+least a uniform plan needs.
 
 One DP, two objectives (:class:`_MinTime`, :class:`_MinPeak`): the states, transitions and
 memory terms are shared; an objective says what a state's value is (the least time so far,
@@ -93,9 +104,10 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
     if not head_options:
         raise ValueError(f"no head mode left to plan with: asked for {list(heads)}, profiled "
                          f"{sorted({h.mode for h in profile.heads})}")
-    best = _best(profile, options, head_options, budget, resolution, offload_margin)
+    exact = _uniform(profile, options, head_options, offload_margin)
+    best = _best(profile, options, head_options, budget, resolution, offload_margin, exact)
     if best is None:
-        smallest, plan = _smallest(profile, options, head_options, resolution, offload_margin)
+        smallest, plan = _smallest(profile, options, head_options, resolution, offload_margin, exact)
         n = plan.notes
         raise NoPlanFits(
             f"no plan fits {format_size(budget)}: the smallest budget that fits is {format_size(smallest)} "
@@ -107,11 +119,12 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
     return _plan(profile, chosen, head, budget)
 
 
-def _best(profile, options, head_options, budget, resolution, margin):
+def _best(profile, options, head_options, budget, resolution, margin, exact=()):
     """(seconds, treatments, head) of the fastest plan within ``budget``, or None.
 
     Plans that offload are held to ``budget * (1 - margin)``; each window the engine may
-    use (it can depend on the largest offloaded block) gets its own DP.
+    use (it can depend on the largest offloaded block) gets its own DP. ``exact``: plans
+    checked without rounding (:func:`_uniform`), taken where their bytes fit ``budget``.
     """
     plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
     runs = [(plain, budget)] if plain else []
@@ -125,7 +138,27 @@ def _best(profile, options, head_options, budget, resolution, margin):
             found = _fastest(profile, allowed, head, limit, resolution)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], found[1], head)
+    for seconds, need, chosen, head in exact:
+        if need <= budget and (best is None or seconds < best[0]):
+            best = (seconds, chosen, head)
     return best
+
+
+def _uniform(profile, options, head_options, margin) -> list:
+    """(seconds, smallest budget that fits, treatments, head) of every uniform plan: one
+    treatment on every block, for each head option.
+
+    The simulator's bound, not the DP's rounded one, so a plan that fits by less than the
+    DP's rounding is still found; its seconds are the DP's own (:func:`plan_seconds`).
+    """
+    L = len(profile.block_names)
+    out = []
+    for t in options:
+        for head in head_options:
+            chosen = [t] * L
+            bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes
+            out.append((plan_seconds(profile, chosen, head), _need(bound, t, margin), chosen, head))
+    return out
 
 
 def _options(profile, treatments) -> list:
@@ -356,18 +389,18 @@ def _fastest(profile, options, head, budget, resolution):
     return seconds + _head_seconds(profile, head), chosen
 
 
-def _smallest(profile, options, head_options, resolution, margin):
+def _smallest(profile, options, head_options, resolution, margin, exact):
     """The smallest budget that :func:`solve` accepts, and its plan.
 
-    The DP with :class:`_MinPeak` (a state's value is the largest phase bound so far instead
-    of the time), once per head option and for plans with and without offload (those need
-    ``1 / (1 - margin)`` of their peak), gives the least peak; :func:`solve`'s own search
-    then confirms it, its rounding (relative to the budget) differing by a few levels, with
-    the budget nudged up by 0.2% until it accepts.
+    The least that a uniform plan needs (``exact``, from :func:`_uniform`) is an upper
+    bound, which :func:`_best` accepts exactly. The DP with :class:`_MinPeak` (a state's
+    value is the largest phase bound so far instead of the time), once per head option and
+    for plans with and without offload (those need ``1 / (1 - margin)`` of their peak), may
+    find less; :func:`solve`'s own search then confirms it, its rounding (relative to the
+    budget) differing by a few levels, with the budget nudged up by 0.2% until it accepts,
+    never past the uniform plans' least.
     """
-    L = len(profile.block_names)
-    high = min(_need(simulate(profile, [t] * L, head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes, t, margin)
-               for t in options for h in head_options)
+    high = min(need for _, need, _, _ in exact)
     plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
     groups = [(plain, 0.0)] if plain else []
     if len(plain) < len(options):
@@ -379,11 +412,11 @@ def _smallest(profile, options, head_options, resolution, margin):
             if found is not None:
                 need = min(need, int(found[0] / (1 - m)) + 1)
     for _ in range(200):
-        found = _best(profile, options, head_options, need, resolution, margin)
+        found = _best(profile, options, head_options, need, resolution, margin, exact)
         if found is not None:
             _, chosen, h = found
             return need, _plan(profile, chosen, h, need)
-        need = int(need * 1.002) + 1
+        need = min(int(need * 1.002) + 1, high)
     raise AssertionError("the smallest uniform plan always fits its own bound")  # pragma: no cover
 
 
