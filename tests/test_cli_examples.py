@@ -5,7 +5,7 @@ in-process through ``remat.cli.main`` in a scratch folder, where ``mistral-7b.js
 example of a config file of any name) is written first, and ``plan.json`` (a llama-8b plan, as
 ``remat plan --out`` writes it) where an example reads one. An example whose comment starts
 with ``GPU`` (``# GPU`` or ``# GPU: what it shows``) needs CUDA and is skipped without it; the
-others run on the CPU. Big models are
+others run on the CPU. ``> file`` writes the command's stdout to that file, as a shell would. Big models are
 planned on the meta device, so they cost seconds, not memory; they carry the ``slow`` mark.
 """
 import json
@@ -48,11 +48,15 @@ def test_example_runs(command, tmp_path, monkeypatch, capsys):
         from remat import Plan
         notes = {"predicted_peak_bytes": 38 * 2**30, "predicted_step_s": 2.5}   # an eager plan's prediction
         Plan({f"model.layers.{i}": "full" for i in range(32)}, head="chunked", notes=notes).save("plan.json")
+    command, _, redirect = command.partition(">")   # `remat ... > file`: stdout into that file, as a shell does
     argv = shlex.split(command)[1:]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    if "--json" in argv:
-        json.loads(out)
+    if redirect.strip():
+        with open(redirect.strip(), "w") as f:
+            f.write(out)
+    if "--json" in argv:   # bench prints JSON lines, plan and estimate one document
+        [json.loads(line) for line in out.splitlines()] if argv[0] == "bench" else json.loads(out)
     if argv[0] == "bench":
         out_dir = argv[argv.index("--out") + 1] if "--out" in argv else "remat-bench"
         with open(f"{out_dir}/bench.jsonl") as f:
