@@ -1,4 +1,5 @@
-"""Every code block of docs/integrations.md runs, as written, on a tiny Llama on the CPU.
+"""Every code block of docs/integrations.md and of the README's "Integrations" section runs, as
+written, on a tiny Llama on the CPU.
 
 Python blocks get fresh stand-ins for the reader's objects (``model``, ``train_dataset``,
 ``dataset``, ``tokenizer``, ``lit_module``, ``train_loader``, ``batch``, ``args``) and run in a
@@ -17,13 +18,18 @@ import warnings
 import pytest
 import torch
 
-DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "integrations.md")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+DOC = os.path.join(ROOT, "docs", "integrations.md")
+README = os.path.join(ROOT, "README.md")
 
 
 def _blocks():
     with open(DOC) as f:
         text = f.read()
-    return [(lang, code) for lang, code in re.findall(r"```(python|bash)\n(.*?)```", text, re.S)]
+    with open(README) as f:
+        readme = f.read()
+    section = readme.split("\n## Integrations\n", 1)[1].split("\n## ", 1)[0]
+    return [(lang, code) for lang, code in re.findall(r"```(python|bash)\n(.*?)```", text + section, re.S)]
 
 
 BLOCKS = _blocks()
@@ -75,7 +81,7 @@ def test_doc_block_runs(index, tmp_path, monkeypatch, capsys):
     _reset_accelerate()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(code, f"{DOC}:block{index}", "exec"), namespace)
+        exec(compile(code, f"integrations-block{index}", "exec"), namespace)
 
 
 def _reset_accelerate():
@@ -87,4 +93,4 @@ def _reset_accelerate():
 
 
 def test_every_block_is_found():
-    assert [lang for lang, _ in BLOCKS].count("python") == 7 and [lang for lang, _ in BLOCKS].count("bash") == 1
+    assert [lang for lang, _ in BLOCKS].count("python") == 11 and [lang for lang, _ in BLOCKS].count("bash") == 1
