@@ -1,0 +1,172 @@
+"""The offload engine's bookkeeping: which saved tensors may move, and the objects that track them.
+
+How it works. :class:`remat.offload.engine.OffloadEngine` gives each forward call of a block a
+:class:`_Record`; each distinct storage span the block saves is a :class:`_Slot` of it (one storage
+saved by several ops, or as several views, moves once and comes back as the same views); what
+autograd holds instead of an offloaded tensor is a :class:`_Packed` handle naming its slot and the
+view to rebuild. :class:`_BlockContext` opens a record and installs the engine's saved-tensor hooks
+for one block's forward.
+
+- Kept where they are, never moved (:func:`keep_reason`, a pure function of the tensor): parameters,
+  buffers and anything sharing their storage (storage identity, the local shard of a DTensor
+  parameter included: FSDP2 frees and regrows those storages between uses); tensor subclasses;
+  storages of 0 bytes or whose address PyTorch refuses to give. (The engine also keeps tensors
+  under ``min_bytes`` and anything not on a CUDA device.)
+- In-place writes. Under saved-tensor hooks autograd no longer checks that a saved tensor was not
+  written in place before the backward, and a lazy copy would capture the written value. So a slot
+  keeps, per handle, ``t.detach()`` (same version counter, same storage, which the engine holds
+  anyway until the copy lands and the block ends) and the version at the pack (``_Slot.watch``),
+  and each handle keeps a weak reference to ``t``; :func:`_modified_error` is autograd's own
+  RuntimeError, raised when the engine sees a version change (:mod:`remat.offload.backward`).
+- Release. A handle's ``__del__`` runs on whichever thread drops it (the autograd thread, or a
+  garbage-collection pass in the middle of a pack), so it only appends its record to the engine's
+  release queue (``collections.deque.append`` is atomic); the engine drains the queue under its lock.
+
+Why small objects with ``__slots__`` rather than attributes on the saved tensors: a slot is shared
+by every view saved of its storage and its fields change as copies land and are given back; only
+the engine, under its lock, reads and writes them (a handle's ``__del__`` only queues).
+
+Limits: the parameter storages are a snapshot (:func:`parameter_storages`) that the engine takes
+again only when the model's first parameter or its storage changes; a storage matched by
+``_cdata`` counts only while it is still the same object (a freed one's address may be reused).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from remat.offload.engine import OffloadEngine
+
+_PENDING, _INFLIGHT, _HOST, _KEPT = "pending", "in flight", "host", "kept"
+
+
+def _storage_of(t: torch.Tensor):
+    """The storage under ``t`` (a DTensor's: its local shard's), or None where it has none to give."""
+    t = getattr(t, "_local_tensor", t)
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def parameter_storages(model: nn.Module) -> dict:
+    """``{storage._cdata: weakref(storage)}`` of ``model``'s parameters and buffers (identity, never
+    the data pointer, which PyTorch refuses to give for a resharded FSDP2 or wrapper storage)."""
+    found = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storage = _storage_of(t)
+        if storage is not None:
+            found[storage._cdata] = weakref.ref(storage)
+    return found
+
+
+def keep_reason(t: torch.Tensor, parameters: dict) -> Optional[str]:
+    """Why the engine must leave the saved tensor ``t`` where it is, or None if it may move it.
+
+    ``"param"``: a parameter, a view of one, or anything else on a storage of ``parameters`` (as
+    :func:`parameter_storages` returns them); ``"other"``: a tensor subclass (DTensor, quantized
+    weights: their storage is not theirs to give), not strided, conjugate or negative bit set,
+    empty, or a storage of 0 bytes or one whose address cannot be read (FSDP2 frees its storages
+    between uses). Reads metadata only; touches no data.
+    """
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return "param"
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg() \
+            or t.numel() == 0:
+        return "other"
+    try:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return "other"
+        storage.data_ptr()
+    except RuntimeError:
+        return "other"
+    ref = parameters.get(storage._cdata)
+    if ref is not None and ref() is storage:
+        return "param"
+    return None
+
+
+def _modified_error(packed: "_Packed", device: torch.device, now: int, expected: int) -> RuntimeError:
+    name = torch.empty(0, dtype=packed.dtype).type()
+    if device.type != "cpu":
+        name = name.replace("torch.", f"torch.{device.type}.", 1)
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{name} {list(packed.size)}], saved for backward in an offloaded block, is at "
+        f"version {now}; expected version {expected} instead. Hint: autograd cannot check tensors "
+        "that saved-tensor hooks hold, so remat's offload engine checked it; clone the tensor before "
+        "writing to it in place, or enable anomaly detection without remat to find the operation, "
+        "with torch.autograd.set_detect_anomaly(True).")
+
+
+class _Record:
+    """One forward call of one block: its slots, and how many packed handles autograd still holds."""
+
+    __slots__ = ("engine", "seq", "key", "slots", "by_span", "nbytes", "handles", "open", "fetched", "done")
+
+    def __init__(self, engine, seq, key):
+        self.engine, self.seq, self.key = engine, seq, key
+        self.slots, self.by_span, self.nbytes = [], {}, 0
+        self.handles, self.open, self.fetched, self.done = 0, True, False, False
+
+
+class _Slot:
+    """One storage span on one device: where its bytes are (GPU tensor, host buffer or both), the
+    copy events, the streams that used its GPU memory, and what the in-place check watches.
+
+    ``watch``: ``(t.detach(), version)`` of each handle, kept while ``gpu`` is the original storage;
+    ``changed``: ``(version, expected)`` once a write after the pack was seen.
+    """
+
+    __slots__ = ("record", "dev", "nbytes", "state", "gpu", "host", "ready", "d2h_end", "h2d_end",
+                 "alloc_stream", "alloc_key", "users", "last_read", "ref", "watch", "changed")
+
+    def __init__(self, record, dev, nbytes, gpu, ready, ref, stream):
+        self.record, self.dev, self.nbytes, self.state, self.gpu, self.ready, self.ref = (
+            record, dev, nbytes, _PENDING, gpu, ready, ref)
+        self.alloc_stream, self.alloc_key = stream, dev.key(stream)
+        self.host = self.d2h_end = self.h2d_end = self.last_read = self.changed = None
+        self.users, self.watch = {}, []
+
+
+class _Packed:
+    """What autograd holds instead of an offloaded tensor: a slot, the view to rebuild, and the
+    version the tensor had when autograd saved it."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset", "version", "ref")
+
+    def __init__(self, slot, dtype, size, stride, offset, version, ref):
+        self.slot, self.dtype, self.size, self.stride, self.offset = slot, dtype, size, stride, offset
+        self.version, self.ref = version, ref
+
+    def __del__(self):
+        # Any thread, any moment (a GC pass inside a pack): only the atomic append, no engine logic.
+        record = self.slot.record
+        record.engine._released.append(record)
+
+
+class _BlockContext:
+    """``with engine.saved_tensors(key):`` one record, hooks installed for the duration."""
+
+    __slots__ = ("engine", "key", "record", "hooks")
+
+    def __init__(self, engine: OffloadEngine, key: int):
+        self.engine, self.key = engine, key
+
+    def __enter__(self):
+        self.record = self.engine._open(self.key)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self.engine._pack, self.record), self.engine._unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.engine._close(self.record)
+        return False
