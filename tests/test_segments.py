@@ -257,3 +257,21 @@ def test_bad_segment_plans_are_refused():
     with pytest.raises(ValueError, match=r"segment 0 must be consecutive blocks .* \['0', '2'\]"):
         remat.apply(model, {"0": "segment:0", "1": "full", "2": "segment:0"})
     assert patches.patches(model) == []
+
+
+def test_segments_refused_where_each_block_is_its_own_fsdp2_unit(tmp_path):
+    """A segment's backward recomputes its earlier blocks after FSDP2 resharded them: a block
+    sharded on its own in a segment is refused with the fix, not run on sharded parameters."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        remat.apply(model, "segments:2", blocks=lambda name, module: name.count(".") == 0 and name != "")
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="fully_shard on groups"):
+            model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    finally:
+        dist.destroy_process_group()

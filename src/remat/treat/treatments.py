@@ -151,6 +151,12 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     if self.training:
         forward, args, kwargs = _own_cache(forward, args, kwargs)
     if state.segment is not None:  # the arguments as given: a segment keeps only its first block's
+        if state.segment.size > 1 and _sharded_alone(self):
+            raise ValueError(
+                f"{type(self).__name__} is one FSDP2 unit of its own, but it is in a segment of "
+                f"{state.segment.size} blocks: the segment's backward recomputes its earlier blocks after "
+                "FSDP2 has resharded their parameters. Use 'full' (the same recompute, one block at a "
+                "time), or call fully_shard on groups of the segment's blocks instead of on each block.")
         if state.running_stats:
             forward = _stats_once(forward, state.running_stats)
         return segments.call(state.segment, state.position, forward, args, kwargs)
@@ -183,6 +189,12 @@ def _refuse_replica(module: nn.Module, args, kwargs) -> None:
             f"{type(module).__name__} (treated by remat) got inputs on {first.device} but its parameters are "
             f"on {param.device}: torch.nn.DataParallel replicas are not supported by remat's treatments. "
             "Use DistributedDataParallel or FSDP2 (apply remat before wrapping), or one GPU.")
+
+
+def _sharded_alone(module: nn.Module) -> bool:
+    """``module`` is an FSDP2 unit (``fully_shard`` was called on it; then FSDP2 is imported)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
 def _stats_once(function, modules):
