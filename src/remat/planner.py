@@ -62,6 +62,8 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
     ``torch.compile(model)``): costs measured compiled, on the GPU only, no offload; the plan's
     ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
+    It resets ``torch._dynamo`` (each block is compiled alone, then the caches are cleared so your
+    ``model.compile()`` starts clean): anything else this process compiled recompiles on its next call.
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
