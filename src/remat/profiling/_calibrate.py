@@ -18,6 +18,7 @@ or a block's output needs no gradient. Needs CUDA; never runs on a fake profile.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -90,6 +91,39 @@ def bus_rate(group=None, nbytes: int = 256 * 2**20, repeats: int = 3) -> Optiona
     return rate
 
 
+def calibration_plan(model, prof: Profile):
+    """``(simulation, treatment, head)`` of the uniform plan a calibration step runs: the fastest
+    one without offload whose bound fits in 85% of the GPU's free memory; None if none fits."""
+    from remat.planning.simulator import simulate
+    device = next(model.parameters()).device
+    free, _ = torch.cuda.mem_get_info(device)
+    room = torch.cuda.memory_allocated(device) + 0.85 * free
+    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
+    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
+    fits = [f for f in fits if f[0].bound_bytes <= room]
+    return min(fits, key=lambda f: f[0].step_s) if fits else None
+
+
+@contextlib.contextmanager
+def uniform_applied(model, named, treatment: str, head):
+    """Inside the block, every block of ``named`` treated with ``treatment`` and the model's head in
+    ``head``'s mode; afterwards both taken off and the gradients cleared."""
+    for _, block in named:
+        apply_treatment(block, treatment)
+    if head.mode == "chunked":
+        from remat.treat.head import enable_chunked_head
+        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
+    try:
+        yield
+    finally:
+        for _, block in named:
+            remove_treatment(block)
+        if head.mode == "chunked":
+            from remat.treat.head import disable_chunked_head
+            disable_chunked_head(model)
+        model.zero_grad(set_to_none=True)
+
+
 def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     """Scale the blocks' and the head's seconds to what they take inside a real step.
 
@@ -102,32 +136,14 @@ def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     ratio for all treatments: recompute-heavy ones come out a few percent high (llama-1b
     ``full`` +2.7%). Skipped (noted) when no uniform plan fits.
     """
-    from remat.planning.simulator import simulate
-    device = next(model.parameters()).device
-    free, _ = torch.cuda.mem_get_info(device)
-    room = torch.cuda.memory_allocated(device) + 0.85 * free
-    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
-    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
-    fits = [f for f in fits if f[0].bound_bytes <= room]
-    if not fits:
+    chosen = calibration_plan(model, prof)
+    if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
-    sim, treatment, head = min(fits, key=lambda f: f[0].step_s)
+    sim, treatment, head = chosen
     say(f"calibrating on one step: {treatment}, head {head.mode}")
-    for _, block in named:
-        apply_treatment(block, treatment)
-    if head.mode == "chunked":
-        from remat.treat.head import enable_chunked_head
-        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
-    try:
+    with uniform_applied(model, named, treatment, head):
         _staged_step(model, batch, loss_fn, named)  # warm-up
         steps = [_staged_step(model, batch, loss_fn, named) for _ in range(2)]
-    finally:
-        for _, block in named:
-            remove_treatment(block)
-        if head.mode == "chunked":
-            from remat.treat.head import disable_chunked_head
-            disable_chunked_head(model)
-        model.zero_grad(set_to_none=True)
     costs = [prof.cost(i, treatment) for i in range(len(named))]
     fwd = statistics.median(s["fwd"][i] / costs[i].fwd_s for s in steps for i in range(len(costs)))
     bwd = statistics.median(s["bwd"][i] / costs[i].bwd_s for s in steps for i in range(len(costs)))

@@ -41,7 +41,7 @@ from dataclasses import replace
 
 import torch
 
-from remat.planning.costs import MEASURED_TREATMENTS, Profile
+from remat.planning.costs import Profile
 
 BACKEND = "inductor"
 OFFLOAD_UNDER_COMPILE = ("offload treatments are not planned for compiled models: dynamo breaks the graph at the "
@@ -112,39 +112,21 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     events at the loss (forward done) and after ``backward``. Forward seconds (embeddings,
     blocks, head forward) are scaled by measured / predicted forward, backward likewise. The
     predicted and measured peaks of that step are noted beside the ratios (not used)."""
-    from remat.planning.simulator import simulate
-    from remat.treat.treatments import apply_treatment, remove_treatment
+    from remat.profiling._calibrate import calibration_plan, uniform_applied
     device = next(model.parameters()).device
-    free, _ = torch.cuda.mem_get_info(device)
-    room = torch.cuda.memory_allocated(device) + 0.85 * free
-    options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
-    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
-    fits = [f for f in fits if f[0].bound_bytes <= room]
-    if not fits:
+    chosen = calibration_plan(model, prof)
+    if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
-    sim, treatment, head = min(fits, key=lambda f: f[0].step_s)
+    sim, treatment, head = chosen
     say(f"calibrating on a compiled step: {treatment}, head {head.mode} (compiling the whole model)")
-    for _, block in named:
-        apply_treatment(block, treatment)
-    if head.mode == "chunked":
-        from remat.treat.head import enable_chunked_head
-        enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
-    try:
-        with compiled_model(model, backend) as counter:
-            for _ in range(2):
-                _timed_step(model, batch, loss_fn)
-            check_compiled(counter, "the calibration step")
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            steps = [_timed_step(model, batch, loss_fn) for _ in range(3)]
-            peak = torch.cuda.max_memory_allocated(device) - base
-    finally:
-        for _, block in named:
-            remove_treatment(block)
-        if head.mode == "chunked":
-            from remat.treat.head import disable_chunked_head
-            disable_chunked_head(model)
-        model.zero_grad(set_to_none=True)
+    with uniform_applied(model, named, treatment, head), compiled_model(model, backend) as counter:
+        for _ in range(2):
+            _timed_step(model, batch, loss_fn)
+        check_compiled(counter, "the calibration step")
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        steps = [_timed_step(model, batch, loss_fn) for _ in range(3)]
+        peak = torch.cuda.max_memory_allocated(device) - base
     costs = [prof.cost(i, treatment) for i in range(len(named))]
     fwd_pred = head.pre_fwd_s + head.head_fwd_s + sum(c.fwd_s for c in costs)
     bwd_pred = head.pre_bwd_s + head.head_bwd_s + sum(c.bwd_s for c in costs)
