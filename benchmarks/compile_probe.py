@@ -93,13 +93,13 @@ def profile_table(prof) -> list:
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda")
-    dtype = getattr(torch, args.dtype)
+    dtype = torch.bfloat16
     config = load_config(args.model)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(1234)).to(device)
     batch = {"input_ids": ids, "labels": ids}
     os.makedirs(args.out, exist_ok=True)
-    shared = dict(environment(device), model=args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    shared = dict(environment(device), model=args.model, batch=args.batch, seq=args.seq, dtype="bfloat16")
 
     def build():
         return build_model(config, device=device, dtype=dtype)
