@@ -35,6 +35,7 @@ from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this s
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config  # noqa: E402
+from remat.treat.chunked_loss import default_chunk_tokens  # noqa: E402
 from remat.prove.bench import Strategy, _compiled, _relate, environment, measure  # noqa: E402
 from remat.units import format_size, parse_budget  # noqa: E402
 
@@ -57,7 +58,8 @@ def _uniform_compiled(spec: str, prof):
     treatment, head = _split(spec)
 
     def prepare(model, batch):
-        sim = remat.simulate(prof, treatment, head=head)
+        chunk = default_chunk_tokens(model.config.vocab_size) if head == "chunked" else None
+        sim = remat.simulate(prof, treatment, head=head, chunk_tokens=chunk)  # the chunk apply uses
         remat.apply(model, treatment, head="chunked" if head == "chunked" else None)
         model.compile()
         notes = {"predicted_peak_bytes": int(sim.peak_bytes), "predicted_step_s": round(sim.step_s, 5)}

@@ -147,3 +147,17 @@ def test_a_compile_error_falls_back_for_that_shape_only_with_one_warning(kernel_
 
 def test_the_fused_kernel_is_for_cuda_only():
     assert chunked_loss._fused_kernel(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_accumulates_in_fp32_to_the_product(dtype):
+    """``_accumulate`` adds ``a @ b`` to the fp32 accumulator: exact in fp32, and in bf16 the
+    per-chunk product rounds at most once (the CPU path: no ``out_dtype`` kernel there)."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 32, generator=g).to(dtype), torch.randn(32, 48, generator=g).to(dtype)
+    acc = torch.randn(64, 48, generator=g)
+    expected = acc + a.double().mm(b.double()).float()
+    chunked_loss._accumulate(acc, a, b)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(acc, expected, rtol=tol, atol=tol * 8)
+    assert chunked_loss._fp32_out(torch.device("cpu")) is False  # the probe's answer off CUDA

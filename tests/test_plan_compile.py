@@ -71,6 +71,29 @@ class _NullMeter:
 
 
 @pytest.mark.slow
+def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment():
+    """A compiled step that peaks above its prediction raises the calibrated treatment's kept
+    bytes by an equal share per block, so the same plan is then predicted at the measured peak;
+    a lower peak changes no byte; times scale by in-step / predicted per phase."""
+    from remat.profiling._compiled import scaled_to_step
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    prof = profile(model, ids, device="fake")
+    head = prof.head("plain")
+    sim = remat.simulate(prof, "keep", head="plain")
+    blocks = len(prof.block_class)
+    steps = [(2 * (head.pre_fwd_s + head.head_fwd_s + sum(prof.cost(i, "keep").fwd_s for i in range(blocks))),
+              0.0, 1.0)] * 3
+    higher = scaled_to_step(prof, sim, "keep", head, steps, int(sim.peak_bytes) + 1000 * blocks)
+    assert higher.cost(0, "keep").kept == prof.cost(0, "keep").kept + 1000
+    assert higher.cost(0, "full").kept == prof.cost(0, "full").kept
+    assert remat.simulate(higher, "keep", head="plain").peak_bytes == sim.peak_bytes + 1000 * blocks
+    assert higher.cost(0, "keep").fwd_s == pytest.approx(2 * prof.cost(0, "keep").fwd_s)
+    assert higher.notes["calibration"]["kept_bytes_added_per_block"] == {"keep": 1000}
+    lower = scaled_to_step(prof, sim, "keep", head, steps, int(sim.peak_bytes) - 10 ** 6)
+    assert all(lower.cost(i, t).kept == prof.cost(i, t).kept for i in range(blocks) for t in ("keep", "full"))
+
+
 def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo

@@ -140,10 +140,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if want_h:
                     torch.mm(g, w, out=grad_h[s:s + m])
                 if want_w:
-                    if cd == torch.float32:
-                        acc_w.addmm_(g.t(), hc)
-                    else:
-                        acc_w.add_(torch.mm(g.t(), hc))
+                    _accumulate(acc_w, g.t(), hc)
                 if want_b:
                     acc_b.add_(g.sum(0, dtype=torch.float32))
                 del g
@@ -159,6 +156,45 @@ class _ChunkedLoss(torch.autograd.Function):
         gw = _scaled(acc_w, scale, w_dtype) if acc_w is not None else None
         gb = (acc_b * scale).to(b_dtype) if acc_b is not None else None
         return gh, gw, gb, None, None, None, None, None, None
+
+
+def _accumulate(acc, a, b):
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the compute dtype.
+
+    Where cuBLAS can write a half-precision product straight into an fp32 output
+    (``torch.addmm(..., out_dtype=torch.float32)``, CUDA, torch >= 2.8: :func:`_fp32_out`),
+    one GEMM accumulates in place: no [vocab x hidden] product in the compute dtype is
+    materialised (0.5 GiB at a 128k vocabulary and hidden 2048), and each chunk's
+    contribution is added unrounded. Elsewhere the product is formed in the compute
+    dtype and added (the rounding the plain path's single weight-gradient GEMM has once
+    happens once per chunk)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _fp32_out(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+_FP32_OUT = {}  # device type -> whether addmm(out_dtype=float32) works there
+
+
+def _fp32_out(device) -> bool:
+    """Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=torch.float32, out=fp32)`` runs on
+    ``device`` and gives the fp32 product: probed once on small tensors (older torch has no
+    ``out_dtype``: TypeError; a backend without the kernel: NotImplementedError/RuntimeError)."""
+    if device.type not in _FP32_OUT:
+        works = False
+        if device.type == "cuda":
+            a = torch.arange(-8, 8, device=device, dtype=torch.float32).reshape(4, 4).div_(7)
+            acc = torch.ones(4, 4, device=device)
+            try:
+                torch.addmm(acc, a.bfloat16(), a.bfloat16(), out_dtype=torch.float32, out=acc)
+                works = bool(torch.allclose(acc, 1 + a.bfloat16().float() @ a.bfloat16().float(), atol=1e-6))
+            except (TypeError, NotImplementedError, RuntimeError):
+                works = False
+        _FP32_OUT[device.type] = works
+    return _FP32_OUT[device.type]
 
 
 def _rows(x, y, ignore_index, pre, want):
