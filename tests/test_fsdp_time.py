@@ -1,9 +1,11 @@
-"""FSDP2's collectives in the time model: hand-computed exposure, resharding, dtypes, world 1.
+"""FSDP2's collectives in the time model: hand-computed exposure, resharding, dtypes, world 1,
+and the overheads beside the link (copies, launches, contention).
 
 A three-block profile with round numbers: at world 2 and a bus of 1 GB/s a collective of ``B``
 bytes takes ``B / 2 / 1e9`` s, so each block's all-gather and bf16 reduce-scatter (4 MB) takes
 2 ms and the root's (2 MB) 1 ms. Compute: embeddings 0.5 ms each way, blocks 3 ms forward and
 6 ms backward (``keep``) or 9 ms (``full``: the recompute), head 4 ms forward and 1 ms backward.
+The exposure tests charge the link alone (``NO_OVERHEADS``); the overhead tests add each term.
 """
 import dataclasses
 import json
@@ -11,7 +13,8 @@ import json
 import pytest
 
 from remat.planning.costs import BlockCost, Collectives, HeadCost, Profile, rates_for
-from remat.planning.sharding import comm_notes, shard
+from remat.planning.sharding import FSDP2_OVERHEADS, NO_OVERHEADS, Overheads, comm_notes
+from remat.planning.sharding import shard as _shard
 from remat.planning.simulator import simulate
 
 MS = 1e-3
@@ -35,6 +38,11 @@ def _profile(bwd_keep=6 * MS) -> Profile:
                    rates=dataclasses.replace(rates_for("h100"), bus_Bps=1e9))
 
 
+def shard(profile, world, class_param_bytes, **options):
+    """The link-only model these hand computations were made for (the overheads have tests of their own)."""
+    return _shard(profile, world, class_param_bytes, **dict(dict(overheads=NO_OVERHEADS), **options))
+
+
 def _compute_s(prof, treatment):
     h, c = prof.heads[0], prof.cost(0, treatment)
     return h.pre_fwd_s + h.head_fwd_s + h.head_bwd_s + h.pre_bwd_s + BLOCKS * (c.fwd_s + c.bwd_s)
@@ -42,7 +50,7 @@ def _compute_s(prof, treatment):
 
 def test_world_one_is_the_single_gpu_profile_and_step():
     prof = _profile()
-    assert shard(prof, 1, (P,)) is prof and prof.comm is None
+    assert shard(prof, 1, (P,)) is prof and _shard(prof, 1, (P,)) is prof and prof.comm is None
     sim = simulate(prof, "keep")
     assert sim.step_s == pytest.approx(_compute_s(prof, "keep"), abs=1e-12)
     assert sim.exposed_comm_s == 0.0 and sim.comm_s == 0.0
@@ -118,20 +126,28 @@ def test_recompute_adds_no_collective_and_hides_more():
     assert keep.exposed_comm_s == pytest.approx(7 * MS)
 
 
+@pytest.mark.parametrize("overheads", [NO_OVERHEADS, FSDP2_OVERHEADS,
+                                       Overheads(hbm_Bps_fraction=1e-4, contention=0.5, latency_s=0.3 * MS)])
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("bwd_keep", [1 * MS, 3 * MS, 6 * MS])
-def test_additive_exposure_equals_the_simulation(reshard, bwd_keep):
+def test_additive_exposure_equals_the_simulation(reshard, bwd_keep, overheads):
     """Collectives.block_exposed_s (what a solver adds per block) and fixed_exposed_s sum to the
-    simulator's exposed communication for every mix of treatments when blocks are resharded (each
+    simulator's step less its compute (the exposed communication and the overheads) for every mix of treatments when blocks are resharded (each
     backward waits for a gather queued behind the reduce-scatter before it); without resharding
     nothing waits in backward, a reduce-scatter's excess can still hide behind the next block, and
     the sum is an upper bound."""
-    prof = shard(_profile(bwd_keep), 2, (P,), reshard_after_forward=reshard, reduce_dtype="float32")
+    prof = shard(_profile(bwd_keep), 2, (P,), reshard_after_forward=reshard, reduce_dtype="float32",
+                 overheads=overheads)
     for plan in (["keep"] * 3, ["full"] * 3, ["keep", "full", "keep"], ["full", "keep", "keep"]):
         costs = [prof.cost(i, t) for i, t in enumerate(plan)]
         additive = prof.comm.fixed_exposed_s(prof.heads[0]) + sum(
             prof.comm.block_exposed_s(i, c.fwd_s, c.bwd_s) for i, c in enumerate(costs))
-        simulated = simulate(prof, plan).exposed_comm_s
+        sim = simulate(prof, plan)
+        h = prof.heads[0]
+        outside = h.pre_fwd_s + h.head_fwd_s + h.head_bwd_s + h.pre_bwd_s
+        simulated = sim.step_s - outside - sum(c.fwd_s + c.bwd_s for c in costs)  # the step less its compute
+        if overheads is NO_OVERHEADS:
+            assert simulated == pytest.approx(sim.exposed_comm_s)
         if reshard:
             assert simulated == pytest.approx(additive), plan
         else:
@@ -157,7 +173,10 @@ def test_remat_plan_fsdp_json_includes_the_communication(capsys):
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert notes["fsdp_world"] == 8 and notes["reshard_after_forward"] is True
     assert notes["comm_s"] > 0 and 0 < notes["exposed_comm_s"] <= notes["comm_s"]
-    assert notes["predicted_step_s"] == pytest.approx(notes["compute_s"] + notes["exposed_comm_s"], abs=2e-5)
+    overhead = notes["comm_copy_s"] + notes["comm_launch_s"] + notes["comm_contention_s"]
+    assert notes["comm_overhead_s"] == pytest.approx(overhead, rel=1e-3) and notes["comm_launch_s"] > 0
+    assert notes["predicted_step_s"] == pytest.approx(
+        notes["compute_s"] + notes["exposed_comm_s"] + notes["comm_overhead_s"], abs=2e-5)
     assert main(argv) == 0
     stages = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("stages"))
     assert "exposed communication" in stages, stages
@@ -192,3 +211,144 @@ def test_the_solver_minimises_the_step_with_exposed_communication():
             remat.simulate(slow_bus, spec, head="plain").step_s, rel=1e-6)
     plan = remat.solve(slow_bus, 10 ** 12, heads=["plain"])
     assert plan.notes["exposed_comm_s"] > 0 and plan.notes["fsdp_world"] == 8
+
+
+# ---- the overheads beside the link (copies, launches, contention)
+
+COPY_BPS = 1e9  # copies at 1 GB/s: a 4 MB block's all-gather copies (2 * 4 / 2 + 2 * 4 MB) take 12 ms
+
+
+def _overheads(copies=False, contention=0.0, latency_s=0.0):
+    fraction = COPY_BPS / rates_for("h100").hbm_Bps if copies else 0.0
+    return Overheads(hbm_Bps_fraction=fraction, contention=contention, latency_s=latency_s)
+
+
+def test_copies_are_charged_per_block_in_the_phase_where_they_run():
+    """Forward: each all-gather copies the shard in (2 * P / 2) and the whole block out (2 * P). Backward:
+    the same for the backward all-gather, and the reduce-scatter's copy-in reads P (bf16 gradients) and
+    writes 2 P (fp32). The root's: its all-gather's before the first block, its reduce-scatter's after
+    the embeddings' backward. Each block phase is longer by its own bytes at the copy rate."""
+    base = _profile()
+    prof = _shard(base, 2, (P,), reduce_dtype="float32", overheads=_overheads(copies=True))
+    c = prof.comm
+    assert c.fwd_copy_bytes == (3 * P,) * 3 and c.bwd_copy_bytes == (3 * P + P + 2 * P,) * 3
+    assert c.root_fwd_copy_bytes == 3 * ROOT and c.root_bwd_copy_bytes == ROOT + 2 * ROOT
+    assert c.copy_Bps == pytest.approx(COPY_BPS)
+    sim = simulate(prof, "keep")
+    total = 3 * (3 * P + 6 * P) + 3 * ROOT + 3 * ROOT
+    assert sim.comm_copy_s == pytest.approx(total / COPY_BPS)
+    assert sim.comm_launch_s == 0.0 and sim.comm_contention_s == 0.0
+    by_name = {p.name.split(" (")[0]: p for p in sim.timeline}
+    for i in range(BLOCKS):
+        f, b = by_name[f"forward of block {i}"], by_name[f"backward of block {i}"]
+        assert f.overhead_s == pytest.approx(3 * P / COPY_BPS) and f.end_s - f.start_s == pytest.approx(3 * MS + 12 * MS)
+        assert b.overhead_s == pytest.approx(6 * P / COPY_BPS)
+    assert by_name["forward: all-gather of the root"].overhead_s == pytest.approx(3 * ROOT / COPY_BPS)
+    assert by_name["backward: embeddings"].overhead_s == pytest.approx(3 * ROOT / COPY_BPS)
+    # the step grows by the copies (the blocks are longer now, so no collective is exposed but the root's)
+    assert sim.step_s == pytest.approx(_compute_s(prof, "keep") + sim.comm_copy_s + sim.exposed_comm_s)
+
+
+def test_overheads_scale_with_block_bytes():
+    """Twice the parameters: twice the copy seconds; the launches stay (one per collective)."""
+    def sim_for(scale):
+        base = _profile()
+        bigger = dataclasses.replace(base, param_bytes=base.param_bytes * scale)
+        return simulate(_shard(bigger, 2, (P * scale,), overheads=_overheads(copies=True, latency_s=0.1 * MS)),
+                        "keep")
+    one, two = sim_for(1), sim_for(2)
+    assert two.comm_copy_s == pytest.approx(2 * one.comm_copy_s) and one.comm_copy_s > 0
+    assert two.comm_launch_s == pytest.approx(one.comm_launch_s)
+
+
+def test_latency_per_collective():
+    """Resharded: the root's all-gather, 3 forward and 3 backward all-gathers, 3 reduce-scatters and the
+    root's: 11 collectives; without resharding the 3 backward all-gathers go."""
+    for reshard, count in ((True, 11), (False, 8)):
+        prof = _shard(_profile(), 2, (P,), reshard_after_forward=reshard, overheads=_overheads(latency_s=0.1 * MS))
+        assert simulate(prof, "keep").comm_launch_s == pytest.approx(count * 0.1 * MS)
+
+
+def test_contention_hand_computed():
+    """contention 0.5, no copies or latency: a phase slows by half the link time beside it. Link
+    beside compute: the embeddings' forward 0.5 ms (of block 0's 2 ms gather), blocks 0 and 1 forward
+    2 ms each, the head's backward 1 ms, blocks 2, 1, 0 backward 2, 4 and 2 ms, the embeddings' backward
+    0.5 ms: 14 ms x 0.5 = 7 ms slower. Exposed: the root's gather 1, block 0's gather 2 - 0.75, the last
+    block's 2 - 1.5, block 0's reduce-scatter 2 - 0.75 and the root's 1: 5 ms."""
+    prof = _shard(_profile(), 2, (P,), overheads=_overheads(contention=0.5))
+    sim = simulate(prof, "keep")
+    assert sim.comm_contention_s == pytest.approx(7 * MS)
+    assert sim.exposed_comm_s == pytest.approx(5 * MS)
+    assert sim.step_s == pytest.approx(_compute_s(prof, "keep") + 12 * MS)
+    assert sim.comm_copy_s == sim.comm_launch_s == 0.0
+    # nothing beside the compute, nothing slowed: the head's forward runs with the link idle
+    head = next(p for p in sim.timeline if p.name == "forward: head and loss")
+    assert head.overhead_s == 0.0
+
+
+def test_overheads_in_the_stages_and_notes():
+    prof = _shard(_profile(), 2, (P,), overheads=_overheads(copies=True, contention=0.2, latency_s=0.1 * MS))
+    sim = simulate(prof, "keep")
+    stages = sim.stages()
+    overhead = sim.comm_copy_s + sim.comm_launch_s + sim.comm_contention_s
+    assert min(sim.comm_copy_s, sim.comm_launch_s, sim.comm_contention_s) > 0
+    assert sum(s["overhead_s"] for s in stages.values()) == pytest.approx(overhead)
+    assert stages["forward"]["overhead_s"] > 0 and stages["backward"]["overhead_s"] > 0
+    assert sum(s["seconds"] for s in stages.values()) == pytest.approx(sim.step_s)
+    notes = comm_notes(prof, sim)
+    assert notes["comm_overhead_s"] == pytest.approx(overhead, rel=1e-3)
+    assert notes["compute_s"] == pytest.approx(_compute_s(prof, "keep"), rel=1e-3)
+
+
+def test_world_one_and_one_gpu_are_untouched_by_the_overheads():
+    prof = _profile()
+    heavy = Overheads(hbm_Bps_fraction=1e-6, contention=0.9, latency_s=1.0)
+    assert _shard(prof, 1, (P,), overheads=heavy) is prof
+    sim = simulate(prof, "full")
+    assert sim.step_s == _compute_s(prof, "full")  # exactly: nothing added on one GPU
+    assert sim.comm_copy_s == sim.comm_launch_s == sim.comm_contention_s == 0.0
+    assert all(p.overhead_s == 0.0 for p in sim.timeline)
+    assert all(s["overhead_s"] == 0.0 for s in sim.stages().values())
+
+
+def test_default_overheads_are_the_named_constants():
+    from remat.planning import sharding
+    assert FSDP2_OVERHEADS == Overheads(hbm_Bps_fraction=sharding.HBM_BPS_FRACTION,
+                                        contention=sharding.CONTENTION, latency_s=sharding.LATENCY_S)
+    prof = _shard(_profile(), 2, (P,))
+    assert prof.comm.contention == sharding.CONTENTION and prof.comm.latency_s == sharding.LATENCY_S
+    assert prof.comm.copy_Bps == pytest.approx(sharding.HBM_BPS_FRACTION * prof.rates.hbm_Bps)
+
+
+def test_fit_recovers_the_constants():
+    fitted = Overheads.fit(copy_bytes=8e9, copy_s=4e-3, hbm_Bps=2.5e12, overlapped_s=0.1, slowdown_s=0.03,
+                           collectives=100, host_s=4e-3)
+    assert fitted.hbm_Bps_fraction == pytest.approx(0.8) and fitted.contention == pytest.approx(0.3)
+    assert fitted.latency_s == pytest.approx(40e-6)
+    with pytest.raises(ValueError, match="positive"):
+        Overheads.fit(copy_bytes=0, copy_s=1, hbm_Bps=1, overlapped_s=1, slowdown_s=0, collectives=1, host_s=0)
+
+
+def test_the_solver_stays_under_budget_with_the_overheads():
+    """The overheads change time, not memory: every plan the solver returns simulates within its budget,
+    and its time is the simulator's (blocks resharded: the DP's additive time is exact)."""
+    import remat
+    import torch
+    from remat.integrations.presets import build_model, load_config
+    from remat.planning.solver import NoPlanFits, plan_seconds
+    from remat.profiling.profiler import block_param_bytes, profile
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
+    prof = _shard(profile(model, torch.zeros(2, 256, dtype=torch.long), gpu="h100"), 4,
+                  block_param_bytes(model, profile(model, torch.zeros(2, 256, dtype=torch.long), gpu="h100")),
+                  overheads=Overheads(hbm_Bps_fraction=0.01, contention=0.5, latency_s=1e-3))
+    low = remat.simulate(prof, "full", head="plain").peak_bytes
+    high = remat.simulate(prof, "keep", head="plain").peak_bytes
+    for budget in (low, (low + high) // 2, high):
+        try:
+            plan = remat.solve(prof, budget, heads=["plain"])
+        except NoPlanFits:
+            continue
+        sim = remat.simulate(prof, plan)
+        assert sim.bound_bytes <= budget and sim.comm_copy_s > 0 and sim.comm_launch_s > 0
+        assert plan.notes["comm_overhead_s"] > 0
+        assert plan_seconds(prof, list(plan.blocks.values()), prof.head("plain")) == pytest.approx(sim.step_s, rel=1e-6)

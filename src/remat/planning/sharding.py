@@ -44,37 +44,117 @@ whose numbers are validated, stays the one source of truth.
 ``class_param_bytes`` (parameter bytes of one block per block class) comes from the model:
 :func:`remat.profiling.profiler.block_param_bytes` reads it, so this module never sees a model.
 
+Overheads beside the link (:class:`Overheads`, fields of the
+:class:`~remat.planning.costs.Collectives`, charged by the simulator on the compute stream in the
+phase where they happen; the plan's notes and :meth:`~remat.planning.simulator.Simulation.stages`
+show each). Two H100s, llama-8b at 1 x 4096 tokens a rank, measured every strategy 0.11-0.12 s a
+step above a time model that charged only the link (eager 0.398 s predicted, 0.509 measured),
+while the link was busy 0.095 s a step, nearly all of it hidden. What the link time leaves out:
+
+- copies (torch 2.13's ``_fsdp_collectives``): an all-gather first copies the rank's shard into
+  the flat gather buffer (``all_gather_copy_in``: read + write ``2 B / world``; it runs on FSDP2's
+  copy-in stream, charged here on the compute stream as a bound), then splits the gathered buffer
+  into the unsharded parameters (``split_with_sizes_copy``, on the compute stream: read + write
+  ``2 B``). A reduce-scatter first concatenates the unsharded gradients into its flat input
+  (``chunk_cat``, on the compute stream: reads them in the param dtype and writes them in the
+  reduce dtype, the cast included). Charged at ``hbm_Bps_fraction`` of the GPU's HBM bandwidth,
+  in the block's forward (its all-gather's copies) and backward (the backward all-gather's and
+  its reduce-scatter's). Not charged: the reduced shard's cast back to the parameter dtype (on the
+  reduce-scatter stream, ``1/world`` of the bytes);
+- ``contention``: compute runs slower while NCCL's kernels run beside it (they hold SMs and HBM
+  bandwidth); the simulator stretches each phase by ``contention`` x the seconds the link is busy
+  during it;
+- ``latency_s``: a fixed cost per collective on the compute stream (the launch, FSDP2's pre- and
+  post-forward/backward hooks in Python, the stream waits).
+
+The defaults (:data:`FSDP2_OVERHEADS`) are provisional, not fitted: ``hbm_Bps_fraction`` 0.8 (large
+copies reach roughly 80% of the datasheet bandwidth), ``contention`` 0.2 (NCCL's ring kernels hold
+about a fifth of an H100's SMs at full NVLink rate), ``latency_s`` 50 us (a launch plus a few Python
+hooks). On the llama-8b run above they add about half of the missing 0.11 s. To refit them,
+``benchmarks/fsdp_bench.py`` is to record a kernel-time breakdown of one step (copy kernels and the
+bytes they moved, compute kernels with and without a collective beside them, host time per
+collective); :meth:`Overheads.fit` turns those sums into an :class:`Overheads` to pass to
+:func:`shard` (and :func:`remat.planning.replication.replicate`).
+
 Limits: HSDP and CPU offload of shards are not modelled; the root's gradients are kept in full
 (conservative); with a ``MixedPrecisionPolicy`` whose param dtype is narrower than the
 profiled model's, the unsharded blocks in flight are counted at the profiled dtype
-(conservative). FSDP2's copy-in/copy-out around each collective and the SMs NCCL takes from
-compute are not charged.
+(conservative). The overheads' constants are one set for every GPU, and a phase's contention is
+taken from the link time overlapping it before it is stretched (one pass, no feedback).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from remat.planning.costs import Collectives, Profile, dtype_bytes
 
+HBM_BPS_FRACTION = 0.8
+"""Provisional: the share of the datasheet HBM bandwidth FSDP2's and DDP's copies reach."""
+CONTENTION = 0.2
+"""Provisional: how much slower compute runs while a collective runs beside it (0.2: 20%)."""
+LATENCY_S = 50e-6
+"""Provisional: seconds on the compute stream per collective (launch and hooks)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """What a collective costs the compute stream beyond the link's time (see the module doc).
+
+    Provisional: the defaults are estimates, to be refit with :meth:`fit` from the kernel-time
+    breakdown ``benchmarks/fsdp_bench.py`` records on the GPUs.
+    """
+
+    hbm_Bps_fraction: float = HBM_BPS_FRACTION
+    """Copies run at this fraction of the GPU's ``Rates.hbm_Bps`` (read + write counted); 0: copies not charged."""
+    contention: float = CONTENTION
+    """Fraction by which compute slows while the link is busy beside it."""
+    latency_s: float = LATENCY_S
+    """Fixed seconds per collective on the compute stream."""
+
+    @classmethod
+    def fit(cls, *, copy_bytes: float, copy_s: float, hbm_Bps: float, overlapped_s: float, slowdown_s: float,
+            collectives: int, host_s: float) -> "Overheads":
+        """Constants from one step's kernel-time breakdown: ``copy_bytes`` moved (read + write) by
+        the copy kernels in ``copy_s``; ``overlapped_s`` of compute that ran beside a collective, and
+        ``slowdown_s`` more than the same kernels took alone; ``collectives`` launched, costing
+        ``host_s`` on the compute stream beyond their kernels."""
+        if min(copy_bytes, copy_s, hbm_Bps, overlapped_s, collectives) <= 0 or min(slowdown_s, host_s) < 0:
+            raise ValueError("Overheads.fit needs positive bytes, seconds, a bandwidth and a count of collectives, "
+                             f"got copy_bytes={copy_bytes!r}, copy_s={copy_s!r}, hbm_Bps={hbm_Bps!r}, "
+                             f"overlapped_s={overlapped_s!r}, collectives={collectives!r} (slowdown_s, host_s >= 0)")
+        return cls(hbm_Bps_fraction=copy_bytes / copy_s / hbm_Bps, contention=slowdown_s / overlapped_s,
+                   latency_s=host_s / collectives)
+
+    def fields(self, hbm_Bps: float) -> dict:
+        """The :class:`~remat.planning.costs.Collectives` fields these constants set, at ``hbm_Bps``."""
+        return dict(copy_Bps=float(hbm_Bps) * self.hbm_Bps_fraction, contention=float(self.contention),
+                    latency_s=float(self.latency_s))
+
+
+FSDP2_OVERHEADS = Overheads()
+"""The defaults :func:`shard` and :func:`remat.planning.replication.replicate` charge."""
+NO_OVERHEADS = Overheads(hbm_Bps_fraction=0.0, contention=0.0, latency_s=0.0)
+"""Only the link's time (the time model before these overheads; for tests and comparisons)."""
+
 
 def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_after_forward: bool = True,
-          param_dtype=None, reduce_dtype=None, bus_Bps: Optional[float] = None) -> Profile:
+          param_dtype=None, reduce_dtype=None, bus_Bps: Optional[float] = None,
+          overheads: Overheads = FSDP2_OVERHEADS) -> Profile:
     """``profile`` as one of ``world`` FSDP2 ranks sees it (see the module docstring).
 
     ``reshard_after_forward``: as passed to ``fully_shard`` for the blocks (the root is never
     resharded after forward). ``param_dtype`` / ``reduce_dtype``: a ``MixedPrecisionPolicy``'s
     (names or torch dtypes); default the profiled model's dtype, and the param dtype.
     ``bus_Bps``: collective bus bandwidth in bytes/s; default the profile's rates.
+    ``overheads``: the copies, contention and latency charged beside the link (:class:`Overheads`).
     """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"the FSDP world size must be a positive integer (ranks sharing the model), got {world!r}")
     if len(class_param_bytes) != len(profile.classes):
         raise ValueError(f"class_param_bytes has {len(class_param_bytes)} entries for {len(profile.classes)} "
                          "block classes; use remat.profiling.profiler.block_param_bytes(model, profile)")
-    bus = profile.rates.bus_Bps if bus_Bps is None else bus_Bps
-    if not bus or bus <= 0:
-        raise ValueError(f"bus_Bps must be a positive rate in bytes/s (e.g. 330e9 for NVLink H100), got {bus_Bps!r}")
+    bus = check_bus(profile, bus_Bps)
     if world == 1:
         return profile
     kept = 1.0 - 1.0 / world
@@ -96,25 +176,52 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     model_bytes = dtype_bytes(profile.dtype)
     gather = dtype_bytes(param_dtype) / model_bytes if param_dtype is not None else 1.0
     reduce = (dtype_bytes(reduce_dtype) / model_bytes) if reduce_dtype is not None else gather
-    per_block = [class_param_bytes[c] for c in profile.block_class]
+    gathers = tuple(int(class_param_bytes[c] * gather) for c in profile.block_class)
+    reduces = tuple(int(class_param_bytes[c] * reduce) for c in profile.block_class)
+    root_gather, root_reduce = int(root * gather), int(root * reduce)
+
+    def gather_copies(b):  # copy-in of the shard (read + write), copy-out of the whole (read + write)
+        return int(2 * b / world + 2 * b)
+
+    again = 1 if reshard_after_forward else 0
     comm = Collectives(world=world, bus_Bps=float(bus), reshard_after_forward=bool(reshard_after_forward),
-                       gather_bytes=tuple(int(b * gather) for b in per_block),
-                       reduce_bytes=tuple(int(b * reduce) for b in per_block),
-                       root_gather_bytes=int(root * gather), root_reduce_bytes=int(root * reduce),
-                       bus_measured=bus_Bps is not None)
+                       gather_bytes=gathers, reduce_bytes=reduces, root_gather_bytes=root_gather,
+                       root_reduce_bytes=root_reduce, bus_measured=bus_Bps is not None, kind="fsdp2",
+                       # reduce-scatter copy-in: gradients read in the param dtype, written in the reduce dtype
+                       fwd_copy_bytes=tuple(gather_copies(g) for g in gathers),
+                       bwd_copy_bytes=tuple(again * gather_copies(g) + g + r for g, r in zip(gathers, reduces)),
+                       fwd_launches=(1,) * len(gathers), bwd_launches=(1 + again,) * len(gathers),
+                       root_fwd_copy_bytes=gather_copies(root_gather) if root_gather else 0,
+                       root_bwd_copy_bytes=root_gather + root_reduce,
+                       root_fwd_launches=int(root_gather > 0), root_bwd_launches=int(root_reduce > 0),
+                       **overheads.fields(profile.rates.hbm_Bps))
     return replace(profile, static_bytes=int(static), classes=classes, comm=comm,
                    notes=dict(profile.notes, fsdp_world=world, reshard_after_forward=bool(reshard_after_forward)))
 
 
+def check_bus(profile: Profile, bus_Bps: Optional[float]) -> float:
+    """The bus rate to charge: ``bus_Bps``, or the profile's; ValueError unless positive."""
+    bus = profile.rates.bus_Bps if bus_Bps is None else bus_Bps
+    if not bus or bus <= 0:
+        raise ValueError(f"bus_Bps must be a positive rate in bytes/s (e.g. 330e9 for NVLink H100), got {bus_Bps!r}")
+    return float(bus)
+
+
 def comm_notes(profile: Profile, sim) -> dict:
     """What a plan's notes say of the collectives (``sim``: its :class:`~remat.planning.simulator.Simulation`);
-    empty on one GPU."""
+    empty on one GPU. ``compute_s`` is the step less the exposed communication and the overheads."""
     comm = profile.comm
     if comm is None:
         return {}
     def s(x):  # four significant digits: a tiny model's collectives take microseconds
         return float(f"{x:.4g}")
-    return {"fsdp_world": comm.world, "reshard_after_forward": comm.reshard_after_forward,
-            "bus_GBps": round(comm.bus_Bps / 1e9, 1), "bus_measured": comm.bus_measured,
-            "comm_s": s(sim.comm_s), "exposed_comm_s": s(sim.exposed_comm_s),
-            "compute_s": s(sim.step_s - sim.exposed_comm_s)}
+    if comm.kind == "ddp":
+        notes = {"ddp_world": comm.world, "allreduce_buckets": sum(comm.bwd_launches) + comm.root_bwd_launches}
+    else:
+        notes = {"fsdp_world": comm.world, "reshard_after_forward": comm.reshard_after_forward}
+    overhead = sim.comm_copy_s + sim.comm_launch_s + sim.comm_contention_s
+    return dict(notes, bus_GBps=round(comm.bus_Bps / 1e9, 1), bus_measured=comm.bus_measured,
+                comm_s=s(sim.comm_s), exposed_comm_s=s(sim.exposed_comm_s),
+                comm_overhead_s=s(overhead), comm_copy_s=s(sim.comm_copy_s), comm_launch_s=s(sim.comm_launch_s),
+                comm_contention_s=s(sim.comm_contention_s),
+                compute_s=s(sim.step_s - sim.exposed_comm_s - overhead))

@@ -23,19 +23,19 @@ chain as a step runs them, or the roofline's), one after the other on the GPU; t
 taken to run ahead of the GPU except where the offload engine makes it wait for copies,
 and a phase whose data is still being copied waits for it.
 
-Collectives (FSDP2, a profile from :func:`remat.planning.sharding.shard`): one link, FIFO, at
-the bus bandwidth of ``profile.comm``, beside the compute stream. The root's all-gather runs
-first, alone. Each block's all-gather is issued when the phase before the one that needs it
-starts, and overlaps it (FSDP2 prefetches one block: it does not start a gather before the
-previous one's copy-out, at the start of the phase that used it): the first block's with the
-embeddings' forward, block i+1's with block i's forward; in backward (resharded after forward)
-the last block's with the head's backward, block i-1's with block i's backward. A block's
-reduce-scatter is issued when its backward ends, so block i's backward also overlaps the
-reduce-scatter of block i+1; the first block's overlaps the embeddings' backward, and the
-root's runs last, alone. A phase whose parameters have not arrived waits: the exposed
-communication per window is ``max(0, its collectives' seconds - the phase's compute)``, plus the
-root's gather and the reduce-scatters left at the end of the step. Recomputation adds no
-collective. Without a ``comm`` (one GPU) nothing of this runs and the step is unchanged.
+Collectives (``profile.comm``: FSDP2 from :func:`remat.planning.sharding.shard`, DDP from
+:func:`remat.planning.replication.replicate`): one FIFO link at the bus rate, beside the compute.
+FSDP2 prefetches one block: the root's all-gather runs first, alone; block i+1's all-gather is
+issued when block i's forward starts (the first block's with the embeddings'), and in backward
+(resharded after forward) block i-1's when block i's starts (the last block's with the head's
+backward); block i's reduce-scatter when its backward ends, the root's last. DDP's all-reduces
+start as its buckets fill during the backward (``Collectives.buckets``), the last buckets' after
+the embeddings' backward. A phase whose parameters have not arrived waits, and the step ends when
+the link is idle: the exposed communication. Each phase also pays, on the compute stream, the
+collectives' copies and launches that belong to it and ``contention`` x the link's busy time
+within it (:mod:`remat.planning.sharding`: ``Phase.overhead_s``, the ``Simulation``'s
+``comm_copy_s`` / ``comm_launch_s`` / ``comm_contention_s``). Recomputation adds no collective.
+Without a ``comm`` (one GPU) nothing of this runs and the step is unchanged.
 
 Offload is a model of :class:`remat.offload.engine.OffloadEngine` with the settings in the
 profile's :class:`~remat.planning.offload_model.EngineModel` and the copy rates of its GPU:
@@ -65,8 +65,8 @@ earlier than its compute; the window is checked at the block's end, the engine c
 every saved tensor); as the host is taken to run ahead, the expected peak is usually the
 bound. When the window makes the host wait at every block, the GPU's queue drains and launch
 latency shows; that is not charged, so such plans run slower than predicted. Optimizer steps
-and data loading are not in the step. Collectives: FSDP2's copy-in/copy-out kernels and the SMs
-NCCL takes from compute are not charged; concurrent gathers and reduce-scatters share the link.
+and data loading are not in the step. Collectives: concurrent gathers and reductions share the link;
+a phase's contention is taken from the link time overlapping it before it is stretched.
 Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
 simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
 """
@@ -92,7 +92,8 @@ class Phase(NamedTuple):
     engine_bytes: int = 0  # offloaded bytes still on the GPU at the phase's peak (expected)
     wait_s: float = 0.0    # time the GPU or the host waited for copies in this phase
     carried_bytes: int = 0  # alive from earlier phases (static and engine bytes excluded)
-    comm_s: float = 0.0    # time the GPU waited for collectives (FSDP2) before this phase
+    comm_s: float = 0.0    # time the GPU waited for collectives (FSDP2, DDP) before this phase
+    overhead_s: float = 0.0  # collectives' copies, launches and contention charged in this phase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +130,12 @@ class Simulation:
     """Seconds the collectives keep the link busy (FSDP2; 0 on one GPU)."""
     exposed_comm_s: float = 0.0
     """Step time spent waiting for collectives: not hidden behind compute."""
+    comm_copy_s: float = 0.0
+    """Seconds the compute stream spends copying into and out of the collectives' buffers."""
+    comm_launch_s: float = 0.0
+    """Seconds of the collectives' fixed cost per call (launch, hooks) on the compute stream."""
+    comm_contention_s: float = 0.0
+    """Seconds compute was slowed by collectives running beside it."""
 
     def phases(self, kind: str = "all") -> list:
         """Phases whose name starts with ``forward`` / ``backward`` (``kind``), or all."""
@@ -143,7 +150,9 @@ class Simulation:
     def stages(self) -> dict:
         """Seconds and peak bytes of the step's three stages: forward (embeddings and blocks),
         head (loss forward and backward), backward (blocks and embeddings). A stage's seconds
-        include the time its phases waited for collectives (``comm_s``, FSDP2), the first one's too."""
+        include the time its phases waited for collectives (``comm_s``, FSDP2 and DDP), the first
+        one's too, and the collectives' overheads on the compute stream (``overhead_s``: copies,
+        launches, contention)."""
         out = {}
         for stage, test in (("forward", lambda n: n.startswith("forward") and "head" not in n),
                             ("head", lambda n: "head" in n),
@@ -153,7 +162,8 @@ class Simulation:
                 out[stage] = {"seconds": phases[-1].end_s - (phases[0].start_s - phases[0].comm_s),
                               "peak_bytes": max(p.peak_bytes for p in phases),
                               "wait_s": sum(p.wait_s for p in phases),
-                              "comm_s": sum(p.comm_s for p in phases)}
+                              "comm_s": sum(p.comm_s for p in phases),
+                              "overhead_s": sum(p.overhead_s for p in phases)}
         return out
 
 
@@ -219,6 +229,47 @@ class _Bus:
         return self.free_at
 
 
+class _Link:
+    """The collectives beside the compute (``profile.comm``): one FIFO link at the bus rate, and
+    the overheads charged to the compute stream, summed for the :class:`Simulation`."""
+
+    def __init__(self, comm, clock):
+        self.comm, self.clock, self.bus = comm, clock, _Bus(comm.bus_Bps)
+        self.copy_s = self.launch_s = self.contention_s = 0.0
+
+    def issue(self, nbytes, ready, reduce=False) -> float:
+        """One all-gather, or reduction (``reduce``), of ``nbytes`` (unsharded) at ``ready``; when it ends."""
+        factor = 2 if reduce and self.comm.kind == "ddp" else 1   # an all-reduce moves twice the bytes
+        return self.bus.copy(nbytes * factor * (self.comm.world - 1) / self.comm.world, ready=ready)
+
+    def charge(self, copied, launches) -> float:
+        """Seconds of ``copied`` bytes and ``launches`` collectives on the compute stream."""
+        copy, launch = self.comm.copy_s(copied), self.comm.latency_s * launches
+        self.copy_s += copy
+        self.launch_s += launch
+        return copy + launch
+
+    def block(self, index, backward) -> float:
+        c = self.comm
+        copied, launches = (c.bwd_copy_bytes, c.bwd_launches) if backward else (c.fwd_copy_bytes, c.fwd_launches)
+        return self.charge(copied[index] if copied else 0, launches[index] if launches else 0)
+
+    def stretch(self, start, seconds) -> float:
+        """Slow the phase that computes ``seconds`` from ``start`` by ``contention`` x the link's busy
+        time within it (its collectives issued already); the seconds added."""
+        if not self.comm.contention:
+            return 0.0
+        busy = 0.0
+        for _, begin, end in reversed(self.bus.copies):  # FIFO: ends only grow
+            if end <= start:
+                break
+            busy += max(0.0, min(end, start + seconds) - max(begin, start))
+        extra = self.comm.contention * busy
+        self.clock["gpu"] += extra
+        self.contention_s += extra
+        return extra
+
+
 def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optional[int] = None) -> Simulation:
     """Predicted peak bytes, step seconds and what sets the peak, for ``plan`` on ``profile``.
 
@@ -259,17 +310,14 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         return start, waited, max(0.0, gathered - max(free, ready))
 
     comm = profile.comm
-    link = _Bus(comm.bus_Bps) if comm else None
-
-    def collective(nbytes, ready):
-        """Issue one all-gather or reduce-scatter of ``nbytes`` (unsharded) at ``ready``; when it ends."""
-        return link.copy(nbytes * (comm.world - 1) / comm.world, ready=ready)
+    link = _Link(comm, clock) if comm else None
+    ddp = bool(comm) and comm.kind == "ddp"
 
     gathered = [0.0] * len(costs)      # forward: when block i's parameters are all-gathered
     regathered = [0.0] * len(costs)    # backward: the same, when resharded after forward
     waits = []                         # seconds the GPU waited for collectives
 
-    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0, comm_wait=0.0):
+    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0, comm_wait=0.0, over=0.0):
         """``b``: the phase's :class:`~remat.planning.memory.Bytes` without the engine's; ``held``:
         the engine's expected bytes (at its peak and, unless ``end`` is given, at its end);
         ``bound``: the engine's bound at its peak."""
@@ -277,26 +325,33 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         timeline.append(Phase(name=name, peak_bytes=int(b.peak + held), end_bytes=int(end),
                               start_s=start, end_s=clock["gpu"], bound_bytes=int(b.peak + bound),
                               engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - static),
-                              comm_s=comm_wait))
+                              comm_s=comm_wait, overhead_s=over))
         waits.append(comm_wait)
 
     # ---- forward
-    if comm and comm.root_gather_bytes:  # the root's all-gather: nothing to hide it behind
-        root = collective(comm.root_gather_bytes, ready=0.0)
-        start, _, cw = run(0.0, gathered=root)
-        phase("forward: all-gather of the root", Bytes(static, static, static), start, comm_wait=cw)
+    if comm and comm.root_gather_bytes:  # the root's all-gather: nothing to hide it behind; then its copies
+        root = link.issue(comm.root_gather_bytes, ready=0.0)
+        over = link.charge(comm.root_fwd_copy_bytes, comm.root_fwd_launches)
+        start, _, cw = run(over, gathered=root)
+        phase("forward: all-gather of the root", Bytes(static, static, static), start, comm_wait=cw, over=over)
     start, _, cw = run(h.pre_fwd_s)
-    if comm and costs:
-        gathered[0] = collective(comm.gather_bytes[0], ready=start)
-    phase("forward: embeddings", live.embeddings_forward(), start, comm_wait=cw)
+    over = 0.0
+    if comm:
+        if costs and comm.gather_bytes[0]:
+            gathered[0] = link.issue(comm.gather_bytes[0], ready=start)
+        over = link.stretch(start, h.pre_fwd_s)
+    phase("forward: embeddings", live.embeddings_forward(), start, comm_wait=cw, over=over)
     d2h = _Bus(rates.d2h_Bps)
     packed, released = 0, 0.0         # offloaded bytes so far; released by the engine
     exposed = 0.0
     for i, c in enumerate(costs):
         held = packed - released
-        start, _, cw = run(c.fwd_s, gathered=gathered[i])
-        if comm and i + 1 < len(costs):  # prefetched while this block computes
-            gathered[i + 1] = collective(comm.gather_bytes[i + 1], ready=start)
+        over = link.block(i, backward=False) if comm else 0.0
+        start, _, cw = run(c.fwd_s + over, gathered=gathered[i])
+        if comm:
+            if i + 1 < len(costs) and comm.gather_bytes[i + 1]:  # prefetched while this block computes
+                gathered[i + 1] = link.issue(comm.gather_bytes[i + 1], ready=start)
+            over += link.stretch(start, c.fwd_s + over)
         wait = 0.0
         if off[i]:
             # ``offload`` saves over its whole forward, ``full+offload`` its input at the start
@@ -311,16 +366,20 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         exposed += wait
         b = live.forward(terms[i])
         phase(f"forward of block {i} ({names[i]}, {treatments[i]})", b, start, bound=overhead["forward"][i],
-              held=held, end=b.end + packed - released, wait=wait, comm_wait=cw)
+              held=held, end=b.end + packed - released, wait=wait, comm_wait=cw, over=over)
 
     # ---- head: nothing is released until the backward starts
     held = packed - released
     start, _, _ = run(h.head_fwd_s)
-    phase("forward: head and loss", live.head_forward(), start, bound=overhead["head"], held=held)
+    over = link.stretch(start, h.head_fwd_s) if comm else 0.0
+    phase("forward: head and loss", live.head_forward(), start, bound=overhead["head"], held=held, over=over)
     start, _, _ = run(h.head_bwd_s)
-    if comm and comm.reshard_after_forward and costs:
-        regathered[-1] = collective(comm.gather_bytes[-1], ready=start)
-    phase("backward: head and loss", live.head_backward(), start, bound=overhead["head"], held=held)
+    over = 0.0
+    if comm:
+        if comm.reshard_after_forward and costs and comm.gather_bytes[-1]:
+            regathered[-1] = link.issue(comm.gather_bytes[-1], ready=start)
+        over = link.stretch(start, h.head_bwd_s)
+    phase("backward: head and loss", live.head_backward(), start, bound=overhead["head"], held=held, over=over)
 
     # ---- backward
     # Bytes still queued at the end of the forward, newest first, beyond the ``issue_bytes``
@@ -347,26 +406,42 @@ def _walk(profile, treatments, costs, h) -> Simulation:
                 if j not in fetched:
                     fetched.add(j)
                     arrives[j] = h2d.copy(off[j] - never[j], ready=begin) if off[j] > never[j] else begin
-        start, wait, cw = run(c.bwd_s, ready=arrives.get(i, 0.0), gathered=regathered[i])
+        over = link.block(i, backward=True) if comm else 0.0
+        start, wait, cw = run(c.bwd_s + over, ready=arrives.get(i, 0.0), gathered=regathered[i])
         if comm:
-            if comm.reshard_after_forward and i > 0:  # prefetched while this block computes
-                regathered[i - 1] = collective(comm.gather_bytes[i - 1], ready=start)
-            collective(comm.reduce_bytes[i], ready=clock["gpu"])  # its gradients, once its backward ends
+            if comm.reshard_after_forward and i > 0 and comm.gather_bytes[i - 1]:  # prefetched beside it
+                regathered[i - 1] = link.issue(comm.gather_bytes[i - 1], ready=start)
+            for fraction, nbytes in (comm.buckets[i] if ddp else ()):  # DDP: each bucket once it fills
+                link.issue(nbytes, ready=start + fraction * (c.bwd_s + over), reduce=True)
+            over += link.stretch(start, c.bwd_s + over)
+            if not ddp:  # FSDP2: its gradients, once its backward ends
+                link.issue(comm.reduce_bytes[i], ready=clock["gpu"], reduce=True)
         exposed += wait
         if unpacked:  # earlier blocks' bytes on the GPU: fetched ahead, or never moved
             held = sum(off[j] if j in fetched else never[j] for j in range(i))
         what = "recompute + backward" if treatments[i] not in ("keep", "offload") else "backward"
         phase(f"backward of block {i} ({names[i]}, {treatments[i]}: {what})", live.backward(i, terms[i]), start,
-              bound=overhead["backward"][i], held=held, wait=wait, comm_wait=cw)
+              bound=overhead["backward"][i], held=held, wait=wait, comm_wait=cw, over=over)
         fetched.discard(i)
-    start, _, _ = run(h.pre_bwd_s)
-    phase("backward: embeddings", live.embeddings(), start)
-    if comm:  # the root's gradients last; the step ends when every reduce-scatter has
-        collective(comm.root_reduce_bytes, ready=clock["gpu"])
-        if link.free_at > clock["gpu"]:
-            end = timeline[-1].end_bytes
-            start, _, cw = run(0.0, gathered=link.free_at)
-            phase("backward: reduce-scatters left at the end", Bytes(end, end, end), start, comm_wait=cw)
+    if not comm:
+        start, _, _ = run(h.pre_bwd_s)
+        phase("backward: embeddings", live.embeddings(), start)
+    else:  # the root's copies after the embeddings' backward, its reduction last; the step ends with the link
+        over = link.charge(comm.root_bwd_copy_bytes, comm.root_bwd_launches)
+        start, _, _ = run(h.pre_bwd_s + over)
+        over += link.stretch(start, h.pre_bwd_s + over)
+        phase("backward: embeddings", live.embeddings(), start, over=over)
+        if comm.root_reduce_bytes:
+            link.issue(comm.root_reduce_bytes, ready=clock["gpu"], reduce=True)
+        end = timeline[-1].end_bytes
+        if link.bus.free_at > clock["gpu"]:
+            start, _, cw = run(0.0, gathered=link.bus.free_at)
+            phase(f"backward: {'all-reduces' if ddp else 'reduce-scatters'} left at the end", Bytes(end, end, end),
+                  start, comm_wait=cw)
+        if comm.final_copy_bytes:  # DDP: the reduced buckets back into the gradients
+            over = link.charge(comm.final_copy_bytes, 0)
+            start, _, _ = run(over)
+            phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
     top = max(timeline, key=lambda p: p.peak_bytes)
     worst = max(timeline, key=lambda p: p.bound_bytes)
     step = clock["gpu"]
@@ -374,5 +449,6 @@ def _walk(profile, treatments, costs, h) -> Simulation:
                       peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
                       timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,
                       bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved),
-                      comm_s=comm.total_s() if comm else 0.0,
-                      exposed_comm_s=sum(waits))
+                      comm_s=comm.total_s() if comm else 0.0, exposed_comm_s=sum(waits),
+                      comm_copy_s=link.copy_s if comm else 0.0, comm_launch_s=link.launch_s if comm else 0.0,
+                      comm_contention_s=link.contention_s if comm else 0.0)
