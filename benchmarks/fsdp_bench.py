@@ -1,8 +1,10 @@
-"""FSDP2 on several GPUs: remat's plans at three per-GPU budgets beside the stock strategies.
+"""FSDP2 on several GPUs: remat's plans at four per-GPU budgets beside the stock strategies.
 
     PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_bench.py --out $OUT
+    PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_bench.py --single --trace --out $OUT
     PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_bench.py --device cpu \\
         --model llama-tiny --batch 2 --seq 32 --steps 1 --warmup 1    # checks the script (gloo)
+    PYTHONPATH=src python benchmarks/fsdp_bench.py --plan-only --world 4    # budgets and plans, no GPU
 
 Every strategy runs in this one process group, on a fresh model with the same seed and the
 same batch per rank, and gets ``fully_shard`` on every decoder layer and then the root:
@@ -11,13 +13,28 @@ same batch per rank, and gets ``fully_shard`` on every decoder layer and then th
 - ``torch_ac``: ``apply_activation_checkpointing`` with a non-reentrant ``checkpoint_wrapper``
   on every decoder layer (the usual FSDP recipe), then ``fully_shard`` on the wrappers;
 - ``hf_full``: Hugging Face ``gradient_checkpointing_enable(use_reentrant=False)``;
-- ``remat@<budget>``: the plan for one of ``world`` FSDP2 ranks at three per-GPU budgets.
+- ``remat@<budget>``: the plan for one of ``world`` FSDP2 ranks at four per-GPU budgets.
   Rank 0 profiles the unsharded model once (on its GPU; fake tensors on the CPU), turns the
   profile into one rank's view (:func:`remat.planning.sharding.shard`) and solves for each budget
-  -- what ``remat.plan(model, batch, budget, fsdp_world=world)`` does, with one profile for the
-  three -- and broadcasts the plans as data. By default the budgets sit at 15%, 50% and 85% of
-  the way from the all-``full`` plan's predicted peak to the all-``keep`` one, so that the
-  solver picks different mixes at any world size; ``--budgets 20GiB,28GiB,36GiB`` fixes them.
+  -- what ``remat.plan(model, batch, budget, fsdp_world=world)`` does, with one profile for
+  them all -- and broadcasts the plans as data. ``--budgets 20GiB,28GiB,36GiB`` fixes them; the
+  four defaults (:func:`default_budgets`), lowest first:
+
+  1. an *offload* budget (:func:`offload_budget`), where the solver's plan offloads: halfway
+     between the smallest budget any plan fits and the smallest one a plan without offload
+     fits, where offload lowers the first (no plan without offload fits there); else, where it
+     does not (llama-8b 1x4096 on 2 ranks peaks in the embeddings' backward, whatever the
+     blocks do), the lowest of 2%, 4% ... 10% of the way from that smallest budget to the
+     all-``keep`` peak at which the fastest plan offloads (``full+offload`` blocks making room
+     for faster ``selective`` ones). Offload is planned on GPUs only, so on the CPU this is 90%
+     of the smallest budget and the row is recorded as skipped (no plan fits);
+  2.-4. 15%, 50% and 85% of the way from the all-``full`` plan's predicted peak (chunked head)
+     to the all-``keep`` one, so that the solver picks different mixes at any world size.
+
+  Each remat record says which (``budget_rule``) and whether its plan offloads (``offloads``).
+  ``--plan-only`` prints the budgets and plans without a process group or a GPU: a fake-tensor
+  profile with ``--gpu``'s rates (default h100), for ``--world`` ranks (default 2), offload
+  allowed as on a GPU.
 
 Protocol (as ``remat bench``): a step is ``zero_grad(set_to_none=True)``, forward with
 ``labels``, ``backward()``; no optimizer. ``--warmup`` steps, then ``--steps`` timed ones (rank
@@ -32,6 +49,26 @@ the process group before planning (:func:`remat.profiling._calibrate.bus_rate`, 
 ``predicted_comm_s`` (link busy) and ``predicted_exposed_comm_s`` (not hidden) beside
 ``predicted_step_s`` = compute + exposed. ``--no-reshard`` runs ``fully_shard(...,
 reshard_after_forward=False)`` and plans for it.
+
+``--trace``: where a step's time goes, for the gap between predicted and measured step times
+(llama-8b 1x4096 on 2 x H100: every row ~0.11 s over its prediction). After each row's timed and
+counted steps, one more step runs under ``torch.profiler`` (CUDA activities) on every rank, and
+the record gets rank 0's kernel-time breakdown (``trace``, :mod:`_trace`, ``benchmarks/_trace.py``):
+seconds of kernels per category (gemm, attention, nccl, FSDP2's copy-in/copy-out
+``fsdp_copy``, elementwise, memcpy, other), the traced step's wall time and GPU span, the
+union of the compute kernels' busy time and of the nccl kernels', the nccl time overlapped with
+compute vs exposed, the time no kernel runs at all (``gpu_idle_s``), busy time per stream and the
+top kernels by time; ``trace_per_rank`` has each rank's wall, span, busy and exposed seconds. The
+profiler slows the host side of the step, so the traced step is never one of the timed ones;
+compare its ``compute_busy_s`` with ``predicted_compute_s`` and its ``gpu_idle_s`` with the gap.
+
+``--single``: before the FSDP rows, rank 0 alone runs the unsharded model without FSDP on its
+own GPU and its own batch (``single:eager``, then ``single:hf_full``: Hugging Face full
+checkpointing), where its predicted peak (the unsharded profile's, no collectives) fits the
+GPU; the other ranks wait at a barrier. Each records step time, peak and the same breakdown
+(always traced): the compute this GPU does for one rank's batch without FSDP, to set beside
+the FSDP rows' step and compute. Its model is freed (and the cache emptied) before the next
+row, which starts from the usual settle.
 
 Memory between rows: each row starts after ``gc.collect()``, a device synchronise, a barrier and
 ``empty_cache()``, and records ``allocated_before_bytes`` (every rank's allocated bytes before it
@@ -58,6 +95,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
+from _trace import format_breakdown, trace_step  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -68,6 +106,9 @@ from remat.prove.collectives import CollectiveCounter  # noqa: E402
 from remat.units import format_size  # noqa: E402
 
 FRACTIONS = (0.15, 0.5, 0.85)
+OFFLOAD_LADDER = (0.02, 0.04, 0.06, 0.08, 0.10)  # see offload_budget
+# what every rank reports of its own traced step (rank 0's whole breakdown is in the record)
+TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl_exposed_s", "gpu_idle_s")
 
 
 def parse_args(argv=None):
@@ -80,11 +121,22 @@ def parse_args(argv=None):
     p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat", help="which rows to run")
     p.add_argument("--no-reshard", action="store_true",
                    help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
+    p.add_argument("--trace", action="store_true",
+                   help="one more step per row under torch.profiler: rank 0 records its kernel-time breakdown")
+    p.add_argument("--single", action="store_true",
+                   help="first, rank 0 alone runs the unsharded model (eager, hf_full) without FSDP")
+    p.add_argument("--plan-only", action="store_true",
+                   help="no process group and no run: print the budgets and plans for --world GPUs of --gpu "
+                        "(fake-tensor profile, offload allowed) and exit")
+    p.add_argument("--world", type=int, default=2, help="with --plan-only: the FSDP world to plan for")
+    p.add_argument("--gpu", default="h100", help="with --plan-only: the GPU whose rates to plan with")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plan_only:
+        return plan_only(args)
     cuda = args.device == "cuda"
     if cuda:  # before the process group, so that NCCL knows each rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -106,22 +158,30 @@ def main(argv=None):
     rows = [("eager", None), ("torch_ac", None), ("hf_full", None)]
     rows = [r for r in rows if r[0] in wanted]
     if "remat" in wanted:
-        rows += [(f"remat@{format_size(b).replace(' ', '')}", Plan.from_dict(d)) for b, d in planned["plans"]]
+        rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]]
 
     generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
                   bus_measured=bus is not None, reshard_after_forward=not args.no_reshard)
-    records = []
+    records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
     for name, plan in rows:
+        if isinstance(plan, dict):  # a budget that no plan fits (offload, say, on the CPU)
+            records.append(dict(shared, strategy=name, kind="remat", budget_bytes=plan["budget"],
+                                budget_rule=plan["rule"], skipped=plan["error"]))
+            if rank == 0:
+                print(_line(records[-1]), flush=True)
+            continue
         predicted = planned["anchors"].get(name) or planned["predicted"][name]
         record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
                       predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"],
                       predicted_compute_s=predicted["compute_s"], predicted_comm_s=predicted["comm_s"],
                       predicted_exposed_comm_s=predicted["exposed_comm_s"])
         if plan is not None:
-            record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"))
+            record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"),
+                          budget_rule=planned["rules"][name],
+                          offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
         limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
         if limit and predicted["peak"] > 0.97 * limit:
             record["skipped"] = (f"predicted peak {format_size(predicted['peak'])} > 97% of this GPU's "
@@ -151,8 +211,11 @@ def _predicted(sim) -> dict:
                 comm_s=round(sim.comm_s, 5), exposed_comm_s=round(sim.exposed_comm_s, 5))
 
 
-def _plan_rank0(args, config, dtype, world, cuda, bus=None) -> dict:
-    """Profile once, then the plan per budget and the anchors' predictions, as plain data."""
+def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=None) -> dict:
+    """Profile once, then the plan per budget and the anchors' predictions, as plain data.
+
+    ``gpu``: the rates of a fake-tensor profile (default this GPU's, or the CPU's);
+    ``offload``: whether plans may offload (default: on a GPU only)."""
     from remat.planning.simulator import simulate
     from remat.profiling.profiler import profile
     try:
@@ -160,6 +223,7 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None) -> dict:
     except ImportError:  # before block_param_bytes moved to the profiler
         from remat.planning.sharding import block_param_bytes
     how = args.profile or ("cuda" if cuda else "fake")
+    offload = cuda if offload is None else offload
     prof = model = None
     if how == "cuda":
         try:  # the whole model on rank 0's GPU: measured times, as fsdp_validate does
@@ -175,7 +239,7 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None) -> dict:
     if prof is None:
         model = build_model(config, device="meta", dtype=dtype)
         prof = profile(model, torch.zeros(args.batch, args.seq, dtype=torch.long), device="fake",
-                       gpu=_gpu_rates() if cuda else "cpu")
+                       gpu=gpu or (_gpu_rates() if cuda else "cpu"))
     sharded = shard(prof, world, block_param_bytes(model, prof), reshard_after_forward=not args.no_reshard,
                     bus_Bps=bus)
     del model
@@ -183,27 +247,97 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     # as remat.plan: offload only where there is a GPU to offload from
-    treatments = [t for t in sharded.treatments(0) if cuda or t not in OFFLOADING_TREATMENTS]
-    low = simulate(sharded, "full", head="chunked").peak_bytes
-    high = simulate(sharded, "keep", head="chunked").peak_bytes
+    treatments = [t for t in sharded.treatments(0) if offload or t not in OFFLOADING_TREATMENTS]
     if args.budgets:
         from remat.units import parse_size
-        budgets = [parse_size(b) for b in args.budgets.split(",")]
+        budgets = [(parse_size(b), "--budgets") for b in args.budgets.split(",")]
     else:
-        budgets = [int(low + f * (high - low)) for f in FRACTIONS]
-    plans, predicted = [], {}
-    for b in budgets:
+        budgets = default_budgets(sharded, treatments)
+    plans, predicted, rules = [], {}, {}
+    for b, rule in budgets:
+        name = f"remat@{format_size(b).replace(' ', '')}"
         try:
             plan = remat.solve(sharded, b, treatments=treatments)
         except remat.NoPlanFits as e:
-            print(f"budget {format_size(b)}: {e}", file=sys.stderr)
+            print(f"budget {format_size(b)} ({rule}): {e}", file=sys.stderr)
+            plans.append(dict(name=name, budget=b, rule=rule, plan=None, error=f"no plan fits: {str(e)[:300]}"))
             continue
-        plans.append((b, plan.to_dict()))
-        predicted[f"remat@{format_size(b).replace(' ', '')}"] = _predicted(simulate(sharded, plan))
+        plans.append(dict(name=name, budget=b, rule=rule, plan=plan.to_dict()))
+        predicted[name] = _predicted(simulate(sharded, plan))
+        rules[name] = rule
     anchors = {name: _predicted(simulate(sharded, spec, head="plain"))
                for name, spec in (("eager", "keep"), ("torch_ac", "full"), ("hf_full", "full"))}
-    return dict(plans=plans, anchors=anchors, predicted=predicted, profile=how,
+    # rank 0 alone, unsharded and without FSDP (--single): the same step on one GPU
+    single = {name: _predicted(simulate(prof, spec, head="plain"))
+              for name, spec in (("single:eager", "keep"), ("single:hf_full", "full"))}
+    return dict(plans=plans, anchors=anchors, predicted=predicted, rules=rules, single=single, profile=how,
                 bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
+
+
+def default_budgets(sharded, treatments) -> list:
+    """The four default per-GPU budgets, ``[(bytes, rule)]``, lowest first: one where the solver
+    offloads (:func:`offload_budget`), then 15%, 50% and 85% of the way from the all-``full``
+    plan's predicted peak (chunked head) to the all-``keep`` one."""
+    from remat.planning.simulator import simulate
+    low = simulate(sharded, "full", head="chunked").peak_bytes
+    high = simulate(sharded, "keep", head="chunked").peak_bytes
+    return [offload_budget(sharded, treatments, high)] + [
+        (int(low + f * (high - low)), f"{f:.0%} of full..keep") for f in FRACTIONS]
+
+
+def offload_budget(sharded, treatments, high) -> tuple:
+    """``(bytes, rule)``: a budget at which the solver's plan offloads, below the other three.
+
+    The smallest budgets come from the solver itself (:class:`remat.NoPlanFits`'s
+    ``smallest_peak``), with and without the offload treatments. Where offload lowers the
+    smallest budget, halfway between the two: no plan without offload fits there, so the plan
+    must offload. Where it does not (the peak is set where offload frees nothing: llama-8b
+    1x4096 on 2 ranks peaks in the embeddings' backward, 17.76 GiB predicted for every plan
+    that fits), the lowest of 2%, 4% ... 10% of the way from that smallest budget to ``high``
+    (the all-``keep`` peak) at which the fastest plan offloads (``full+offload`` blocks making
+    room for ``selective`` ones); 2% if none does. Offload not allowed (the CPU): 90% of the
+    smallest budget, which no plan fits (the row says so)."""
+    def smallest(allowed):
+        try:
+            return remat.solve(sharded, 1, treatments=allowed).notes["predicted_peak_bytes"]
+        except remat.NoPlanFits as e:
+            return e.smallest_peak
+    plain = [t for t in treatments if t not in OFFLOADING_TREATMENTS]
+    without = smallest(plain)
+    if len(plain) == len(treatments):
+        return int(0.9 * without), "90% of the smallest budget (offload not allowed here)"
+    least = smallest(treatments)
+    if least < without:
+        return (least + without) // 2, "below every plan without offload"
+    for f in OFFLOAD_LADDER:
+        budget = int(without + f * (high - without))
+        try:
+            plan = remat.solve(sharded, budget, treatments=treatments)
+        except remat.NoPlanFits:
+            continue
+        if any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()):
+            return budget, f"{f:.0%} of smallest..keep: the lowest of {OFFLOAD_LADDER} whose plan offloads"
+    budget = int(without + OFFLOAD_LADDER[0] * (high - without))
+    return budget, f"{OFFLOAD_LADDER[0]:.0%} of smallest..keep (no plan offloads up to {OFFLOAD_LADDER[-1]:.0%})"
+
+
+def plan_only(args) -> dict:
+    """``--plan-only``: the budgets and plans for ``--world`` GPUs of ``--gpu``, from a fake-tensor
+    profile on this machine, offload allowed (as on a GPU); printed, and returned as
+    :func:`_plan_rank0`'s data."""
+    config = load_config(args.model)
+    args.profile = "fake"
+    planned = _plan_rank0(args, config, torch.bfloat16, args.world, False, gpu=args.gpu, offload=True)
+    print(f"{args.model} {args.batch}x{args.seq} per rank, FSDP2 world {args.world}, {args.gpu} rates "
+          f"(fake-tensor profile, bf16)")
+    for name, p in {**planned["anchors"], **planned["single"]}.items():
+        print(f"  {name:22s} predicted peak {format_size(p['peak']):>10s}  step {p['step_s']:.3f} s")
+    for p in planned["plans"]:
+        what = Plan.from_dict(p["plan"]).summary() if p["plan"] else p["error"]
+        pred = planned["predicted"].get(p["name"])
+        print(f"  {p['name']:22s} [{p['rule']}]" + (f" predicted peak {format_size(pred['peak'])} step "
+                                                     f"{pred['step_s']:.3f} s" if pred else "") + f": {what}")
+    return planned
 
 
 def _gpu_rates():
@@ -260,19 +394,8 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     fully_shard(model, mesh=mesh)  # FSDP2 never reshards the root after forward
     materialise(model, device, seed=dist.get_rank())
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach()
-    timed_steps(step, args.warmup, cuda=cuda)
-    times, step_peaks, loss = [], [], None
-    for _ in range(args.steps):  # the peak of each step, so that one odd step shows
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        seconds, loss = timed_steps(step, 1, cuda=cuda)
-        times += seconds
-        step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
+    step = _step(model, ids)
+    times, step_peaks, loss = _timed(step, args, cuda)
     peaks, befores = [None] * world, [None] * world
     dist.all_gather_object(peaks, max(step_peaks) if cuda else None)
     dist.all_gather_object(befores, before)
@@ -287,6 +410,11 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
         own = [p - b for p, b in zip(peaks, befores)]
         result.update(peak_bytes=max(own), peak_bytes_per_rank=own, peak_bytes_raw=max(peaks),
                       allocated_before_bytes=befores, step_peaks_bytes=step_peaks)
+    if args.trace:  # after the timed and the counted steps: the profiler slows a step
+        summary = trace_step(step, cuda=cuda)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, {k: summary[k] for k in TRACE_PER_RANK})
+        result.update(trace=summary, trace_per_rank=per_rank)
     del model, step
     gc.collect()  # FSDP's hooks hold the model in reference cycles
     if cuda:
@@ -294,9 +422,96 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     return result
 
 
+def _step(model, ids):
+    """The protocol's step on ``model`` (FSDP2-wrapped or not): returns the detached loss."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def _timed(step, args, cuda):
+    """``--warmup`` steps, then ``--steps`` timed ones: (seconds of each, each one's peak
+    allocated bytes (None on the CPU), the last loss)."""
+    timed_steps(step, args.warmup, cuda=cuda)
+    times, step_peaks, loss = [], [], None
+    for _ in range(args.steps):  # the peak of each step, so that one odd step shows
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, loss = timed_steps(step, 1, cuda=cuda)
+        times += seconds
+        step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
+    return times, step_peaks, loss
+
+
+def _single_rows(args, planned, config, dtype, device, ids, shared) -> list:
+    """``--single``: rank 0 alone runs the unsharded model, without FSDP and without a process
+    group's collectives, on its own batch (``single:eager``, ``single:hf_full``), where its
+    predicted peak fits this GPU; the other ranks wait at a barrier. Every rank returns the
+    records (only rank 0's carry measurements)."""
+    cuda = device.type == "cuda"
+    rank = dist.get_rank()
+    limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    records = []
+    for name in ("single:eager", "single:hf_full"):
+        predicted = planned["single"][name]
+        record = dict(shared, strategy=name, kind="single", gpus_used=1, predicted_peak_bytes=predicted["peak"],
+                      predicted_step_s=predicted["step_s"], predicted_compute_s=predicted["compute_s"],
+                      predicted_comm_s=predicted["comm_s"], predicted_exposed_comm_s=predicted["exposed_comm_s"])
+        if limit and predicted["peak"] > 0.97 * limit:
+            record["skipped"] = (f"predicted peak {format_size(predicted['peak'])} of the unsharded model > 97% of "
+                                 f"this GPU's {format_size(limit)}")
+        elif rank == 0:
+            try:
+                record.update(_measure_single(name.split(":")[1], config, dtype, device, ids, args))
+            except Exception as e:  # noqa: BLE001 - recorded; the other ranks are waiting at the barrier
+                record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        _settle(cuda)  # rank 0 has freed its model (or its error's); the others waited here
+        records.append(record)
+        if rank == 0:
+            print(_line(record), flush=True)
+    return records
+
+
+def _measure_single(name, config, dtype, device, ids, args) -> dict:
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    model = build_model(config, device="meta", dtype=dtype)
+    _prepare(name, None, model)
+    materialise(model, device, seed=0)
+    step = _step(model, ids)
+    try:
+        times, step_peaks, loss = _timed(step, args, cuda)
+        median = statistics.median(times)
+        result = dict(step_s=median, step_s_min=min(times), step_s_max=max(times),
+                      tokens_per_s_per_gpu=ids.numel() / median, loss=float(loss),
+                      trace=trace_step(step, cuda=cuda))
+        if cuda:
+            result.update(peak_bytes=max(step_peaks) - before, peak_bytes_raw=max(step_peaks),
+                          allocated_before_bytes=[before], step_peaks_bytes=step_peaks)
+        return result
+    finally:
+        del model, step
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def _line(r) -> str:
     if "skipped" in r or "error" in r:
         return f"{r['strategy']:22s} {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']}"
+    if r["kind"] == "single":
+        peak = format_size(r["peak_bytes"]) if "peak_bytes" in r else "-"
+        return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}"
+                f"  step pred {r['predicted_step_s']:.3f} s meas {r['step_s']:.3f} s  (rank 0 alone, no FSDP)  "
+                f"{r['tokens_per_s_per_gpu']:,.0f} tok/s  loss {r['loss']:.4f}\n{'':22s} "
+                + format_breakdown(r["trace"]))
     c = r["collectives_per_step"]
     peak = format_size(r["peak_bytes"]) if "peak_bytes" in r else "-"
     carried = max(r.get("allocated_before_bytes") or [0])
@@ -307,7 +522,8 @@ def _line(r) -> str:
             f"{r['predicted_exposed_comm_s']:.3f} of {r['predicted_comm_s']:.3f}) meas {r['step_s']:.3f} s "
             f"({error:+.1%})  {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  "
             f"AG {c['all_gather']} RS {c['reduce_scatter']} AR {c['all_reduce']}  loss {r['loss']:.4f}"
-            + (f"  [{r['plan']}]" if "plan" in r else ""))
+            + (f"  [{r['plan']}]" if "plan" in r else "")
+            + (f"\n{'':22s} " + format_breakdown(r["trace"]) if "trace" in r else ""))
 
 
 if __name__ == "__main__":
