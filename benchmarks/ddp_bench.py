@@ -89,6 +89,9 @@ from remat.units import format_size  # noqa: E402
 FRACTIONS = (0.25, 0.75)
 UNBOUNDED = 2 ** 40  # 1 TiB: a budget no plan reaches, for the fastest plan and the anchors
 GRAD_RTOL = 1e-4
+# what remat.plan(..., ddp_world=) notes of DDP's all-reduces, where it notes them: lifted into the record
+PREDICTED_COMM = ("allreduce_buckets", "comm_s", "exposed_comm_s", "comm_overhead_s", "comm_copy_s", "comm_launch_s",
+                  "comm_contention_s")
 
 
 def parse_args(argv=None):
@@ -149,7 +152,8 @@ def main(argv=None):
             notes = planned["anchors"][name] if plan is None else dict(plan.notes)
             record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
                           predicted_peak_bytes=notes["predicted_peak_bytes"],
-                          predicted_step_s=notes["predicted_step_s"], prediction_notes=notes)
+                          predicted_step_s=notes["predicted_step_s"], prediction_notes=notes,
+                          **{f"predicted_{k}": notes[k] for k in PREDICTED_COMM if k in notes})
             if plan is not None:
                 record.update(plan=plan.summary(), budget_bytes=notes.get("budget_bytes"),
                               offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
@@ -373,7 +377,11 @@ def _line(r) -> str:
     error = (r["step_s"] - r["predicted_step_s"]) / r["predicted_step_s"] if r["predicted_step_s"] else 0.0
     return (f"{r['strategy']:22s} peak pred {format_size(r['predicted_peak_bytes']):>10s} meas {peak:>10s}"
             f"  step pred {r['predicted_step_s']:.3f} s meas {r['step_s']:.3f} s ({error:+.1%})  "
-            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  AR {r['all_reduces_per_step']}  loss {r['loss']:.4f}"
+            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  AR {r['all_reduces_per_step']}"
+            + (f" (pred {r['predicted_allreduce_buckets']}; comm {r['predicted_exposed_comm_s']:.3f} s exposed of "
+               f"{r['predicted_comm_s']:.3f} s)" if "predicted_allreduce_buckets" in r
+               and "predicted_comm_s" in r and "predicted_exposed_comm_s" in r else "")
+            + f"  loss {r['loss']:.4f}"
             + (f"  [{r['plan']}]" if "plan" in r else "")
             + (f"\n{'':22s} " + format_breakdown(r["trace"]) if "trace" in r else ""))
 

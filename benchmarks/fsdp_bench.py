@@ -177,7 +177,8 @@ def main(argv=None):
         record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
                       predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"],
                       predicted_compute_s=predicted["compute_s"], predicted_comm_s=predicted["comm_s"],
-                      predicted_exposed_comm_s=predicted["exposed_comm_s"])
+                      predicted_exposed_comm_s=predicted["exposed_comm_s"],
+                      **{f"predicted_{k}": predicted[k] for k in OVERHEADS if k in predicted})
         if plan is not None:
             record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"),
                           budget_rule=planned["rules"][name],
@@ -206,9 +207,15 @@ def main(argv=None):
     return records
 
 
+# the simulator's FSDP2 overheads, where it has them (copy-in/out, launches, contention): beside
+# --trace's fsdp_copy and nccl seconds
+OVERHEADS = ("comm_copy_s", "comm_launch_s", "comm_contention_s")
+
+
 def _predicted(sim) -> dict:
     return dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5), compute_s=round(sim.step_s - sim.exposed_comm_s, 5),
-                comm_s=round(sim.comm_s, 5), exposed_comm_s=round(sim.exposed_comm_s, 5))
+                comm_s=round(sim.comm_s, 5), exposed_comm_s=round(sim.exposed_comm_s, 5),
+                **{k: round(getattr(sim, k), 5) for k in OVERHEADS if hasattr(sim, k)})
 
 
 def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=None) -> dict:
