@@ -166,7 +166,7 @@ def events_from_kineto(raw) -> list:
     for e in raw:
         if "CUDA" not in str(e.device_type()):
             continue
-        kind = e.activity_type() if hasattr(e, "activity_type") else "kernel"
+        kind = str(e.activity_type()).lower() if hasattr(e, "activity_type") else "kernel"  # some kinetos: "Kernel"
         if kind not in _GPU_ACTIVITIES:
             continue
         out.append((e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3, int(e.device_resource_id())))
