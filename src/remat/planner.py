@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from remat.planning.costs import Profile
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.replication import replicate
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
 from remat.profiling.profiler import block_param_bytes
@@ -42,7 +43,7 @@ from remat.units import parse_budget
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
-         compile: bool = False, profiled: Optional[Profile] = None) -> Plan:
+         compile: bool = False, profiled: Optional[Profile] = None, ddp_world: int = 1) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
@@ -57,6 +58,8 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     trainable parameter, in its dtype, as ``torch.optim.AdamW`` keeps them) or "adamw8bit". Raises ValueError (``NoPlanFits``)
     naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
     that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
+    ``ddp_world``: plan for one of that many ``DistributedDataParallel`` ranks (wrapped after
+    ``remat.apply``, DDP's default arguments; see :mod:`remat.planning.replication`); not with ``fsdp_world``.
     ``device``: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline
     times); default: measured on the GPU when the model is there (see :func:`remat.profile`).
     ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
@@ -69,6 +72,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     serves many budgets.
     """
     budget_bytes = parse_budget(budget)
+    if fsdp_world != 1 and ddp_world != 1:
+        raise ValueError(f"fsdp_world={fsdp_world!r} and ddp_world={ddp_world!r}: a model is either sharded (FSDP2) or "
+                         "replicated (DDP) over its ranks, not both; pass one of them (HSDP is not modelled)")
     if compile and treatments is not None:
         offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
         if offloading:
@@ -82,8 +88,23 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
                                 blocks=blocks, progress=progress, compile=compile)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
+    if ddp_world != 1:
+        per_class, total = trainable_grad_bytes(model, prof)
+        prof = replicate(prof, ddp_world, class_grad_bytes=per_class, grad_bytes=total)
     chosen = solve(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
     return _marked(chosen, prof)
+
+
+def trainable_grad_bytes(model: nn.Module, prof) -> tuple:
+    """(per block class, one block's trainable gradient bytes; the whole model's), what DDP buckets
+    (:func:`remat.planning.replication.replicate`); shared parameters counted once."""
+    def grads(params):
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    first = {}
+    for name, cls in zip(prof.block_names, prof.block_class):
+        first.setdefault(cls, name)
+    return tuple(grads(modules[first[c]].parameters()) for c in range(len(prof.classes))), grads(model.parameters())
 
 
 def _marked(chosen: Plan, prof) -> Plan:

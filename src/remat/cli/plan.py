@@ -13,7 +13,7 @@ bench`` builds it), at the GPU's own rates (``--gpu`` is not used); without CUDA
 stops before building anything and says to drop ``--compile`` for an eager plan.
 
 Everything cheap is checked before the model is built (``--budget`` with
-:func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``, ``--gpu``, the
+:func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``/``--ddp``, ``--gpu``, the
 ``--out`` folder), so a typo fails at once rather than after a minute of profiling.
 Once a step has run for two seconds, each stage (build, profile, shard, solve,
 simulate) prints a line on stderr, and a stage still running says so every few
@@ -37,6 +37,7 @@ EXAMPLES = """examples:
   remat plan --model llama-1b --batch 4 --seq 4096 --budget 24GiB --gpu h100 --out plan.json
   remat plan --model mistral-7b.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw8bit
   remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 16
+  remat plan --model llama-1b --batch 2 --seq 4096 --budget 40GiB --optimizer adamw --ddp 8
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 1GiB --compile   # GPU
 
@@ -69,6 +70,8 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--budget", required=True,
                         help="peak memory budget of one device, e.g. 24GiB or 80GB (at most 64 TiB)")
+    parser.add_argument("--ddp", type=int, default=1, metavar="WORLD",
+                        help="plan for one of WORLD DDP ranks, each holding the whole model (default 1; not with --fsdp)")
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")
@@ -86,6 +89,13 @@ def check_model_arguments(args) -> None:
         if value < 1:
             raise ValueError(f"--{option} must be a whole number >= 1, got {value}"
                              + ("; leave --fsdp out (or pass 1) to plan without sharding" if option == "fsdp" else ""))
+    ddp = getattr(args, "ddp", 1)
+    if ddp < 1:
+        raise ValueError(f"--ddp must be a whole number >= 1, got {ddp}; leave --ddp out (or pass 1) to plan "
+                         "without DDP")
+    if ddp != 1 and args.fsdp != 1:
+        raise ValueError(f"--fsdp {args.fsdp} and --ddp {ddp}: a model is either sharded (FSDP2) or replicated (DDP) "
+                         "over its ranks, not both; pass one of them")
     rates_for(args.gpu)  # ValueError naming the known GPUs
 
 
@@ -150,6 +160,12 @@ def profile_from_args(args, say):
         from remat.planning.sharding import shard
         say(f"sharding for {args.fsdp} FSDP ranks")
         prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
+    if getattr(args, "ddp", 1) != 1:
+        from remat.planner import trainable_grad_bytes
+        from remat.planning.replication import replicate
+        say(f"replicating for {args.ddp} DDP ranks")
+        per_class, total = trainable_grad_bytes(model, prof)
+        prof = replicate(prof, args.ddp, class_grad_bytes=per_class, grad_bytes=total)
     return prof
 
 

@@ -438,7 +438,7 @@ def _walk(profile, treatments, costs, h) -> Simulation:
             start, _, cw = run(0.0, gathered=link.bus.free_at)
             phase(f"backward: {'all-reduces' if ddp else 'reduce-scatters'} left at the end", Bytes(end, end, end),
                   start, comm_wait=cw)
-        if comm.final_copy_bytes:  # DDP: the reduced buckets back into the gradients
+        if comm.final_copy_bytes and comm.copy_Bps:  # DDP: the reduced buckets back into the gradients
             over = link.charge(comm.final_copy_bytes, 0)
             start, _, _ = run(over)
             phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)

@@ -1,0 +1,140 @@
+"""DDP: what ``torch.nn.parallel.DistributedDataParallel`` over ``world`` ranks changes in one rank's
+step, as a profile transform (the counterpart of :mod:`remat.planning.sharding` for FSDP2).
+
+How: :func:`replicate` returns a new :class:`~remat.planning.costs.Profile` for one rank of a DDP
+run wrapped after ``remat.apply``, with DDP's default arguments unless told otherwise, whose
+``comm`` (:class:`~remat.planning.costs.Collectives`, ``kind="ddp"``) lists the step's bucketed
+all-reduces. The simulator and the solver read it unchanged, as they read a sharded profile.
+
+Memory, per rank: the whole model stays (nothing is sharded), and the reducer allocates one flat
+buffer per bucket at construction, together the trainable gradients' bytes (``static``). With
+``gradient_as_bucket_view=False`` (DDP's default) autograd's gradients are separate tensors, copied
+into the buckets as they are produced and back once reduced: the profile's own gradient bytes stay
+and the buckets come on top. With ``gradient_as_bucket_view=True`` the gradients become views of the
+buckets: a fresh gradient is copied in and freed (with ``zero_grad(set_to_none=True)``, the default),
+so a block no longer leaves its gradients after its backward; the root's gradients stay counted in
+the head's measured bytes as well as in the buckets (conservative by the root's gradient bytes).
+
+Time: the trainable gradients form one stream in backward order (the blocks last to first, then
+the root's, all at the end: conservative, the LM head's really come first), cut into buckets of
+``bucket_cap_mb`` (the first 1 MiB under DDP's default). A bucket's all-reduce starts once its last
+gradient is produced, at that fraction of the block's backward; those that end in the root's part
+start after the embeddings' backward, and the step ends when the link is done (the last bucket is
+exposed). An all-reduce moves ``2 (world - 1) / world`` of its bytes over each link (ring: a
+reduce-scatter and an all-gather). On the compute stream (:class:`~remat.planning.sharding.Overheads`):
+each gradient is copied into its bucket (read + write, in its block's backward, the root's after the
+embeddings' backward), with ``gradient_as_bucket_view=False`` every reduced bucket is copied back
+into the gradients once the last all-reduce ends, each all-reduce costs ``latency_s``, and compute
+slows by ``contention`` while the link is busy. The constants are FSDP2's provisional ones (DDP's
+reducer launches from C++ without Python hooks, so its latency is likely lower): to be refit, as
+FSDP2's, from the kernel-time breakdown ``benchmarks/ddp_bench.py --trace`` records.
+
+Checked against torch 2.13's ``torch/nn/parallel/distributed.py`` and ``reducer.cpp``:
+``bucket_cap_mb=None`` means 25 MiB (``_DEFAULT_BUCKET_CAP_MB``) with a first bucket of
+``dist._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB, while a ``bucket_cap_mb`` given explicitly is used for
+the first bucket too; buckets are assigned in reverse parameter order (the order gradients arrive)
+and a parameter is never split (a bucket closes once it reaches its cap); ``initialize_buckets``
+allocates every bucket's flat ``gradients`` tensor whatever ``gradient_as_bucket_view`` says, and
+the docs give the memory it saves as "equal to the total gradients size"; only parameters with
+``requires_grad`` are bucketed.
+
+Limits: DDP's forward buffer broadcast (``broadcast_buffers``), ``find_unused_parameters``,
+``static_graph``, communication hooks and DDP's mixed precision are not modelled; bucket bounds are
+cut by bytes, not at parameter ends; the bucket stream puts all of the root's gradients last.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from remat.planning.costs import Collectives, Profile
+from remat.planning.sharding import FSDP2_OVERHEADS, Overheads, check_bus
+
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap under DDP's default."""
+BUCKET_CAP_MB = 25
+"""DDP's default ``bucket_cap_mb`` (MiB)."""
+
+
+def replicate(profile: Profile, world: int, *, bucket_cap_mb: Optional[float] = None,
+              gradient_as_bucket_view: bool = False, bus_Bps: Optional[float] = None,
+              class_grad_bytes: Optional[tuple] = None, grad_bytes: Optional[int] = None,
+              overheads: Overheads = FSDP2_OVERHEADS) -> Profile:
+    """``profile`` as one of ``world`` DDP ranks sees it (see the module docstring).
+
+    ``bucket_cap_mb`` / ``gradient_as_bucket_view``: as passed to ``DistributedDataParallel``
+    (None: its default, 25 MiB buckets after a first one of 1 MiB). ``bus_Bps``: collective bus
+    bandwidth in bytes/s; default the profile's rates. ``class_grad_bytes``: per block class, one
+    block's trainable gradient bytes; default what the profile measured a ``keep`` block leaves
+    after its backward, less its input's gradient. ``grad_bytes``: the model's trainable gradient
+    bytes; default every parameter's (``profile.param_bytes``). :func:`remat.plan` passes both,
+    read from the model (frozen parameters have no gradient: LoRA). ``overheads``: the copies,
+    contention and latency charged beside the link.
+    """
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"the DDP world size must be a positive integer (ranks each holding the model), got {world!r}")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive size in MiB (DDP's default: 25), got {bucket_cap_mb!r}")
+    bus = check_bus(profile, bus_Bps)
+    if class_grad_bytes is None:
+        class_grad_bytes = tuple(max(0, costs["keep"].bwd_end - profile.hidden_bytes) if "keep" in costs else 0
+                                 for costs in profile.classes)
+    if len(class_grad_bytes) != len(profile.classes):
+        raise ValueError(f"class_grad_bytes has {len(class_grad_bytes)} entries for {len(profile.classes)} block "
+                         "classes: one block's trainable gradient bytes per class")
+    per_block = [int(class_grad_bytes[c]) for c in profile.block_class]
+    total = int(profile.param_bytes if grad_bytes is None else grad_bytes)
+    root = max(0, total - sum(per_block))
+    if world == 1:
+        return profile
+    cap = int((BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+    first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    buckets, tail = _buckets(per_block, root, first, cap)
+
+    def viewed(cost, grads):  # the gradients live in the buckets (static), not in what the block leaves
+        return replace(cost, bwd_end=max(0, cost.bwd_end - grads)) if gradient_as_bucket_view else cost
+
+    classes = tuple({t: viewed(cost, class_grad_bytes[c]) for t, cost in costs.items()}
+                    for c, costs in enumerate(profile.classes))
+    n = len(per_block)
+    comm = Collectives(world=world, bus_Bps=bus, kind="ddp", gather_bytes=(0,) * n,
+                       reduce_bytes=tuple(sum(b for _, b in block) for block in buckets),
+                       root_gather_bytes=0, root_reduce_bytes=sum(tail), buckets=buckets,
+                       bus_measured=bus_Bps is not None, reshard_after_forward=False,
+                       fwd_copy_bytes=(0,) * n, bwd_copy_bytes=tuple(2 * g for g in per_block),
+                       fwd_launches=(0,) * n, bwd_launches=tuple(len(block) for block in buckets),
+                       root_bwd_copy_bytes=2 * root, root_bwd_launches=len(tail),
+                       final_copy_bytes=0 if gradient_as_bucket_view else 2 * total,
+                       **overheads.fields(profile.rates.hbm_Bps))
+    return replace(profile, static_bytes=int(profile.static_bytes + total), classes=classes, comm=comm,
+                   notes=dict(profile.notes, ddp_world=world, gradient_as_bucket_view=bool(gradient_as_bucket_view),
+                              bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else BUCKET_CAP_MB))
+
+
+def _buckets(per_block, root, first, cap):
+    """Cut the gradient stream (blocks last to first, then the root) into buckets: per block, the
+    ``(fraction of its backward, bytes)`` of each bucket that fills in it; and the sizes of those
+    that fill in the root's part (after the embeddings' backward)."""
+    order = list(reversed(range(len(per_block))))
+    spans, at = {}, 0
+    for i in order:
+        spans[i] = (at, at + per_block[i])
+        at += per_block[i]
+    end = at + root
+    cuts, edge = [], first
+    while edge < end:
+        cuts.append(edge)
+        edge += cap
+    cuts.append(end)
+    buckets, tail, begin = {i: [] for i in order}, [], 0
+    for cut in cuts:
+        if cut <= begin:
+            continue
+        owner = next((i for i in order if spans[i][0] < cut <= spans[i][1]), None)
+        if owner is None:
+            tail.append(cut - begin)
+        else:
+            s, e = spans[owner]
+            buckets[owner].append(((cut - s) / (e - s), cut - begin))
+        begin = cut
+    return tuple(tuple(buckets[i]) for i in range(len(per_block))), tuple(tail)
