@@ -22,8 +22,11 @@ so a compiled plan must be profiled compiled. How:
   the chunked head alike; a 12x keep, 4x selective plan 1.06 GiB more), so the step's measured
   peak beyond the prediction is added to the calibrated treatment's kept bytes, an equal share
   per block. Only ever added: a step that peaks lower leaves the profile as it is (over-
-  predicting costs speed, under-predicting breaks the budget), and other treatments keep their
-  own numbers (the 12x keep plan's excess is the keep blocks' share, ~0 for selective).
+  predicting costs speed, under-predicting breaks the budget). A second compiled step, uniform
+  ``full``, does the same for the region checkpoints (``full``, ``mlp``, ``attention``: a
+  9x full, 4x selective, 3x mlp plan peaked 0.59 GiB, one hidden state per ``full`` block, above
+  its prediction); ``selective`` keeps its own numbers (a 13x selective, 2x full, 1x mlp plan
+  was within 0.16 GiB, the two ``full`` blocks' share).
 
 A backend that counts graphs (:class:`CountingBackend`) wraps inductor: a block that compiled
 no graph (dynamo skipped the frame, or fell back to eager at a cache limit) raises instead of
@@ -51,6 +54,9 @@ import torch
 from remat.planning.costs import Profile
 
 BACKEND = "inductor"
+REGION_CHECKPOINTS = ("full", "mlp", "attention")
+"""Treatments that checkpoint a region whose input the compiled graph saves; their memory is
+calibrated by the ``full`` step (``selective``, op-level, measured within 3 MiB a block)."""
 OFFLOAD_UNDER_COMPILE = ("offload treatments are not planned for compiled models: dynamo breaks the graph at the "
                          "offload engine's saved_tensors_hooks (every offloaded block would split the compiled "
                          "graph) and AOTAutograd saves other tensors than the engine's eager model assumes")
@@ -119,14 +125,39 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     events at the loss (forward done) and after ``backward``. Forward seconds (embeddings,
     blocks, head forward) are scaled by measured / predicted forward, backward likewise. A
     measured peak above the predicted one adds its excess, an equal share per block, to the
-    calibrated treatment's kept bytes; both peaks are noted beside the ratios."""
-    from remat.profiling._calibrate import calibration_plan, uniform_applied
-    device = next(model.parameters()).device
+    calibrated treatment's kept bytes; both peaks are noted beside the ratios. Then, unless that
+    plan was already ``full``, one more compiled step of uniform ``full`` (the same head) does the
+    same for the region checkpoints (:data:`REGION_CHECKPOINTS`) -- memory only."""
+    from remat.profiling._calibrate import calibration_plan
     chosen = calibration_plan(model, prof)
     if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
     sim, treatment, head = chosen
     say(f"calibrating on a compiled step: {treatment}, head {head.mode} (compiling the whole model)")
+    steps, peak = _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, prof.static_bytes)
+    prof = scaled_to_step(prof, sim, treatment, head, steps, peak)
+    if treatment == "full" or "full" not in prof.treatments(0):
+        return prof
+    from remat.planning.simulator import simulate
+    sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
+    say(f"calibrating memory on a compiled step: full, head {head.mode}")
+    _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes)
+    extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
+    classes = tuple({t: replace(c, kept=c.kept + extra) if t in REGION_CHECKPOINTS else c
+                     for t, c in costs.items()} for costs in prof.classes)
+    note = dict(prof.notes["calibration"])
+    note["kept_bytes_added_per_block"] = dict(note["kept_bytes_added_per_block"],
+                                              **{t: extra for t in REGION_CHECKPOINTS if t in prof.treatments(0)})
+    note["full_step"] = {"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)}
+    return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
+
+
+def _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, static_bytes: int) -> tuple:
+    """Uniform ``treatment`` and ``head`` on ``model``, compiled: two warm-up steps (they compile),
+    then three timed. Returns ((forward s, backward s, wall s) per step, the peak above what was
+    allocated before the timed steps plus ``static_bytes``)."""
+    from remat.profiling._calibrate import uniform_applied
+    device = next(model.parameters()).device
     with uniform_applied(model, named, treatment, head), compiled_model(model, backend) as counter:
         for _ in range(2):
             _timed_step(model, batch, loss_fn)
@@ -135,7 +166,7 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
         torch.cuda.reset_peak_memory_stats(device)
         steps = [_timed_step(model, batch, loss_fn) for _ in range(3)]
         peak = torch.cuda.max_memory_allocated(device) - base
-    return scaled_to_step(prof, sim, treatment, head, steps, int(peak + prof.static_bytes))
+    return steps, int(peak + static_bytes)
 
 
 def scaled_to_step(prof: Profile, sim, treatment: str, head, steps: list, measured_peak: int) -> Profile:
