@@ -26,8 +26,8 @@ GRADS = BLOCKS * G_BLOCK + ROOT
 
 
 def _profile() -> Profile:
-    cost = BlockCost(fwd_peak=1100, kept=1000, out_alive=10, out_bytes=HIDDEN, saves_input=True, bwd_peak=G_BLOCK + 2000,
-                     bwd_end=G_BLOCK + HIDDEN, fwd_s=3 * MS, bwd_s=6 * MS)
+    cost = BlockCost(fwd_peak=1100, kept=1000, out_alive=10, out_bytes=HIDDEN, saves_input=True,
+                     bwd_peak=G_BLOCK + 2000, bwd_end=G_BLOCK + HIDDEN, fwd_s=3 * MS, bwd_s=6 * MS)
     head = HeadCost(mode="plain", chunk_tokens=None, pre_peak=10, pre_end=10, head_fwd_peak=500,
                     head_fwd_end=50, head_bwd_peak=600, head_bwd_end=10, pre_bwd_peak=20, pre_bwd_end=10,
                     pre_fwd_s=0.5 * MS, head_fwd_s=4 * MS, head_bwd_s=1 * MS, pre_bwd_s=0.5 * MS)

@@ -132,10 +132,10 @@ def test_recompute_adds_no_collective_and_hides_more():
 @pytest.mark.parametrize("bwd_keep", [1 * MS, 3 * MS, 6 * MS])
 def test_additive_exposure_equals_the_simulation(reshard, bwd_keep, overheads):
     """Collectives.block_exposed_s (what a solver adds per block) and fixed_exposed_s sum to the
-    simulator's step less its compute (the exposed communication and the overheads) for every mix of treatments when blocks are resharded (each
-    backward waits for a gather queued behind the reduce-scatter before it); without resharding
-    nothing waits in backward, a reduce-scatter's excess can still hide behind the next block, and
-    the sum is an upper bound."""
+    simulator's step less its compute (the exposed communication and the overheads) for every mix
+    of treatments when blocks are resharded (each backward waits for a gather queued behind the
+    reduce-scatter before it); without resharding nothing waits in backward, a reduce-scatter's
+    excess can still hide behind the next block, and the sum is an upper bound."""
     prof = shard(_profile(bwd_keep), 2, (P,), reshard_after_forward=reshard, reduce_dtype="float32",
                  overheads=overheads)
     for plan in (["keep"] * 3, ["full"] * 3, ["keep", "full", "keep"], ["full", "keep", "keep"]):
@@ -241,7 +241,8 @@ def test_copies_are_charged_per_block_in_the_phase_where_they_run():
     by_name = {p.name.split(" (")[0]: p for p in sim.timeline}
     for i in range(BLOCKS):
         f, b = by_name[f"forward of block {i}"], by_name[f"backward of block {i}"]
-        assert f.overhead_s == pytest.approx(3 * P / COPY_BPS) and f.end_s - f.start_s == pytest.approx(3 * MS + 12 * MS)
+        assert f.overhead_s == pytest.approx(3 * P / COPY_BPS)
+        assert f.end_s - f.start_s == pytest.approx(3 * MS + 12 * MS)
         assert b.overhead_s == pytest.approx(6 * P / COPY_BPS)
     assert by_name["forward: all-gather of the root"].overhead_s == pytest.approx(3 * ROOT / COPY_BPS)
     assert by_name["backward: embeddings"].overhead_s == pytest.approx(3 * ROOT / COPY_BPS)

@@ -71,7 +71,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", required=True,
                         help="peak memory budget of one device, e.g. 24GiB or 80GB (at most 64 TiB)")
     parser.add_argument("--ddp", type=int, default=1, metavar="WORLD",
-                        help="plan for one of WORLD DDP ranks, each holding the whole model (default 1; not with --fsdp)")
+                        help="plan for one of WORLD DDP ranks, each holding the whole model "
+                             "(default 1; not with --fsdp)")
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")

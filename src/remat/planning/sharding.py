@@ -45,11 +45,12 @@ whose numbers are validated, stays the one source of truth.
 :func:`remat.profiling.profiler.block_param_bytes` reads it, so this module never sees a model.
 
 Overheads beside the link (:class:`Overheads`, fields of the
-:class:`~remat.planning.costs.Collectives`, charged by the simulator on the compute stream in the
-phase where they happen; the plan's notes and :meth:`~remat.planning.simulator.Simulation.stages`
-show each). Two H100s, llama-8b at 1 x 4096 tokens a rank, measured every strategy 0.11-0.12 s a
-step above a time model that charged only the link (eager 0.398 s predicted, 0.509 measured),
-while the link was busy 0.095 s a step, nearly all of it hidden. What the link time leaves out:
+:class:`~remat.planning.costs.Collectives`, charged on the compute stream in the phase where they
+happen by :class:`Link`, the simulator's model of the link; the plan's notes and
+:meth:`~remat.planning.simulator.Simulation.stages` show each). On two H100s, llama-8b at
+1 x 4096 tokens a rank, every strategy measured 0.11-0.12 s a step above a time model that
+charged only the link (eager: 0.398 s predicted, 0.509 measured), while the link was busy 0.095 s
+a step, nearly all of it hidden. What the link time leaves out:
 
 - copies (torch 2.13's ``_fsdp_collectives``): an all-gather first copies the rank's shard into
   the flat gather buffer (``all_gather_copy_in``: read + write ``2 B / world``; it runs on FSDP2's
@@ -67,10 +68,9 @@ while the link was busy 0.095 s a step, nearly all of it hidden. What the link t
 - ``latency_s``: a fixed cost per collective on the compute stream (the launch, FSDP2's pre- and
   post-forward/backward hooks in Python, the stream waits).
 
-The defaults (:data:`FSDP2_OVERHEADS`) are provisional, not fitted: ``hbm_Bps_fraction`` 0.8 (large
-copies reach roughly 80% of the datasheet bandwidth), ``contention`` 0.2 (NCCL's ring kernels hold
-about a fifth of an H100's SMs at full NVLink rate), ``latency_s`` 50 us (a launch plus a few Python
-hooks). On the llama-8b run above they add about half of the missing 0.11 s. To refit them,
+The defaults (:data:`FSDP2_OVERHEADS`; each constant's docstring says where it came from) are
+provisional, not fitted: ``hbm_Bps_fraction`` 0.8, ``contention`` 0.2, ``latency_s`` 50 us. On the
+llama-8b step above they add 0.068 s (copies 0.046, launches 0.005, contention 0.017). To refit them,
 ``benchmarks/fsdp_bench.py`` is to record a kernel-time breakdown of one step (copy kernels and the
 bytes they moved, compute kernels with and without a collective beside them, host time per
 collective); :meth:`Overheads.fit` turns those sums into an :class:`Overheads` to pass to
@@ -79,7 +79,8 @@ collective); :meth:`Overheads.fit` turns those sums into an :class:`Overheads` t
 Limits: HSDP and CPU offload of shards are not modelled; the root's gradients are kept in full
 (conservative); with a ``MixedPrecisionPolicy`` whose param dtype is narrower than the
 profiled model's, the unsharded blocks in flight are counted at the profiled dtype
-(conservative). The overheads' constants are one set for every GPU, and a phase's contention is
+(conservative). The overheads' constants are one set for every GPU and dtype (a reduce-scatter's
+copy-in that casts to fp32 ran at a third of the bf16 one's rate), and a phase's contention is
 taken from the link time overlapping it before it is stretched (one pass, no feedback).
 """
 from __future__ import annotations
@@ -90,11 +91,22 @@ from typing import Optional
 from remat.planning.costs import Collectives, Profile, dtype_bytes
 
 HBM_BPS_FRACTION = 0.8
-"""Provisional: the share of the datasheet HBM bandwidth FSDP2's and DDP's copies reach."""
+"""Provisional: the share of the datasheet HBM bandwidth FSDP2's and DDP's copies reach. A probe of
+FSDP2's copy kernels on llama-8b's block shapes (two H100s, torch 2.11): ``split_with_sizes_copy``
+(all-gather copy-out) at 2.72 TB/s read + write, 0.81 of 3.35; ``_chunk_cat`` (reduce-scatter
+copy-in, world 2) at 2.10 TB/s in bf16 (0.63), 0.94 TB/s when it casts to fp32 (0.28, not
+separated here); about 0.8 over a bf16 step's mix."""
 CONTENTION = 0.2
-"""Provisional: how much slower compute runs while a collective runs beside it (0.2: 20%)."""
+"""Provisional: how much slower compute runs while a collective runs beside it (0.2: 20%), the
+issue's starting estimate (NCCL's kernels hold some of the SMs and HBM bandwidth). A probe on two
+H100s slowed a chain of 4096 x 4096 x 14336 bf16 matmuls by 0.66 s per second of back-to-back
+436 MB all-gathers beside them: an upper bound (it cannot tell the link's slowdown from the
+matmuls'), so the trace's refit decides."""
 LATENCY_S = 50e-6
-"""Provisional: seconds on the compute stream per collective (launch and hooks)."""
+"""Provisional: seconds on the compute stream per collective (launch, stream waits). FSDP2's host
+time per collective is larger (about 0.9 ms in a probe of tiny ``fully_shard`` layers on two H100s)
+but runs ahead of the GPU while a block's kernels take longer (llama-8b's do); host-bound steps
+are not modelled."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +209,54 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
                        **overheads.fields(profile.rates.hbm_Bps))
     return replace(profile, static_bytes=int(static), classes=classes, comm=comm,
                    notes=dict(profile.notes, fsdp_world=world, reshard_after_forward=bool(reshard_after_forward)))
+
+
+class Link:
+    """How :func:`remat.simulate` charges a :class:`~remat.planning.costs.Collectives`: one FIFO link at
+    the bus rate beside the compute stream, and the overheads that land on that stream, summed.
+    ``clock``: the simulator's, whose ``"gpu"`` entry :meth:`stretch` moves."""
+
+    def __init__(self, comm: Collectives, clock: dict):
+        self.comm, self.clock = comm, clock
+        self.free_at = 0.0
+        self.busy = []   # (start, end) of each collective, in issue order
+        self.copy_s = self.launch_s = self.contention_s = 0.0
+
+    def issue(self, nbytes, ready, reduce=False) -> float:
+        """One all-gather, or reduction (``reduce``), of ``nbytes`` (unsharded) at ``ready``; when it ends."""
+        factor = 2 if reduce and self.comm.kind == "ddp" else 1   # an all-reduce moves twice the bytes
+        start = max(self.free_at, ready)
+        self.free_at = start + nbytes * factor * (self.comm.world - 1) / self.comm.world / self.comm.bus_Bps
+        self.busy.append((start, self.free_at))
+        return self.free_at
+
+    def charge(self, copied, launches) -> float:
+        """Seconds of ``copied`` bytes and ``launches`` collectives on the compute stream."""
+        copy, launch = self.comm.copy_s(copied), self.comm.latency_s * launches
+        self.copy_s += copy
+        self.launch_s += launch
+        return copy + launch
+
+    def block(self, index, backward) -> float:
+        """:meth:`charge` block ``index``'s copies and launches of its forward or backward."""
+        c = self.comm
+        copied, launches = (c.bwd_copy_bytes, c.bwd_launches) if backward else (c.fwd_copy_bytes, c.fwd_launches)
+        return self.charge(copied[index] if copied else 0, launches[index] if launches else 0)
+
+    def stretch(self, start, seconds) -> float:
+        """Slow the phase that computes ``seconds`` from ``start`` by ``contention`` x the link's busy
+        time within it (its collectives issued already); the seconds added to the clock."""
+        if not self.comm.contention:
+            return 0.0
+        busy = 0.0
+        for begin, end in reversed(self.busy):  # FIFO: ends only grow
+            if end <= start:
+                break
+            busy += max(0.0, min(end, start + seconds) - max(begin, start))
+        extra = self.comm.contention * busy
+        self.clock["gpu"] += extra
+        self.contention_s += extra
+        return extra
 
 
 def check_bus(profile: Profile, bus_Bps: Optional[float]) -> float:

@@ -33,7 +33,7 @@ start as its buckets fill during the backward (``Collectives.buckets``), the las
 the embeddings' backward. A phase whose parameters have not arrived waits, and the step ends when
 the link is idle: the exposed communication. Each phase also pays, on the compute stream, the
 collectives' copies and launches that belong to it and ``contention`` x the link's busy time
-within it (:mod:`remat.planning.sharding`: ``Phase.overhead_s``, the ``Simulation``'s
+within it (:class:`remat.planning.sharding.Link`; ``Phase.overhead_s``, the ``Simulation``'s
 ``comm_copy_s`` / ``comm_launch_s`` / ``comm_contention_s``). Recomputation adds no collective.
 Without a ``comm`` (one GPU) nothing of this runs and the step is unchanged.
 
@@ -78,6 +78,7 @@ from typing import NamedTuple, Optional
 from remat.planning.memory import Bytes, LiveBytes, plan_terms
 from remat.planning.offload_model import engine_overhead
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, segment_of
+from remat.planning.sharding import Link
 
 
 class Phase(NamedTuple):
@@ -229,47 +230,6 @@ class _Bus:
         return self.free_at
 
 
-class _Link:
-    """The collectives beside the compute (``profile.comm``): one FIFO link at the bus rate, and
-    the overheads charged to the compute stream, summed for the :class:`Simulation`."""
-
-    def __init__(self, comm, clock):
-        self.comm, self.clock, self.bus = comm, clock, _Bus(comm.bus_Bps)
-        self.copy_s = self.launch_s = self.contention_s = 0.0
-
-    def issue(self, nbytes, ready, reduce=False) -> float:
-        """One all-gather, or reduction (``reduce``), of ``nbytes`` (unsharded) at ``ready``; when it ends."""
-        factor = 2 if reduce and self.comm.kind == "ddp" else 1   # an all-reduce moves twice the bytes
-        return self.bus.copy(nbytes * factor * (self.comm.world - 1) / self.comm.world, ready=ready)
-
-    def charge(self, copied, launches) -> float:
-        """Seconds of ``copied`` bytes and ``launches`` collectives on the compute stream."""
-        copy, launch = self.comm.copy_s(copied), self.comm.latency_s * launches
-        self.copy_s += copy
-        self.launch_s += launch
-        return copy + launch
-
-    def block(self, index, backward) -> float:
-        c = self.comm
-        copied, launches = (c.bwd_copy_bytes, c.bwd_launches) if backward else (c.fwd_copy_bytes, c.fwd_launches)
-        return self.charge(copied[index] if copied else 0, launches[index] if launches else 0)
-
-    def stretch(self, start, seconds) -> float:
-        """Slow the phase that computes ``seconds`` from ``start`` by ``contention`` x the link's busy
-        time within it (its collectives issued already); the seconds added."""
-        if not self.comm.contention:
-            return 0.0
-        busy = 0.0
-        for _, begin, end in reversed(self.bus.copies):  # FIFO: ends only grow
-            if end <= start:
-                break
-            busy += max(0.0, min(end, start + seconds) - max(begin, start))
-        extra = self.comm.contention * busy
-        self.clock["gpu"] += extra
-        self.contention_s += extra
-        return extra
-
-
 def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optional[int] = None) -> Simulation:
     """Predicted peak bytes, step seconds and what sets the peak, for ``plan`` on ``profile``.
 
@@ -310,7 +270,7 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         return start, waited, max(0.0, gathered - max(free, ready))
 
     comm = profile.comm
-    link = _Link(comm, clock) if comm else None
+    link = Link(comm, clock) if comm else None
     ddp = bool(comm) and comm.kind == "ddp"
 
     gathered = [0.0] * len(costs)      # forward: when block i's parameters are all-gathered
@@ -434,8 +394,8 @@ def _walk(profile, treatments, costs, h) -> Simulation:
         if comm.root_reduce_bytes:
             link.issue(comm.root_reduce_bytes, ready=clock["gpu"], reduce=True)
         end = timeline[-1].end_bytes
-        if link.bus.free_at > clock["gpu"]:
-            start, _, cw = run(0.0, gathered=link.bus.free_at)
+        if link.free_at > clock["gpu"]:
+            start, _, cw = run(0.0, gathered=link.free_at)
             phase(f"backward: {'all-reduces' if ddp else 'reduce-scatters'} left at the end", Bytes(end, end, end),
                   start, comm_wait=cw)
         if comm.final_copy_bytes and comm.copy_Bps:  # DDP: the reduced buckets back into the gradients
