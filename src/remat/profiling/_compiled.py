@@ -126,8 +126,9 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     blocks, head forward) are scaled by measured / predicted forward, backward likewise. A
     measured peak above the predicted one adds its excess, an equal share per block, to the
     calibrated treatment's kept bytes; both peaks are noted beside the ratios. Then, unless that
-    plan was already ``full``, one more compiled step of uniform ``full`` (the same head) does the
-    same for the region checkpoints (:data:`REGION_CHECKPOINTS`) -- memory only."""
+    plan was already ``full``, one more compiled step of uniform ``full`` (with the head option of
+    the smallest predicted peak) does the same for the region checkpoints
+    (:data:`REGION_CHECKPOINTS`) -- memory only."""
     from remat.profiling._calibrate import calibration_plan
     chosen = calibration_plan(model, prof)
     if chosen is None:
@@ -139,6 +140,9 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     if treatment == "full" or "full" not in prof.treatments(0):
         return prof
     from remat.planning.simulator import simulate
+    # the head whose own peak is smallest, so the blocks' kept bytes set the step's peak (with the
+    # plain head's backward peak on top, a 9x full plan's excess did not show: H100, bench model)
+    head = min(prof.heads, key=lambda h: simulate(prof, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
     sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
     _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes)
