@@ -94,6 +94,24 @@ def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment(
     assert all(lower.cost(i, t).kept == prof.cost(i, t).kept for i in range(blocks) for t in ("keep", "full"))
 
 
+def test_a_compiled_plan_keeps_its_margin_below_the_budget():
+    """plan(compile=True) solves for the budget less COMPILE_MARGIN of what lies above static
+    memory (compiled mixed plans peak a little above their prediction), and says so."""
+    from dataclasses import replace
+    from remat.planner import COMPILE_MARGIN
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    fake = profile(model, ids, device="fake")
+    compiled = replace(fake, notes=dict(fake.notes, compile=True))
+    budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
+    chosen = remat.plan(model, ids, budget, compile=True, profiled=compiled)
+    margin = int(COMPILE_MARGIN * (budget - fake.static_bytes))
+    assert chosen.notes["compile_margin_bytes"] == margin and chosen.notes["budget_bytes"] == budget
+    assert chosen.notes["predicted_peak_bytes"] <= budget - margin
+    assert chosen.summary() == remat.plan(model, ids, budget - margin, profiled=fake).summary()
+    assert "compile_margin_bytes" not in remat.plan(model, ids, budget, profiled=fake).notes
+
+
 def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
