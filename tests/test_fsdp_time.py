@@ -353,3 +353,21 @@ def test_the_solver_stays_under_budget_with_the_overheads():
         assert sim.bound_bytes <= budget and sim.comm_copy_s > 0 and sim.comm_launch_s > 0
         assert plan.notes["comm_overhead_s"] > 0
         assert plan_seconds(prof, list(plan.blocks.values()), prof.head("plain")) == pytest.approx(sim.step_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("reduce_dtype, factor", [(None, 1), ("float32", 2)])
+def test_reduce_scatter_buffers_in_flight_raise_every_backward_peak(reduce_dtype, factor):
+    """Two blocks' gradients (reduce dtype) in FSDP2's copy-in buffers during each block's and the
+    embeddings' backward; nothing before the backward changes."""
+    prof = _profile()
+    sharded = shard(prof, 2, (P,), reduce_dtype=reduce_dtype)
+    for t in ("keep", "full"):
+        assert sharded.cost(0, t).bwd_peak == prof.cost(0, t).bwd_peak + 2 * P * factor
+        assert sharded.cost(0, t).fwd_peak == prof.cost(0, t).fwd_peak
+    assert sharded.heads[0].pre_bwd_peak == prof.heads[0].pre_bwd_peak + 2 * P * factor
+    assert sharded.heads[0].head_fwd_peak == prof.heads[0].head_fwd_peak
+    phase = next(p for p in simulate(sharded, "full").timeline if p.name.startswith("backward of block 0"))
+    unbuffered = dataclasses.replace(sharded, classes=({t: dataclasses.replace(c, bwd_peak=c.bwd_peak - 2 * P * factor)
+                                                        for t, c in sharded.classes[0].items()},))
+    before = next(p for p in simulate(unbuffered, "full").timeline if p.name.startswith("backward of block 0"))
+    assert phase.peak_bytes - before.peak_bytes == 2 * P * factor
