@@ -77,7 +77,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
-from fsdp_bench import TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed  # noqa: E402
+from fsdp_bench import TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, measured_row  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -143,7 +143,6 @@ def main(argv=None):
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], parallel="ddp")
-    limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
     records = []
     for name, plan in rows:
         if isinstance(plan, dict):  # a budget no plan fits
@@ -157,17 +156,8 @@ def main(argv=None):
             if plan is not None:
                 record.update(plan=plan.summary(), budget_bytes=notes.get("budget_bytes"),
                               offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
-            if limit and notes["predicted_peak_bytes"] > 0.97 * limit:
-                record["skipped"] = (f"predicted peak {format_size(notes['predicted_peak_bytes'])} > 97% of this "
-                                     f"GPU's {format_size(limit)}")
-            else:
-                try:
-                    record.update(_measure(name, plan, config, dtype, device, ids, world, args))
-                except Exception as e:  # noqa: BLE001 - a crash is a result (every rank runs the same code)
-                    record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                    gc.collect()
-                    if cuda:
-                        torch.cuda.empty_cache()
+            measured_row(record, notes["predicted_peak_bytes"], device,
+                         lambda: _measure(name, plan, config, dtype, device, ids, world, args))
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)

@@ -183,18 +183,8 @@ def main(argv=None):
             record.update(plan=plan.summary(), budget_bytes=plan.notes.get("budget_bytes"),
                           budget_rule=planned["rules"][name],
                           offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
-        limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
-        if limit and predicted["peak"] > 0.97 * limit:
-            record["skipped"] = (f"predicted peak {format_size(predicted['peak'])} > 97% of this GPU's "
-                                 f"{format_size(limit)}")
-        else:
-            try:
-                record.update(_measure(name, plan, config, dtype, device, ids, world, args))
-            except Exception as e:  # noqa: BLE001 - a crash is a result (every rank runs the same code)
-                record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
+        measured_row(record, predicted["peak"], device,
+                     lambda: _measure(name, plan, config, dtype, device, ids, world, args))
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)
@@ -210,6 +200,26 @@ def main(argv=None):
 # the simulator's FSDP2 overheads, where it has them (copy-in/out, launches, contention): beside
 # --trace's fsdp_copy and nccl seconds
 OVERHEADS = ("comm_copy_s", "comm_launch_s", "comm_contention_s")
+
+
+def measured_row(record: dict, predicted_peak: int, device, measure) -> dict:
+    """``record`` updated with ``measure()``'s result; skipped with the reason when the predicted
+    peak exceeds 97% of the GPU (an out-of-memory on one rank would leave the others waiting in a
+    collective); a raise is recorded as the row's error (every rank runs the same code, so every
+    rank raises alike and the next row runs)."""
+    cuda = device.type == "cuda"
+    limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    if limit and predicted_peak > 0.97 * limit:
+        record["skipped"] = f"predicted peak {format_size(predicted_peak)} > 97% of this GPU's {format_size(limit)}"
+        return record
+    try:
+        record.update(measure())
+    except Exception as e:  # noqa: BLE001 - a crash is a result
+        record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return record
 
 
 def _predicted(sim) -> dict:
