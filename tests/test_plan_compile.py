@@ -116,7 +116,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
 
-    from remat.profiling import _compiled, _measure
+    from remat.profiling import _blocks, _compiled, _measure
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
     from remat.treat.discovery import discover
@@ -136,10 +136,10 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
 
     def cpu_seconds(block, args, kwargs, count, call=None, rounds=1):  # the GPU chain's calls, untimed
         for _ in range(count * (rounds + 1)):
-            _measure._block_run(block, args, kwargs, _NullMeter(), set(), track=False, call=call)
+            _blocks._block_run(block, args, kwargs, _NullMeter(), set(), track=False, call=call)
         chained.append(call)
         return 0.0, 0.0
-    monkeypatch.setattr(_measure, "_block_seconds", cpu_seconds)
+    monkeypatch.setattr(_blocks, "_block_seconds", cpu_seconds)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
     said = []
     body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"), ("plain", "chunked"),

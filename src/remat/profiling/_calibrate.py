@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from remat.profiling._measure import _hidden_of
+from remat.profiling._capture import _hidden_of
 from remat.planning.costs import MEASURED_TREATMENTS, Profile
 from remat.treat.treatments import apply_treatment, remove_treatment
 

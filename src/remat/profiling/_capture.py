@@ -1,0 +1,189 @@
+"""The capture forward: what each block is, what it takes and what it returns, before any block is measured.
+
+How: one forward without gradients (:func:`_capture`) through the user's loss, with hooks on
+every block. A pre-hook records, for every block, its configuration (:func:`_signature`:
+class, parameter shapes, attention kind, input shape) and keeps the inputs (args and kwargs,
+detached, caches dropped: :func:`_without_cache`) of the first block of each configuration;
+a post-hook records the shape of its output (:class:`_Template`); hooks on the blocks'
+sub-modules record their outputs' structure, which the stubbed step replays to whoever hooked
+them (:mod:`remat.profiling._head`). It stops once every block has run: the post-hook that
+sees the last output raises, so the rest of the forward (the head, the loss) never runs. The
+hidden-state conventions that the block and head runs share (:func:`_hidden_of`,
+:func:`_with_hidden`) live here too.
+
+Why one real forward with hooks rather than building each block's inputs: the blocks get
+exactly the tensors and keyword arguments (masks, position embeddings) that the model's own
+forward makes for them. Why a signature rather than the class alone: blocks of one class can
+cost differently (Gemma-2's sliding-window and global layers, encoder and decoder), so they
+are profiled apart.
+
+Limits: a block must take its hidden state as the first floating-point positional argument
+or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
+elements are None in the stub run); a configuration attribute not in
+:data:`CONFIG_ATTRIBUTES` is not seen, so blocks that differ only there share one profile;
+a block that the forward never calls is a ``ValueError``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+# attributes that make two blocks of one class with the same parameters cost differently
+CONFIG_ATTRIBUTES = ("attention_type", "layer_type", "is_sliding", "sliding_window", "is_decoder",
+                     "is_causal", "has_relative_attention_bias")
+
+
+def _signature(block: nn.Module, hidden=None) -> tuple:
+    """What makes two blocks cost the same: class, parameters, the configuration attributes of
+    the block and its direct children (sliding-window or global attention ...) and the shape and
+    dtype of its input."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+    config = []
+    for prefix, module in [("", block)] + [(f"{n}.", m) for n, m in block.named_children()]:
+        for attribute in CONFIG_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if value is not None and isinstance(value, (bool, int, float, str)):
+                config.append((prefix + attribute, value))
+    shape = None if hidden is None else (tuple(hidden.shape), hidden.dtype)
+    return (type(block), params, tuple(config), shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Captured(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A block's (or sub-module's) output: the first tensor's shape, dtype and device, and the
+    container it came in (None: a bare tensor; else the tuple type and its length)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    container: type = None
+    length: int = 1
+
+    @staticmethod
+    def of(out) -> "_Template":
+        if isinstance(out, torch.Tensor):
+            return _Template(tuple(out.shape), out.dtype, out.device)
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return _Template(tuple(out[0].shape), out[0].dtype, out[0].device, type(out), len(out))
+        raise TypeError(f"a block returned {type(out).__name__}; remat expects a tensor or a tuple whose first "
+                        "element is the hidden state")
+
+    def wrap(self, y):
+        return y if self.container is None else self.container((y,) + (None,) * (self.length - 1))
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A tensor's shape, dtype and device (a pytree leaf, unlike a tuple)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class _Capture:
+    """What the capture forward saw, per block index."""
+
+    signatures: list   # per block: _signature(...)
+    inputs: dict       # block index -> (args, kwargs), for the first block of each signature only
+    outputs: list      # per block: _Template of its output
+    replays: list      # per block: [(sub-module, its output's structure)] to replay in stubs
+    order: list        # block indices in the order the forward called them
+
+
+def _capture(model, batch, loss_fn, named) -> _Capture:
+    """One forward without gradients, stopped once every block has run (see the module doc)."""
+    n = len(named)
+    signatures, outputs, replays = [None] * n, [None] * n, [None] * n
+    inputs, seen, order, sub_outputs = {}, set(), [], {}
+    handles = []
+
+    def pre(index, module, args, kwargs):
+        if signatures[index] is None:
+            sig = _signature(module, _hidden_of(args, kwargs))
+            signatures[index] = sig
+            if sig not in seen:
+                seen.add(sig)
+                inputs[index] = _without_cache(*tree_map(
+                    lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs)))
+            order.append(index)
+
+    def post(index, module, args, kwargs, out):
+        if outputs[index] is None:
+            outputs[index] = _Template.of(out)
+            if all(o is not None for o in outputs):
+                raise _Captured
+
+    def sub_post(module, args, out):
+        sub_outputs.setdefault(id(module), tree_map(
+            lambda v: _Like(tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else v, out))
+
+    try:
+        for index, (_, block) in enumerate(named):
+            handles.append(block.register_forward_pre_hook(partial(pre, index), with_kwargs=True))
+            handles.append(block.register_forward_hook(partial(post, index), with_kwargs=True))
+            for sub in block.modules():
+                if sub is not block:
+                    handles.append(sub.register_forward_hook(sub_post))
+        with torch.no_grad():
+            loss_fn(model, batch)
+    except _Captured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [named[i][0] for i in range(n) if outputs[i] is None]
+    if missing:
+        raise ValueError(f"{len(missing)} block(s) were never called in the model's forward ({missing[:3]}); "
+                         "pass blocks= with the modules the forward really runs")
+    for index, (_, block) in enumerate(named):
+        replays[index] = [(sub, sub_outputs[id(sub)]) for sub in block.modules()
+                          if sub is not block and sub._forward_hooks and id(sub) in sub_outputs]
+    return _Capture(signatures=signatures, inputs=inputs, outputs=outputs, replays=replays, order=order)
+
+
+def _without_cache(args, kwargs):
+    """A block's captured inputs without a live KV cache: run again and again, a cache object
+    would grow with every run and carry the graph of the last one (``Trying to backward through
+    the graph a second time`` on any model built with ``use_cache=True``, the config default)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache = getattr(cache_utils, "Cache", None)
+    if not isinstance(cache, type):
+        return args, kwargs
+    args = tuple(None if isinstance(v, cache) else v for v in args)
+    kwargs = {k: (None if isinstance(v, cache) else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache") is True:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _hidden_of(args, kwargs) -> torch.Tensor:
+    for value in args:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    value = kwargs.get("hidden_states")
+    if isinstance(value, torch.Tensor):
+        return value
+    raise ValueError("cannot tell which block input is the hidden state: expected a floating-point "
+                     "tensor as the first positional argument or a 'hidden_states' keyword")
+
+
+def _with_hidden(args, kwargs, new):
+    old = _hidden_of(args, kwargs)
+    args = tuple(new if a is old else a for a in args)
+    kwargs = {k: (new if v is old else v) for k, v in kwargs.items()}
+    return args, kwargs

@@ -1,0 +1,182 @@
+"""The rest of the model (embeddings, head and loss) per head mode: a step in which every block is a stub.
+
+How (:func:`_head_cost`): every block's forward is replaced by a stub (:class:`_Stubs`) and
+the step runs (:func:`_stub_run`) with six marks: embeddings, the stubs, head forward and
+backward, the stubs' backward, and the embeddings' backward. The ``chunked`` mode enables the
+chunked head (:mod:`remat.treat.head`) around its runs, once per chunk option (the candidate
+chunk sizes, none above the batch's token count: :func:`_chunk_options`); a model it cannot
+serve gets the reason from :func:`_chunked_unavailable` instead.
+
+A stub returns a fresh tensor of its block's real output shape and dtype that depends on
+its input, so the next block (a CNN stage, a UNet level) gets what it expects and gradients
+reach the embeddings: ``x + zero`` where the shape is kept (one new hidden state, as
+``x.clone()``), else ``(x.sum() * 0 + zero)`` expanded and materialised. ``zero`` is a 0-d
+tensor that requires grad, made before the first mark, so the head is measured even when
+nothing before the blocks requires grad (LoRA over frozen embeddings, a plain model fed a
+plain tensor). Sub-modules inside a block whose outputs other code collects through forward
+hooks (Hugging Face's router-logit recorder on MoE gates) have those hooks called with a
+fresh output of the recorded shape, so the model's auxiliary loss sees one entry per layer.
+Stubs are installed through :mod:`remat.treat.patches` (tag ``"profile-stub"``) once for all
+runs of a mode and chunk, and removed after them. Under a compiled model each stub is a
+``torch.compiler.disable`` frame (:mod:`remat.profiling._compiled`).
+
+Why stubs rather than the whole model: the blocks' costs come from their own runs
+(:mod:`remat.profiling._blocks`), and a step without them reads the embeddings' and the
+head's memory and seconds alone, the loss computed as the user's ``loss_fn`` computes it.
+
+Stable times: the head's seconds are the median of ``repeats + 1`` stubbed steps, with
+Python's garbage collector held off while timing (:func:`remat.profiling._meters._chain`).
+
+Limits: every block must be called exactly once per step, else the step does not run its
+six phases (a ``ValueError``); a block's tuple output is its hidden state followed by None,
+so a head that reads a block's other outputs does not see them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from remat.profiling._capture import _hidden_of, _Like
+from remat.profiling._meters import _chain
+from remat.planning.costs import HeadCost
+from remat.treat import patches
+
+STUB_TAG = "profile-stub"
+
+
+def _chunked_unavailable(model):
+    """Why the chunked head cannot run on ``model`` (no LM head, a loss it cannot reproduce), or None."""
+    from remat.treat.head import check_chunked_head
+    try:
+        check_chunked_head(model)
+    except (TypeError, ValueError) as e:
+        return f"chunked head not available: {str(e)[:300]}"
+    return None
+
+
+def _chunk_options(chunks, hidden) -> list:
+    tokens = hidden.numel() // hidden.shape[-1]
+    options = sorted({min(int(c), tokens) for c in chunks})
+    return options or [tokens]
+
+
+def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend=None) -> HeadCost:
+    if mode == "chunked":
+        from remat.treat.head import enable_chunked_head
+        enable_chunked_head(model, chunk_tokens=chunk)
+    try:
+        with contextlib.ExitStack() as stack:
+            # installed once for all runs: a compiled model would recompile for new stubs at every run
+            stubs = stack.enter_context(_Stubs(named, compiled=backend is not None))
+            if backend is not None:  # the model compiled as Module.compile() does; the first run compiles
+                from remat.profiling._compiled import check_compiled, compiled_model
+                counter = stack.enter_context(compiled_model(model, backend))
+            (m,) = _chain(meter, lambda: (_stub_run(model, batch, loss_fn, capture, meter, stubs),), repeats)
+            if backend is not None:
+                check_compiled(counter, f"the {mode} head")
+    finally:
+        if mode == "chunked":
+            from remat.treat.head import disable_chunked_head
+            disable_chunked_head(model)
+    # marks: (end, peak, seconds) per phase; phases 1 and 4 are the stubs' own work and its backward
+    (pre_end, pre_peak, pre_s), _, (hf_end, hf_peak, hf_s), (hb_end, hb_peak, hb_s), _, (pb_end, pb_peak, pb_s) = m
+    return HeadCost(mode=mode, chunk_tokens=chunk, pre_peak=pre_peak, pre_end=pre_end, head_fwd_peak=hf_peak,
+                    head_fwd_end=hf_end, head_bwd_peak=hb_peak, head_bwd_end=hb_end, pre_bwd_peak=pb_peak,
+                    pre_bwd_end=pb_end, pre_fwd_s=pre_s, head_fwd_s=hf_s, head_bwd_s=hb_s, pre_bwd_s=pb_s)
+
+
+class _Stubs(contextlib.ExitStack):
+    """Every block's forward replaced by a stub for the ``with`` block; ``run`` is the step it serves.
+
+    Under a compiled model each stub is a ``torch.compiler.disable`` frame: the graph breaks
+    there, the meter reads between the embeddings' and the head's compiled graphs."""
+
+    def __init__(self, named, compiled=False):
+        super().__init__()
+        self.named, self.compiled, self.run = named, compiled, None
+
+    def __enter__(self):
+        super().__enter__()
+        function = _stub_forward
+        if self.compiled:
+            from remat.profiling._compiled import eager
+            function = eager(_stub_forward)
+        for index, (_, block) in enumerate(self.named):
+            self.enter_context(patches.temporarily(block, "forward", function, tag=STUB_TAG, state=(self, index)))
+        return self
+
+
+class _StubRun:
+    """One stubbed step's state: the marks, and what every block's stub returns (module doc)."""
+
+    def __init__(self, capture, meter, zero):
+        self.capture, self.meter, self.zero = capture, meter, zero
+        self.first, self.last = capture.order[0], capture.order[-1]
+        self.marks, self.held = [], []
+
+    def mark(self, *_):
+        self.marks.append(self.meter.mark())
+
+    def forward(self, index, args, kwargs):
+        x = _hidden_of(args, kwargs)
+        if index == self.first:
+            self.mark()                                                   # embeddings done
+            self.held.append([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor) and v is not x])
+            if x.requires_grad:
+                x.register_hook(self.mark)                                # blocks' backward done
+        template = self.capture.outputs[index]
+        if tuple(x.shape) == template.shape and x.dtype == template.dtype:
+            y = x + self.zero                                             # one new hidden state, as x.clone()
+        else:
+            y = (x.sum() * 0 + self.zero).to(template.dtype).expand(template.shape).contiguous()
+        for sub, structure in self.capture.replays[index]:
+            _replay(sub, x, structure)
+        if index == self.last:
+            self.mark()
+            y.register_hook(self.mark)                                    # head backward done
+        return template.wrap(y)
+
+
+def _stub_forward(patch, *args, **kwargs):
+    stubs, index = patch.state
+    return stubs.run.forward(index, args, kwargs)
+
+
+def _replay(sub, x, structure):
+    """Call ``sub``'s forward hooks with a fresh output of the recorded structure (the block's
+    stub skipped ``sub``, but whoever hooked it collects its outputs)."""
+    out = tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, _Like) else v,
+                   structure)
+    for key, hook in list(sub._forward_hooks.items()):
+        if key in sub._forward_hooks_with_kwargs:
+            hook(sub, (x,), {}, out)
+        else:
+            hook(sub, (x,), out)
+
+
+def _stub_run(model, batch, loss_fn, capture, meter, stubs):
+    """A step in which every block is a stub (``stubs``, installed): measures embeddings, head and loss."""
+    hidden = _hidden_of(*capture.inputs[capture.order[0]])
+    zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+    zero.grad = torch.zeros_like(zero)  # accumulated in place: no new storage during the step
+    run = stubs.run = _StubRun(capture, meter, zero)
+    try:
+        model.zero_grad(set_to_none=True)
+        meter.begin()
+        loss = loss_fn(model, batch)
+        run.mark()                                                        # head forward done
+        loss.backward()
+        del loss
+        if len(run.marks) == 4:  # the first block's input needs no gradient: nothing before the blocks to run
+            run.mark()
+        run.mark()                                                        # step done
+        model.zero_grad(set_to_none=True)
+    finally:
+        stubs.run = None
+    run.held.clear()
+    if len(run.marks) != 6:
+        raise ValueError(f"the stubbed step ran {len(run.marks)} of its 6 phases: a block was not called, or "
+                         "called more than once per step")
+    return run.marks
