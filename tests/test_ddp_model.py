@@ -231,3 +231,44 @@ def test_remat_plan_ddp_cli(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "exposed communication" in out
+
+
+def test_buckets_close_at_parameter_ends_in_backward_order():
+    """With the parameters' stream, a bucket takes whole parameters until it reaches its cap (the
+    first 1 MiB) and is all-reduced when its last parameter's gradient exists: a block's at the end
+    of its backward, the head's at the start of the last block's, the embeddings' after them all."""
+    stream = (("head", 3 * MIB),                                        # bucket 1 (1 MiB cap): ready before block 2
+              (2, MIB), (2, 3 * MIB),                                   # 1 + 3 < 25 MiB: still open
+              (1, 30 * MIB),                                            # 34 MiB: closes in block 1
+              (0, 2 * MIB), ("embeddings", 24 * MIB))                   # 26 MiB: closes after the embeddings
+    prof = _profile()
+    r = replicate(prof, 2, class_grad_bytes=(G_BLOCK,), grad_bytes=GRADS, stream=stream)
+    assert r.comm.buckets == ((), ((1.0, 34 * MIB),), ((0.0, 3 * MIB),))
+    assert r.comm.root_reduce_bytes == 26 * MIB and r.comm.root_bwd_launches == 1
+    assert comm_notes(r, simulate(r, "keep"))["allreduce_buckets"] == 3
+    last = replicate(prof, 2, stream=((1, 2 * MIB), (0, MIB), (0, MIB)), class_grad_bytes=(G_BLOCK,),
+                     grad_bytes=GRADS)  # the last bucket, 2 MiB of its 25, closes with the last parameter
+    assert last.comm.buckets == (((1.0, 2 * MIB),), ((1.0, 2 * MIB),), ()) and last.comm.root_reduce_bytes == 0
+
+
+def test_plan_cuts_ddp_buckets_at_the_models_parameters():
+    """remat.plan(..., ddp_world=2) on a tiny llama: the bucket count is what DDP's rebuilt buckets
+    give for its parameters (computed here from the parameters themselves, in backward order)."""
+    import torch
+    import remat
+    from remat.integrations.presets import build_model, load_config
+    from remat.planner import gradient_stream
+    config = load_config("llama-tiny")
+    model = build_model(config, device=torch.device("cpu"), dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    prof = remat.profile(model, ids, device="fake")
+    stream = gradient_stream(model, prof)
+    assert sum(b for _, b in stream) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stream[-1][0] == "embeddings" and {o for o, _ in stream} - {"head", "embeddings"} == set(range(len(prof.block_names)))
+    expected, size, limit = 0, 0, FIRST_BUCKET_BYTES
+    for index, (_, nbytes) in enumerate(stream):
+        size += nbytes
+        if size >= limit or index + 1 == len(stream):
+            expected, size, limit = expected + 1, 0, 25 * MIB
+    plan = remat.plan(model, ids, "4GiB", ddp_world=2, profiled=prof)
+    assert plan.notes["allreduce_buckets"] == expected

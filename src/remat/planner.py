@@ -89,8 +89,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
-        per_class, total = trainable_grad_bytes(model, prof)
-        prof = replicate(prof, ddp_world, class_grad_bytes=per_class, grad_bytes=total)
+        prof = replicated(prof, model, ddp_world)
     margin = int(COMPILE_MARGIN * max(0, budget_bytes - prof.static_bytes)) if prof.notes.get("compile") else 0
     chosen = solve(prof, budget_bytes - margin, treatments=_allowed(prof, treatments), heads=heads)
     if margin:
@@ -103,6 +102,33 @@ COMPILE_MARGIN = 0.03
 after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peaked up to
 2.1% above their prediction on the bench model (H100: a 11x full, 5x selective plan at 10.12 GiB
 for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no block alone does."""
+
+
+def replicated(prof: Profile, model: nn.Module, world: int) -> Profile:
+    """``prof`` as one of ``world`` DDP ranks of ``model`` sees it: its trainable gradients bucketed
+    as DDP buckets them (:func:`remat.planning.replication.replicate`)."""
+    per_class, total = trainable_grad_bytes(model, prof)
+    return replicate(prof, world, class_grad_bytes=per_class, grad_bytes=total, stream=gradient_stream(model, prof))
+
+
+def gradient_stream(model: nn.Module, prof) -> tuple:
+    """``(owner, gradient bytes)`` of every trainable parameter in backward order (the reverse of
+    registration), a shared one once where it is registered first; owner: the index of the block
+    that holds it, ``"embeddings"`` for the root's registered before the first block, ``"head"``
+    for those after (final norm, LM head)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    block_of = {}
+    for index, name in enumerate(prof.block_names):
+        for p in modules[name].parameters():
+            block_of.setdefault(id(p), index)
+    forward, seen_block = [], False
+    for p in model.parameters():  # registration order, shared parameters once
+        owner = block_of.get(id(p))
+        seen_block = seen_block or owner is not None
+        if p.requires_grad:
+            forward.append((owner if owner is not None else ("head" if seen_block else "embeddings"),
+                            p.numel() * p.element_size()))
+    return tuple(reversed(forward))
 
 
 def trainable_grad_bytes(model: nn.Module, prof) -> tuple:

@@ -162,11 +162,9 @@ def profile_from_args(args, say):
         say(f"sharding for {args.fsdp} FSDP ranks")
         prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
     if getattr(args, "ddp", 1) != 1:
-        from remat.planner import trainable_grad_bytes
-        from remat.planning.replication import replicate
+        from remat.planner import replicated
         say(f"replicating for {args.ddp} DDP ranks")
-        per_class, total = trainable_grad_bytes(model, prof)
-        prof = replicate(prof, args.ddp, class_grad_bytes=per_class, grad_bytes=total)
+        prof = replicated(prof, model, args.ddp)
     return prof
 
 

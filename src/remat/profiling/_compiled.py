@@ -9,7 +9,7 @@ so a compiled plan must be profiled compiled. How:
 - A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
   ``torch.compile(block, dynamic=False)`` with a fresh dynamo cache, once per class × treatment)
   and measured by the same meter and the same chains as an eager block
-  (:mod:`remat.profiling._measure`); a first call compiles, outside any measurement.
+  (:mod:`remat.profiling._blocks`); a first call compiles, outside any measurement.
 - The head: the stubbed step (blocks replaced by stubs) runs with the whole model compiled as
   ``Module.compile()`` compiles it (:func:`compiled_model`); each stub is a ``torch.compiler.disable``
   frame, so the embeddings and the head+loss are compiled graphs of their own and the meter

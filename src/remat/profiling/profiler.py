@@ -46,7 +46,7 @@ Whole-model runs cost depth x treatments and need the real model on a real GPU; 
 decomposition is exact for sequential block stacks and costs one block.
 
 Limits: blocks of one class are assumed to cost the same (a configuration attribute not
-in :data:`remat.profiling._measure.CONFIG_ATTRIBUTES` is not seen); offload costs are derived, not measured: the
+in :data:`remat.profiling._capture.CONFIG_ATTRIBUTES` is not seen); offload costs are derived, not measured: the
 bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
 ``full+offload``) of at least ``min_offload_bytes``, excluding parameters; optimizer state is
 counted as bytes per parameter, and its step's temporaries are not modelled.
@@ -54,8 +54,9 @@ counted as bytes per parameter, and its step's temporaries are not modelled.
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
 ``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
 :mod:`remat.profiling._meters`; the fake-tensor swap and CUDA-attention stand-in in
-:mod:`remat.profiling._fake`; the block and head runs in :mod:`remat.profiling._measure`; the copy rates and
-the in-step calibration in :mod:`remat.profiling._calibrate`.
+:mod:`remat.profiling._fake`; the runs in :mod:`remat.profiling._measure` (the flow),
+:mod:`~remat.profiling._capture`, :mod:`~remat.profiling._blocks` and :mod:`~remat.profiling._head`;
+the copy rates and the in-step calibration in :mod:`remat.profiling._calibrate`.
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
 
 
 # Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is
-# timed ROUNDS times (remat.profiling._measure); the stubbed head step runs REPEATS + 1 times.
+# timed ROUNDS times (remat.profiling._blocks); the stubbed head step runs REPEATS + 1 times.
 # Was 3 and one chain: the plan for one budget flipped between two profiles on one H100 (issue 11).
 REPEATS = 5
 
