@@ -290,3 +290,26 @@ def test_gpu_three_profiles_pick_one_plan():
         chosen = {(tuple(sorted(p.blocks.items())), p.head, p.chunk_tokens) for p in plans}
         assert len(chosen) == 1, (budget, [p.summary() for p in plans],
                                   [p.notes["predicted_step_s"] for p in plans])
+
+
+def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
+    """A measured step longer than its scaled parts sets ``step_overhead_s``: that plan is then
+    predicted at the measured time, every other plan (and the solver's own seconds) by the same
+    amount more; a shorter step changes nothing and is noted."""
+    from dataclasses import replace
+    from remat.planning.solver import plan_seconds
+    from remat.profiling._calibrate import with_residual
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    prof = replace(profile(model, ids, device="fake"), notes={"calibration": {"plan": "keep, head plain"}})
+    head = prof.head("plain")
+    keep, full = (remat.simulate(prof, t, head="plain").step_s for t in ("keep", "full"))
+    slower = with_residual(prof, "keep", head, keep + 0.25)
+    assert slower.step_overhead_s == pytest.approx(0.25)
+    assert remat.simulate(slower, "keep", head="plain").step_s == pytest.approx(keep + 0.25)
+    assert remat.simulate(slower, "full", head="plain").step_s == pytest.approx(full + 0.25)
+    blocks = ["full"] * len(prof.block_class)
+    assert plan_seconds(slower, blocks, head) == pytest.approx(plan_seconds(prof, blocks, head) + 0.25)
+    assert slower.notes["calibration"]["residual_s"] == pytest.approx(0.25, abs=1e-5)
+    faster = with_residual(prof, "keep", head, keep - 0.001)
+    assert faster.step_overhead_s == 0.0 and faster.notes["calibration"]["residual_s"] < 0

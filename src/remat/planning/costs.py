@@ -366,6 +366,10 @@ class Profile:
     comm: Optional[Collectives] = None
     """The collectives per step: FSDP2's (set by :func:`remat.planning.sharding.shard`) or DDP's
     (:func:`remat.planning.replication.replicate`); None on one GPU."""
+    step_overhead_s: float = 0.0
+    """Seconds a real step took beyond what its parts add up to (the in-step calibration's
+    residual: launch gaps, the loss's glue, the step's own start and end), added to every plan's
+    step; 0 when not calibrated."""
 
     @property
     def tokens(self) -> int:

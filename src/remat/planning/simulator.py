@@ -404,7 +404,7 @@ def _walk(profile, treatments, costs, h) -> Simulation:
             phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
     top = max(timeline, key=lambda p: p.peak_bytes)
     worst = max(timeline, key=lambda p: p.bound_bytes)
-    step = clock["gpu"]
+    step = clock["gpu"] + profile.step_overhead_s
     return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
                       peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
                       timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,

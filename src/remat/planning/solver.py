@@ -230,7 +230,7 @@ def _evaluate(profile, treatments, head, options=None):
 
 
 def _head_seconds(profile, head) -> float:
-    seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s
+    seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s + profile.step_overhead_s
     return seconds + (profile.comm.fixed_exposed_s(head) if profile.comm is not None else 0.0)
 
 
