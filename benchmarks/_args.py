@@ -12,3 +12,16 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p
+
+
+def distributed_parser(doc: str) -> argparse.ArgumentParser:
+    """:func:`bench_parser` plus what the torchrun benchmarks (FSDP2, DDP) share: per-GPU budgets,
+    the device, how rank 0 profiles, and the kernel-time trace."""
+    p = bench_parser(doc)
+    p.add_argument("--budgets", help="per-GPU budgets, comma-separated (default: see the docstring)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--profile", choices=("cuda", "fake"),
+                   help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
+    p.add_argument("--trace", action="store_true",
+                   help="one more step per row under torch.profiler: rank 0 records its kernel-time breakdown")
+    return p

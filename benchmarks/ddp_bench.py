@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
+from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
 from fsdp_bench import TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, measured_row  # noqa: E402
 
@@ -95,15 +95,9 @@ PREDICTED_COMM = ("allreduce_buckets", "comm_s", "exposed_comm_s", "comm_overhea
 
 
 def parse_args(argv=None):
-    p = bench_parser(__doc__)
+    p = distributed_parser(__doc__)
     p.set_defaults(model="llama-1b", batch=2, seq=4096, steps=3, warmup=2)
-    p.add_argument("--budgets", help="per-GPU budgets, comma-separated (default: see the docstring)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--profile", choices=("cuda", "fake"),
-                   help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
     p.add_argument("--strategies", default="eager,hf_full,remat", help="which rows to run")
-    p.add_argument("--trace", action="store_true",
-                   help="one more step per row under torch.profiler: rank 0 records its kernel-time breakdown")
     p.add_argument("--grad-model", help="preset or config for the gradient check (default: --model cut to "
                                         "--grad-layers layers)")
     p.add_argument("--grad-layers", type=int, default=2)

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
+from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 import remat  # noqa: E402
@@ -112,17 +112,11 @@ TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl
 
 
 def parse_args(argv=None):
-    p = bench_parser(__doc__)
+    p = distributed_parser(__doc__)
     p.set_defaults(model="llama-8b", batch=1, seq=4096, steps=3, warmup=2)
-    p.add_argument("--budgets", help="per-GPU budgets, comma-separated (default: see the docstring)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--profile", choices=("cuda", "fake"),
-                   help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
     p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat", help="which rows to run")
     p.add_argument("--no-reshard", action="store_true",
                    help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
-    p.add_argument("--trace", action="store_true",
-                   help="one more step per row under torch.profiler: rank 0 records its kernel-time breakdown")
     p.add_argument("--single", action="store_true",
                    help="first, rank 0 alone runs the unsharded model (eager, hf_full) without FSDP")
     p.add_argument("--plan-only", action="store_true",
