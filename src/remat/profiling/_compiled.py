@@ -147,11 +147,11 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
     _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes)
     extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
-    classes = tuple({t: replace(c, kept=c.kept + extra) if t in REGION_CHECKPOINTS else c
+    charged = [t for t in REGION_CHECKPOINTS if t in prof.treatments(0) and t != treatment]  # not twice
+    classes = tuple({t: replace(c, kept=c.kept + extra) if t in charged else c
                      for t, c in costs.items()} for costs in prof.classes)
     note = dict(prof.notes["calibration"])
-    note["kept_bytes_added_per_block"] = dict(note["kept_bytes_added_per_block"],
-                                              **{t: extra for t in REGION_CHECKPOINTS if t in prof.treatments(0)})
+    note["kept_bytes_added_per_block"] = dict(note["kept_bytes_added_per_block"], **{t: extra for t in charged})
     note["full_step"] = {"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)}
     return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
 
