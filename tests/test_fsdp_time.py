@@ -180,6 +180,7 @@ def test_remat_plan_fsdp_json_includes_the_communication(capsys):
     assert main(argv) == 0
     stages = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("stages"))
     assert "exposed communication" in stages, stages
+    assert f"launches {notes['comm_launch_s']:.3f}" in stages and "collective overheads" in stages, stages
 
 
 def test_bus_rate_needs_a_process_group():

@@ -246,9 +246,13 @@ def explain(prof, sim, budget=None) -> list:
     for name, st in stages.items():
         wait = f", {st['wait_s']:.3f} s waiting for copies" if st["wait_s"] > 5e-4 else ""
         parts.append(f"{name} {st['seconds']:.3f} s (peak {f(st['peak_bytes'])}{wait})")
-    if sim.comm_s:  # FSDP2: time the GPU waited for collectives, already inside the stages above
+    if sim.comm_s:  # FSDP2/DDP: time the GPU waited for collectives, already inside the stages above
         parts.append(f"exposed communication {sim.exposed_comm_s:.3f} s (of {sim.comm_s:.3f} s of collectives, "
                      "the rest hidden behind compute)")
+        overhead = sim.comm_copy_s + sim.comm_launch_s + sim.comm_contention_s
+        if overhead:  # also inside the stages: what the collectives cost the compute stream
+            parts.append(f"collective overheads {overhead:.3f} s (copies {sim.comm_copy_s:.3f}, launches "
+                         f"{sim.comm_launch_s:.3f}, compute slowed beside the link {sim.comm_contention_s:.3f})")
     lines.append("stages     " + "; ".join(parts))
     if sim.offload_bytes:
         lines.append(f"offload    {f(sim.offload_bytes)} handed to the engine, {f(sim.moved_bytes)} moved each way, "
