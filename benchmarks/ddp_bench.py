@@ -66,7 +66,6 @@ that the comparison is tight), with its own plan.
 """
 import gc
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -77,7 +76,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
-from fsdp_bench import TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, measured_row  # noqa: E402
+from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed,  # noqa: E402
+                        finished, measured_row)
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -164,13 +164,7 @@ def main(argv=None):
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ddp_bench.jsonl"), "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-    dist.destroy_process_group()
-    return records
+    return finished(records, os.path.join(args.out, "ddp_bench.jsonl"))
 
 
 def _grad_config(args):

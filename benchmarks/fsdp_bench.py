@@ -182,18 +182,23 @@ def main(argv=None):
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fsdp_bench.jsonl"), "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-    dist.destroy_process_group()
-    return records
+    return finished(records, os.path.join(args.out, "fsdp_bench.jsonl"))
 
 
 # the simulator's FSDP2 overheads, where it has them (copy-in/out, launches, contention): beside
 # --trace's fsdp_copy and nccl seconds
 OVERHEADS = ("comm_copy_s", "comm_launch_s", "comm_contention_s")
+
+
+def finished(records: list, path: str) -> list:
+    """Rank 0 appends ``records`` to ``path`` (JSON lines); every rank leaves the process group."""
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "a") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+    return records
 
 
 def measured_row(record: dict, predicted_peak: int, device, measure) -> dict:

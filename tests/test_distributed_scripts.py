@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -256,27 +257,10 @@ def test_trace_events_from_kineto():
     """Only GPU activities are kept (kernels, memcpys, memsets), as (name, start_us, dur_us, stream)."""
     from _trace import events_from_kineto
 
-    class Raw:
-        def __init__(self, name, device, kind, start_ns, dur_ns, resource):
-            self._v = (name, device, kind, start_ns, dur_ns, resource)
-
-        def name(self):
-            return self._v[0]
-
-        def device_type(self):
-            return self._v[1]
-
-        def activity_type(self):
-            return self._v[2]
-
-        def start_ns(self):
-            return self._v[3]
-
-        def duration_ns(self):
-            return self._v[4]
-
-        def device_resource_id(self):
-            return self._v[5]
+    def Raw(name, device, kind, start_ns, dur_ns, resource):  # a kineto event: one accessor per field
+        fields = dict(name=name, device_type=device, activity_type=kind, start_ns=start_ns, duration_ns=dur_ns,
+                      device_resource_id=resource)
+        return types.SimpleNamespace(**{key: (lambda value=value: value) for key, value in fields.items()})
 
     raw = [Raw("aten::mm", "DeviceType.CPU", "cpu_op", 0, 5000, 1234),
            Raw(GEMM, "DeviceType.CUDA", "kernel", 9000, 2000, 7),
