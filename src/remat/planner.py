@@ -40,6 +40,13 @@ from remat.profiling.profiler import profile as _profile
 from remat.units import parse_budget
 
 
+COMPILE_MARGIN = 0.03
+"""A compiled plan is solved for its budget less this fraction of the budget above static memory:
+after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peaked up to
+2.1% above their prediction on the bench model (H100: a 11x full, 5x selective plan at 10.12 GiB
+for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no block alone does."""
+
+
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
@@ -97,18 +104,12 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     return _marked(chosen, prof)
 
 
-COMPILE_MARGIN = 0.03
-"""A compiled plan is solved for its budget less this fraction of the budget above static memory:
-after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peaked up to
-2.1% above their prediction on the bench model (H100: a 11x full, 5x selective plan at 10.12 GiB
-for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no block alone does."""
-
-
 def replicated(prof: Profile, model: nn.Module, world: int) -> Profile:
     """``prof`` as one of ``world`` DDP ranks of ``model`` sees it: its trainable gradients bucketed
     as DDP buckets them (:func:`remat.planning.replication.replicate`)."""
-    per_class, total = trainable_grad_bytes(model, prof)
-    return replicate(prof, world, class_grad_bytes=per_class, grad_bytes=total, stream=gradient_stream(model, prof))
+    stream = gradient_stream(model, prof)
+    per_class, total = _grad_bytes(prof, stream)
+    return replicate(prof, world, class_grad_bytes=per_class, grad_bytes=total, stream=stream)
 
 
 def gradient_stream(model: nn.Module, prof) -> tuple:
@@ -134,13 +135,18 @@ def gradient_stream(model: nn.Module, prof) -> tuple:
 def trainable_grad_bytes(model: nn.Module, prof) -> tuple:
     """(per block class, one block's trainable gradient bytes; the whole model's), what DDP buckets
     (:func:`remat.planning.replication.replicate`); shared parameters counted once."""
-    def grads(params):
-        return sum(p.numel() * p.element_size() for p in {id(p): p for p in params if p.requires_grad}.values())
-    modules = dict(model.named_modules(remove_duplicate=False))
+    return _grad_bytes(prof, gradient_stream(model, prof))
+
+
+def _grad_bytes(prof, stream) -> tuple:
+    """:func:`trainable_grad_bytes` from a :func:`gradient_stream`: each class's first block's sum, and the total."""
+    per_owner = {}
+    for owner, nbytes in stream:
+        per_owner[owner] = per_owner.get(owner, 0) + nbytes
     first = {}
-    for name, cls in zip(prof.block_names, prof.block_class):
-        first.setdefault(cls, name)
-    return tuple(grads(modules[first[c]].parameters()) for c in range(len(prof.classes))), grads(model.parameters())
+    for index, cls in enumerate(prof.block_class):
+        first.setdefault(cls, index)
+    return tuple(per_owner.get(first[c], 0) for c in range(len(prof.classes))), sum(per_owner.values())
 
 
 def _marked(chosen: Plan, prof) -> Plan:
