@@ -9,13 +9,15 @@ under each strategy:
 - ``full``: ``remat.apply(m, "full")``;
 - ``full+chunked``: ``remat.apply(m, "full", head="chunked")`` (default chunk, plus the sizes in
   ``--chunks`` as ``full+chunked:N``);
-- ``chunked``: ``remat.apply(m, "keep", head="chunked")``, the head alone;
+- ``chunked``: ``remat.apply(m, "keep", head="chunked")``, the head alone (and ``chunked:N`` for
+  each size in ``--chunks``);
 - ``liger`` / ``cce``: a ``keep`` model whose head and loss are Liger's
   ``LigerFusedLinearCrossEntropyLoss`` / Apple's ``cut_cross_entropy.linear_cross_entropy`` on the
   final hidden states and the LM head's weight (:func:`remat.prove.anchors.fused_loss_forward`;
   recorded with the reason when the package does not import).
 
-Per strategy: peak (``max_memory_allocated`` after a reset, over the timed steps), static bytes
+Per strategy: peak (``max_memory_allocated`` after a reset, over the timed steps), the peak of
+one more forward alone (up to the loss: equal to the step's peak where the head's forward sets it), static bytes
 (allocated before a step), step time (median and spread), tokens/s, ratio to eager and to
 ``hf_full``, loss and its relative difference to eager's, and for chunked rows the chunk size
 (the planner predicts the head's peak from a profile of it, not from a formula).
@@ -93,6 +95,7 @@ def strategies(chunks):
             "chunked": lambda m: remat.apply(m, "keep", head="chunked")}
     for c in chunks:
         todo[f"full+chunked:{c}"] = lambda m, c=c: remat.apply(m, "full", head="chunked", chunk_tokens=c)
+        todo[f"chunked:{c}"] = lambda m, c=c: remat.apply(m, "keep", head="chunked", chunk_tokens=c)
     for name in FUSED_LOSSES:
         todo[name] = anchor(name)
     return todo
@@ -121,8 +124,10 @@ def run(name, setup, args, config):
     torch.cuda.reset_peak_memory_stats()
     times, loss = timed_steps(step, args.steps)
     peak = torch.cuda.max_memory_allocated()
+    forward_peak = _forward_peak(model, forward, ids)
     med = statistics.median(times)
-    row = dict(strategy=name, peak_GiB=peak / GiB, static_GiB=static / GiB, step_s=med,
+    row = dict(strategy=name, peak_GiB=peak / GiB, forward_peak_GiB=forward_peak / GiB, static_GiB=static / GiB,
+               step_s=med,
                step_s_min=min(times), step_s_max=max(times), tok_s=args.batch * args.seq / med,
                loss=float(loss), model=args.model, batch=args.batch, seq=args.seq)
     plan = current_plan(model)
@@ -132,6 +137,20 @@ def run(name, setup, args, config):
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def _forward_peak(model, forward, ids):
+    """The peak up to the loss, one more step: where it equals the step's peak, the head's forward
+    (not backward) sets the peak."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    loss = forward(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 def accuracy(args, config, device):

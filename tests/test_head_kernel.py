@@ -27,13 +27,16 @@ def _chunk(rows, vocab=53, dtype=torch.float32, seed=0):
 def test_padded_rows_add_nothing_to_the_kernels_loss_and_gradient(dtype):
     z, y = _chunk(37, dtype=dtype)
     pre = torch.tensor(1 / 29.0)
-    loss, g = _softmax_xent(z, y, -100, pre)
-    padded_z = torch.cat([z, torch.zeros(91, z.shape[1], dtype=dtype)])
-    padded_loss, padded_g = _softmax_xent(padded_z, F.pad(y, (0, 91), value=-100), -100, pre)
+    padded_g = torch.cat([z, torch.zeros(91, z.shape[1], dtype=dtype)])
+    eager_g = z.clone()
+    g = z  # the kernels turn the logits into their gradient in place
+    loss = _softmax_xent(g, y, -100, pre)
+    padded_loss = _softmax_xent(padded_g, F.pad(y, (0, 91), value=-100), -100, pre)
     torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=0)
     assert torch.equal(padded_g[:37], g)  # rows are independent: the same ops, the same bits
     assert torch.equal(padded_g[37:], torch.zeros_like(padded_g[37:]))
-    eager_loss, eager_g = _eager_kernel(z.clone(), y, -100, pre)
+    assert g.sum(1).abs().max() < 1e-2  # a gradient now (each valid row sums to 0), not logits
+    eager_loss = _eager_kernel(eager_g, y, -100, pre)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(g.float(), eager_g.float(), rtol=1e-5, atol=1e-7 if dtype == torch.float32 else 1e-2)
 
@@ -131,11 +134,13 @@ def test_a_compile_error_falls_back_for_that_shape_only_with_one_warning(kernel_
     kernel_state._KERNEL["fn"] = compiled
     z, y = _chunk(8)
     pre = torch.tensor(0.25)
-    expected = _eager_kernel(z.clone(), y, -100, pre)  # (it works in place on fp32 logits)
+    expected_g = z.clone()
+    expected_loss = _eager_kernel(expected_g, y, -100, pre)
+    g = z.clone()
     with pytest.warns(UserWarning, match=type(error).__name__) as caught:
-        loss, g = _run_fused(z, y, -100, pre)
+        loss = _run_fused(g, y, -100, pre)
     assert len(caught) == 1 and "[8, 53]" in str(caught[0].message)
-    assert torch.equal(loss, expected[0]) and torch.equal(g, expected[1])
+    assert torch.equal(loss, expected_loss) and torch.equal(g, expected_g)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _run_fused(z.clone(), y, -100, pre)  # the same shape: eager, not tried again, no warning
@@ -161,3 +166,65 @@ def test_weight_gradient_accumulates_in_fp32_to_the_product(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(acc, expected, rtol=tol, atol=tol * 8)
     assert chunked_loss._fp32_out(torch.device("cpu")) is False  # the probe's answer off CUDA
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_accumulator_in_blocks_equals_one_product(monkeypatch, weight_dtype):
+    """Row blocks of the fp32 accumulator (forced small here: 7 rows of 61) add up to one
+    whole ``g^T @ h``; ``finish`` gives them in the weight's dtype and frees each fp32 block."""
+    monkeypatch.setattr(chunked_loss, "_PIECE_BYTES", 7 * 4 * 16)
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(rows, 61, generator=g) for rows in (37, 37, 20)]
+    hidden = [torch.randn(rows, 16, generator=g) for rows in (37, 37, 20)]
+    acc = chunked_loss._Accumulator((61, 16), torch.device("cpu"))
+    assert [p.shape[0] for p in acc.pieces] == [7] * 8 + [5]
+    for gc, hc in zip(grads, hidden):
+        acc.add(gc, hc)
+    expected = sum(gc.double().t() @ hc.double() for gc, hc in zip(grads, hidden))
+    blocks = acc.finish(weight_dtype)
+    assert acc.pieces == [] and {b.dtype for b in blocks} == {weight_dtype}
+    whole = chunked_loss._scaled(blocks, torch.tensor(0.5), weight_dtype)
+    tol = 1e-5 if weight_dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(whole.double(), expected * 0.5, rtol=tol, atol=tol)
+
+
+def test_chunked_loss_gradients_hold_under_retain_graph_and_a_second_backward():
+    """The weight gradient's blocks are saved tensors: a second backward through the same
+    graph (``retain_graph=True``) gives the same gradients again."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(50, 16, generator=g, requires_grad=True)
+    w = (torch.randn(61, 16, generator=g) / 4).requires_grad_()
+    targets = torch.randint(0, 61, (50,), generator=g)
+    loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=16)
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss * 2, (h, w))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(b, 2 * a)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_kernel_writes_the_same_gradient_in_place():
+    """The kernel as it runs on CUDA, compiled by inductor (here for the CPU): it mutates its
+    logits argument into the gradient, and that must survive functionalization unchanged."""
+    compiled = torch.compile(_softmax_xent, dynamic=False, fullgraph=True)
+    z, y = _chunk(64, vocab=300, dtype=torch.bfloat16, seed=6)
+    pre = torch.tensor(1 / 50.0)
+    ours, eager = z.clone(), z.clone()
+    loss = compiled(ours, y, -100, pre)
+    expected = _eager_kernel(eager, y, -100, pre)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours.float(), eager.float(), rtol=0, atol=2 ** -9)
+
+
+def test_eager_path_works_on_blocks_of_rows_in_place(monkeypatch):
+    """The eager kernel turns the logits into their gradient a block of rows at a time (here
+    blocks of 3 rows): the same loss and gradient as one block of all rows."""
+    z, y = _chunk(37, dtype=torch.bfloat16, seed=7)
+    pre = torch.tensor(1 / 29.0)
+    whole = z.clone()
+    expected = _eager_kernel(whole, y, -100, pre)
+    monkeypatch.setattr(chunked_loss, "_EAGER_BLOCK_BYTES", 3 * 4 * z.shape[1])
+    blocks = z.clone()
+    loss = _eager_kernel(blocks, y, -100, pre)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    assert torch.equal(blocks, whole) and not torch.equal(blocks, z)

@@ -16,8 +16,14 @@ multiplies the stored ``grad_h`` / ``grad_W`` / ``grad_b`` by the incoming scala
 obvious alternative, each chunk's loss under ``torch.utils.checkpoint``, recomputes the
 chunk's logits in backward: a second [tokens x hidden x vocab] matmul, measured at 0.75x
 (DESIGN.md). Here the head costs the same three matmuls as the plain path. The peak is
-one chunk's logits (and their gradient) plus the fp32 weight-gradient accumulator and
-``grad_h``: it grows with the chunk, not with tokens x vocab.
+one chunk's logits (the fused kernel turns them into their gradient in place) plus the
+fp32 weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with
+tokens x vocab. The accumulator is kept in row blocks so that, at the end of the forward,
+it becomes the weight's dtype one block at a time (half the bytes until backward, and never
+fp32 and narrow copies of the whole at once); backward only scales it. Where the scale
+(the incoming gradient, e.g. 1 / accumulation steps) is not a power of two this rounds
+twice, to the weight's dtype and after scaling, a difference far below the bf16 inputs'
+own rounding (tests/test_head.py compares with the plain path).
 
 N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
 valid target (every target ignored, or N = 0) the loss is what ``sum / N`` gives, nan
@@ -53,7 +59,8 @@ _GiB = 2 ** 30
 _ROUND = 128            # chunk sizes are multiples of this (tensor-core friendly)
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
 _DEFAULT_LOGIT_BYTES = _GiB  # default chunk: its fp32 logits take about this much
-_SCALE_ROWS = 8192      # weight-gradient rows scaled at a time in backward
+_PIECE_BYTES = 2 ** 27  # the fp32 weight-gradient accumulator is kept in row blocks of about this size
+_EAGER_BLOCK_BYTES = 2 ** 27  # the eager path's fp32 copy of the logits, a block of rows at a time
 
 
 def default_chunk_tokens(vocab: int) -> int:
@@ -112,23 +119,22 @@ class _ChunkedLoss(torch.autograd.Function):
             h, w = hidden.to(cd), weight.to(cd)
             b = None if bias is None else bias.to(cd)
             grad_h = torch.empty(n, hsize, dtype=cd, device=h.device) if want_h else None
-            acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_w else None
+            acc_w = _Accumulator(weight.shape, h.device) if want_w else None
             acc_b = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if want_b else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             for s in range(0, n, chunk):
                 hc, yc = h[s:s + chunk], targets[s:s + chunk]
                 m = hc.shape[0]
                 if kernel is not None:
-                    z = _padded_logits(hc, w, b, rows)
-                    loss_c, g = kernel(z, F.pad(yc, (0, rows - m), value=ignore_index), ignore_index, pre)
-                    total += loss_c
-                    del z
+                    g = _padded_logits(hc, w, b, rows)  # the kernel turns the logits into their gradient
+                    total += kernel(g, F.pad(yc, (0, rows - m), value=ignore_index), ignore_index, pre)
                     g = g[:m]  # the padded rows' gradient is zero
+                elif transform is None and want:
+                    g = F.linear(hc, w, b)  # in place again, a block of rows in fp32 at a time
+                    total += _eager_kernel(g, yc, ignore_index, pre)
                 elif transform is None:
-                    x = F.linear(hc, w, b).float()
-                    total += _rows(x, yc, ignore_index, pre, want)
-                    g = x.to(cd) if want else None
-                    del x
+                    total += _rows(F.linear(hc, w, b).float(), yc, ignore_index, pre, False)
+                    g = None
                 else:
                     # through the model's own ops, so rounding and derivative are its own
                     z = F.linear(hc, w, b).requires_grad_(want)
@@ -140,22 +146,52 @@ class _ChunkedLoss(torch.autograd.Function):
                 if want_h:
                     torch.mm(g, w, out=grad_h[s:s + m])
                 if want_w:
-                    _accumulate(acc_w, g.t(), hc)
+                    acc_w.add(g, hc)
                 if want_b:
                     acc_b.add_(g.sum(0, dtype=torch.float32))
                 del g
-        ctx.save_for_backward(grad_h, acc_w, acc_b, post)
+            # in the weight's own dtype from here to backward (half the bytes), except fp16,
+            # whose unscaled sums may overflow: it waits for the scale in fp32
+            grad_w = acc_w.finish(torch.float32 if cd == torch.float16 else weight.dtype) if want_w else None
+        ctx.save_for_backward(grad_h, acc_b, post, *(grad_w or ()))
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, acc_w, acc_b, post = ctx.saved_tensors
+        grad_h, acc_b, post, *grad_w = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         scale = grad_loss.float() * post
         gh = (grad_h * scale).to(h_dtype) if grad_h is not None else None
-        gw = _scaled(acc_w, scale, w_dtype) if acc_w is not None else None
+        gw = _scaled(grad_w, scale, w_dtype) if grad_w else None
         gb = (acc_b * scale).to(b_dtype) if acc_b is not None else None
         return gh, gw, gb, None, None, None, None, None, None
+
+
+class _Accumulator:
+    """The fp32 weight gradient ``sum over chunks of g^T @ h``, kept as row blocks of about
+    ``_PIECE_BYTES`` (128 MiB) instead of one tensor, so that turning it into the weight's
+    dtype at the end of the forward (:meth:`finish`) frees each fp32 block as its narrow copy
+    is made: 1x the fp32 bytes plus one block at the peak, not 1.5x."""
+
+    def __init__(self, shape, device):
+        rows, cols = shape
+        step = max(1, _PIECE_BYTES // (4 * max(cols, 1)))
+        self.pieces = [torch.zeros(min(step, rows - r), cols, dtype=torch.float32, device=device)
+                       for r in range(0, rows, step)]
+
+    def add(self, g, hc):
+        """``+= g^T @ hc`` for one chunk: ``g`` [rows x vocab], ``hc`` [rows x hidden]."""
+        start = 0
+        for piece in self.pieces:
+            _accumulate(piece, g[:, start:start + piece.shape[0]].t(), hc)
+            start += piece.shape[0]
+
+    def finish(self, dtype):
+        """The blocks in ``dtype``, each fp32 block freed as soon as it is converted."""
+        done = []
+        while self.pieces:
+            done.append(self.pieces.pop(0).to(dtype))
+        return done
 
 
 def _accumulate(acc, a, b):
@@ -218,11 +254,12 @@ def _rows(x, y, ignore_index, pre, want):
 # ---------------------------------------------------------------- the fused chunk kernel
 
 def _softmax_xent(z, y, ignore_index: int, pre):
-    """The loss of one chunk and ``(softmax - onehot) * pre`` in ``z``'s dtype, as one
-    function for ``torch.compile`` to fuse: it reads the chunk's logits three times and
-    writes the gradient once, where the eager ops of :func:`_rows` materialise the fp32
-    logits and pass over them about ten times (measured: the head's elementwise work is
-    the difference between the chunked and the plain head's speed).
+    """The loss of one chunk; ``z`` (the logits) becomes ``(softmax - onehot) * pre`` in
+    place, so one chunk-sized buffer serves both. One function for ``torch.compile`` to
+    fuse: it reads the chunk's logits three times and writes the gradient once, where the
+    eager ops of :func:`_rows` materialise the fp32 logits and pass over them about ten
+    times (measured: the head's elementwise work is the difference between the chunked and
+    the plain head's speed).
 
     The target column is written afterwards from per-row fp32 values (``p_t * w - w``, the
     same fp32 operations as the eager path, rounded once), so no full-size fp32 buffer is
@@ -237,16 +274,25 @@ def _softmax_xent(z, y, ignore_index: int, pre):
     loss = torch.where(valid, lse - picked.squeeze(1), torch.zeros_like(lse)).sum()
     weight = (valid.to(torch.float32) * pre)[:, None]
     scale = weight / s
-    g = (torch.exp(x - m) * scale).to(z.dtype)
     target = (torch.exp(picked - m) * scale - weight).to(z.dtype)
-    return loss, g.scatter(1, safe[:, None], target)
+    z.copy_(torch.exp(x - m) * scale)
+    z.scatter_(1, safe[:, None], target)
+    return loss
 
 
 def _eager_kernel(z, y, ignore_index: int, pre):
-    """What the fused kernel computes, by the eager ops (its fallback)."""
-    x = z.float()
-    loss = _rows(x, y, ignore_index, pre, True)
-    return loss, x.to(z.dtype)
+    """What the fused kernel computes, by the eager ops: the CPU's path, the fallback where
+    the kernel does not compile, and what a fake-tensor profile measures. It works on a
+    block of rows at a time, so beside the logits it needs one block's fp32 copy
+    (``_EAGER_BLOCK_BYTES``, 256 rows at a 128k vocabulary): the chunk's memory is about the
+    fused kernel's, which keeps nothing chunk-sized beside the logits."""
+    rows = max(1, _EAGER_BLOCK_BYTES // (4 * max(z.shape[1], 1)))
+    loss = torch.zeros((), dtype=torch.float32, device=z.device)
+    for r in range(0, z.shape[0], rows):
+        x = z[r:r + rows].float()
+        loss += _rows(x, y[r:r + rows], ignore_index, pre, True)
+        z[r:r + rows] = x
+    return loss
 
 
 def _kernel_rows(n: int, chunk: int) -> int:
@@ -326,9 +372,13 @@ def _out_of_memory(error) -> bool:
     return False
 
 
-def _scaled(acc, scale, dtype, rows=_SCALE_ROWS):
-    # row blocks: never a second full-size fp32 copy of the weight gradient
-    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
-    for r in range(0, acc.shape[0], rows):
-        out[r:r + rows] = acc[r:r + rows] * scale
+def _scaled(pieces, scale, dtype):
+    """The weight gradient, one tensor in ``dtype``, from its row blocks times ``scale``
+    (one block's temporary at a time: never a second full-size copy)."""
+    rows = sum(p.shape[0] for p in pieces)
+    out = torch.empty(rows, pieces[0].shape[1], dtype=dtype, device=pieces[0].device)
+    start = 0
+    for piece in pieces:
+        out[start:start + piece.shape[0]] = piece * scale
+        start += piece.shape[0]
     return out
