@@ -261,9 +261,10 @@ def _softmax_xent(z, y, ignore_index: int, pre):
     times (measured: the head's elementwise work is the difference between the chunked and
     the plain head's speed).
 
-    The target column is written afterwards from per-row fp32 values (``p_t * w - w``, the
-    same fp32 operations as the eager path, rounded once), so no full-size fp32 buffer is
-    needed for a scatter."""
+    The gradient is one pointwise expression of the logits and per-row values (the target
+    column's ``p_t * w - w`` chosen by comparing column indices: the same fp32 operations
+    as the eager path, rounded once), so inductor stores it straight into the logits'
+    buffer; a scatter afterwards would make it materialise a chunk-sized temporary first."""
     x = z.float()
     valid = y != ignore_index
     safe = torch.where(valid, y, torch.zeros_like(y))
@@ -274,9 +275,9 @@ def _softmax_xent(z, y, ignore_index: int, pre):
     loss = torch.where(valid, lse - picked.squeeze(1), torch.zeros_like(lse)).sum()
     weight = (valid.to(torch.float32) * pre)[:, None]
     scale = weight / s
-    target = (torch.exp(picked - m) * scale - weight).to(z.dtype)
-    z.copy_(torch.exp(x - m) * scale)
-    z.scatter_(1, safe[:, None], target)
+    p = torch.exp(x - m) * scale
+    at_target = torch.arange(z.shape[1], device=z.device)[None, :] == safe[:, None]
+    z.copy_(torch.where(at_target, p - weight, p))  # one pointwise pass: inductor writes it into z
     return loss
 
 
