@@ -94,6 +94,28 @@ def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment(
     assert all(lower.cost(i, t).kept == prof.cost(i, t).kept for i in range(blocks) for t in ("keep", "full"))
 
 
+@pytest.mark.slow
+def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_partial_ones():
+    """After a keep step added 1000 bytes a block, a full step's excess of 300 a block goes to
+    ``full``; ``mlp`` and ``attention`` keep part of the block as keep does and get 1000; keep
+    and selective are not touched again."""
+    from remat.profiling._compiled import charged_region_checkpoints, scaled_to_step
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    prof = profile(model, ids, device="fake")
+    head = prof.head("plain")
+    sim = remat.simulate(prof, "keep", head="plain")
+    blocks = len(prof.block_class)
+    after_keep = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes) + 1000 * blocks)
+    charged = charged_region_checkpoints(after_keep, "keep", 300)
+    for t, added in {"keep": 1000, "full": 300, "mlp": 1000, "attention": 1000, "selective": 0}.items():
+        if t in prof.treatments(0):
+            assert charged.cost(0, t).kept == prof.cost(0, t).kept + added, t
+    assert charged.notes["calibration"]["kept_bytes_added_per_block"]["mlp"] == 1000
+    bigger_full = charged_region_checkpoints(after_keep, "keep", 5000)
+    assert bigger_full.cost(0, "mlp").kept == prof.cost(0, "mlp").kept + 5000
+
+
 def test_a_compiled_plan_keeps_its_margin_below_the_budget():
     """plan(compile=True) solves for the budget less COMPILE_MARGIN of what lies above static
     memory (compiled mixed plans peak a little above their prediction), and says so."""

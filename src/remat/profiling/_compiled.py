@@ -128,7 +128,7 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     calibrated treatment's kept bytes; both peaks are noted beside the ratios. Then, unless that
     plan was already ``full``, one more compiled step of uniform ``full`` (with the head option of
     the smallest predicted peak) does the same for the region checkpoints
-    (:data:`REGION_CHECKPOINTS`) -- memory only."""
+    (:data:`REGION_CHECKPOINTS`, :func:`charged_region_checkpoints`) -- memory only."""
     from remat.profiling._calibrate import calibration_plan
     chosen = calibration_plan(model, prof)
     if chosen is None:
@@ -147,12 +147,25 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
     _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes)
     extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
-    charged = [t for t in REGION_CHECKPOINTS if t in prof.treatments(0) and t != treatment]  # not twice
-    classes = tuple({t: replace(c, kept=c.kept + extra) if t in charged else c
-                     for t, c in costs.items()} for costs in prof.classes)
-    note = dict(prof.notes["calibration"])
-    note["kept_bytes_added_per_block"] = dict(note["kept_bytes_added_per_block"], **{t: extra for t in charged})
-    note["full_step"] = {"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)}
+    prof = charged_region_checkpoints(prof, treatment, extra)
+    note = dict(prof.notes["calibration"], full_step={"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)})
+    return replace(prof, notes=dict(prof.notes, calibration=note))
+
+
+def charged_region_checkpoints(prof: Profile, calibrated: str, full_extra: int) -> Profile:
+    """``prof`` with the ``full`` step's excess per block (``full_extra``) added to the region
+    checkpoints' kept bytes, except ``calibrated`` (the first step's treatment: not twice).
+
+    ``full`` gets ``full_extra``. ``mlp`` and ``attention`` checkpoint part of a block and keep
+    the rest as ``keep`` does, so they get the larger of ``full_extra`` and what the first step
+    added to ``keep`` (H100, bench model: charged full's excess alone, a 10 GiB compiled plan
+    with 5 mlp blocks peaked 0.57 GiB above its prediction, past its budget)."""
+    added = prof.notes["calibration"]["kept_bytes_added_per_block"]
+    charges = {t: full_extra if t == "full" else max(full_extra, added.get("keep", 0))
+               for t in REGION_CHECKPOINTS if t in prof.treatments(0) and t != calibrated}
+    classes = tuple({t: replace(c, kept=c.kept + charges[t]) if t in charges else c for t, c in costs.items()}
+                    for costs in prof.classes)
+    note = dict(prof.notes["calibration"], kept_bytes_added_per_block=dict(added, **charges))
     return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
 
 
