@@ -70,18 +70,20 @@ class _NullMeter:
         return marks
 
 
+def _keep_plain_head():
+    """A fake profile of the tiny model, its plain head, uniform keep simulated, the block count."""
+    model = _tiny()
+    prof = profile(model, torch.randint(0, model.config.vocab_size, (2, 32)), device="fake")
+    return prof, prof.head("plain"), remat.simulate(prof, "keep", head="plain"), len(prof.block_class)
+
+
 @pytest.mark.slow
 def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment():
     """A compiled step that peaks above its prediction raises the calibrated treatment's kept
     bytes by an equal share per block, so the same plan is then predicted at the measured peak;
     a lower peak changes no byte; times scale by in-step / predicted per phase."""
     from remat.profiling._compiled import scaled_to_step
-    model = _tiny()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    prof = profile(model, ids, device="fake")
-    head = prof.head("plain")
-    sim = remat.simulate(prof, "keep", head="plain")
-    blocks = len(prof.block_class)
+    prof, head, sim, blocks = _keep_plain_head()
     steps = [(2 * (head.pre_fwd_s + head.head_fwd_s + sum(prof.cost(i, "keep").fwd_s for i in range(blocks))),
               0.0, 1.0)] * 3
     higher = scaled_to_step(prof, sim, "keep", head, steps, int(sim.peak_bytes) + 1000 * blocks)
@@ -100,12 +102,7 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     ``full``; ``mlp`` and ``attention`` keep part of the block as keep does and get 1000; keep
     and selective are not touched again."""
     from remat.profiling._compiled import charged_region_checkpoints, scaled_to_step
-    model = _tiny()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    prof = profile(model, ids, device="fake")
-    head = prof.head("plain")
-    sim = remat.simulate(prof, "keep", head="plain")
-    blocks = len(prof.block_class)
+    prof, head, sim, blocks = _keep_plain_head()
     after_keep = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes) + 1000 * blocks)
     charged = charged_region_checkpoints(after_keep, "keep", 300)
     for t, added in {"keep": 1000, "full": 300, "mlp": 1000, "attention": 1000, "selective": 0}.items():
