@@ -168,8 +168,13 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     treatments = set(body.classes[0])
     assert treatments == {"keep", "full", "selective", "attention", "mlp"}
     assert not treatments & set(OFFLOADING_TREATMENTS)
-    # one compile per treatment of the one block class, each one graph, none recompiled by the runs
-    assert len(compiled) == 5 and all(c.graphs == 1 for c in compiled), [c.graphs for c in compiled]
+    # one compile per treatment of the one block class, none recompiled by the runs; each one graph,
+    # except that torch 2.6's dynamo breaks the graph around a checkpointed part of a block
+    # (attention, mlp: 3 graphs, measured with torch 2.6.0; 1 with torch 2.13)
+    torch_version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    region = 3 if torch_version < (2, 7) else 1
+    expected = [region if t in ("attention", "mlp") else 1 for t in ("keep", "full", "selective", "attention", "mlp")]
+    assert len(compiled) == 5 and [c.graphs for c in compiled] == expected, [c.graphs for c in compiled]
     assert len(chained) == 5 and all(c is not b for c, (_, b) in zip(chained, named * 5))  # the compiled call
     assert sum("compiling it" in s for s in said) == 5 and any("compiled" in s for s in said if "head" in s)
     # saved bytes come from the compiled block's own saved tensors: full keeps its input, and less

@@ -100,6 +100,10 @@ def _swap_to_fake(model: nn.Module, fake_mode):
     return undo
 
 
+# torch < 2.8 has no grouped matmul (nor a model that calls it): nothing to redirect there
+_GROUPED_MM = torch.ops.aten._grouped_mm.default if hasattr(torch.ops.aten, "_grouped_mm") else None
+
+
 class _AnyDtypeKernels(TorchDispatchMode):
     """Fake runs of ops whose meta function is stricter than the kernel a model really runs.
 
@@ -113,7 +117,7 @@ class _AnyDtypeKernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default:
+        if func is _GROUPED_MM:
             bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
             a, b = bound["self"], bound["mat2"]
             if a.dtype != torch.bfloat16 and a.dtype == b.dtype and a.is_floating_point():
