@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
-def _cuda_attention(packed: bool):
+def _cuda_attention(packed: bool, padded: bool = False):
     """Run SDPA as the CUDA kernels would, on fake CPU tensors.
 
     The CPU kernels differ in what they save (CPU flash expands grouped K/V heads; the
@@ -43,13 +43,26 @@ def _cuda_attention(packed: bool):
     profile sees the GPU's saved tensors: output, log-sum-exp and the inputs.
     Hugging Face cannot read fake position ids to see that a batch is not packed, and
     would build a [batch, 1, seq, seq] mask that the real run skips: unless the batch
-    passes ``position_ids``, it is told there is no packing.
+    passes ``position_ids``, it is told there is no packing. Transformers 4.x asks whether
+    the attention mask is all ones (``torch.all``, a value fake tensors do not have) to skip
+    the mask for SDPA's causal path: it is answered as the real mask would (``padded``:
+    whether the batch's mask, read before it became fake, has a zero).
     """
     original = F.scaled_dot_product_attention
     masking = sys.modules.get("transformers.masking_utils")
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
     if find_packed is not None and not packed:
         masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    converter = getattr(sys.modules.get("transformers.modeling_attn_mask_utils"), "AttentionMaskConverter", None)
+    ignore_mask = converter.__dict__.get("_ignore_causal_mask_sdpa") if converter is not None else None
+    if ignore_mask is not None:
+        def ignore_causal_mask(attention_mask, *args, **kwargs):
+            from torch._subclasses.fake_tensor import FakeTensor
+            if isinstance(attention_mask, FakeTensor) and attention_mask.dim() == 2:
+                # all ones: what the real run decides when there is no mask; padded: keep the mask
+                return False if padded else ignore_mask.__func__(None, *args, **kwargs)
+            return ignore_mask.__func__(attention_mask, *args, **kwargs)
+        converter._ignore_causal_mask_sdpa = staticmethod(ignore_causal_mask)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         aten = torch.ops.aten
@@ -72,6 +85,8 @@ def _cuda_attention(packed: bool):
         F.scaled_dot_product_attention = original
         if find_packed is not None:
             masking.find_packed_sequence_indices = find_packed
+        if ignore_mask is not None:
+            converter._ignore_causal_mask_sdpa = ignore_mask
 
 
 def _swap_to_fake(model: nn.Module, fake_mode):

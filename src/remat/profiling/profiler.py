@@ -243,17 +243,26 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _padded(batch) -> bool:
+    """Whether the batch's ``attention_mask`` (a real tensor, read before faking) masks a token."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if not isinstance(mask, torch.Tensor) or mask.device.type == "meta" or mask.dim() != 2:
+        return False
+    return not bool((mask != 0).all())
+
+
 def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     param_bytes = _storage_bytes(model.parameters())
     buffer_bytes = _storage_bytes(model.buffers())
+    padded = _padded(batch)  # read while the mask is still real
     restore = _swap_to_fake(model, fake_mode)
     try:
         with fake_mode, _AnyDtypeKernels():
             fbatch = tree_map(_to_fake, batch)
             tracker = _Tracker(rates)
-            with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch):
+            with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded):
                 meter = _TrackerMeter(tracker)
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say)

@@ -40,8 +40,9 @@ have ignored targets, so they add zero to the loss and the gradients), and a bat
 shorter than one chunk is padded to the next power of two (at least 128, at most the
 chunk), so one compile serves every sequence length of a run and a handful serve short
 batches. Only compile errors (dynamo/inductor failures, a missing Triton, the recompile
-limit) fall back to the eager path, for that shape only, with one warning that says
-why; anything else, an out-of-memory error included, propagates.
+limit) fall back, for that shape only, with one warning that says why: to the same kernel
+writing its gradient out of place (torch 2.6's inductor cannot compile the in-place one),
+then to the eager path; anything else, an out-of-memory error included, propagates.
 
 Limits: rounding follows the plain path (logits in the compute dtype, then ``.float()``);
 fp16 gradients are scaled by 1/N only in backward, so they do not underflow under a
@@ -265,6 +266,21 @@ def _softmax_xent(z, y, ignore_index: int, pre):
     column's ``p_t * w - w`` chosen by comparing column indices: the same fp32 operations
     as the eager path, rounded once), so inductor stores it straight into the logits'
     buffer; a scatter afterwards would make it materialise a chunk-sized temporary first."""
+    loss, g = _xent_gradient(z, y, ignore_index, pre)
+    z.copy_(g)  # one pointwise pass: inductor writes it into z
+    return loss
+
+
+def _softmax_xent_out(z, y, ignore_index: int, pre):
+    """:func:`_softmax_xent` returning the gradient as a new tensor: for an inductor that
+    fails to compile the in-place store (torch 2.6: a ``KeyError`` in its scheduler). It needs
+    one more chunk-sized buffer."""
+    loss, g = _xent_gradient(z, y, ignore_index, pre)
+    return loss, g.to(z.dtype)
+
+
+def _xent_gradient(z, y, ignore_index: int, pre):
+    """The chunk's summed loss and ``(softmax - onehot) * pre`` (fp32, as one expression)."""
     x = z.float()
     valid = y != ignore_index
     safe = torch.where(valid, y, torch.zeros_like(y))
@@ -277,8 +293,7 @@ def _softmax_xent(z, y, ignore_index: int, pre):
     scale = weight / s
     p = torch.exp(x - m) * scale
     at_target = torch.arange(z.shape[1], device=z.device)[None, :] == safe[:, None]
-    z.copy_(torch.where(at_target, p - weight, p))  # one pointwise pass: inductor writes it into z
-    return loss
+    return loss, torch.where(at_target, p - weight, p)
 
 
 def _eager_kernel(z, y, ignore_index: int, pre):
@@ -318,8 +333,9 @@ def _padded_logits(hc, w, b, rows: int):
     return z
 
 
-_KERNEL = {}         # "fn": the compiled _softmax_xent, made on first use
-_EAGER_SHAPES = {}   # (shape, dtype, device) -> why the compiled kernel is not used for it
+_KERNEL = {}         # "fn" / "out": the compiled _softmax_xent / _softmax_xent_out, made on first use
+_OUT_SHAPES = {}     # (shape, dtype, device) -> why the in-place kernel is not used for it
+_EAGER_SHAPES = {}   # (shape, dtype, device) -> why no compiled kernel is used for it
 
 
 def _fused_kernel(device):
@@ -335,24 +351,38 @@ def _fused_kernel(device):
                           "eager path (correct, slower)", stacklevel=4)
         else:
             _KERNEL["fn"] = torch.compile(_softmax_xent, dynamic=False, fullgraph=True)
+            _KERNEL["out"] = torch.compile(_softmax_xent_out, dynamic=False, fullgraph=True)
     return None if _KERNEL["fn"] is None else _run_fused
 
 
 def _run_fused(z, y, ignore_index: int, pre):
-    """The compiled kernel; for a shape it cannot compile, the eager ops (warned once)."""
+    """The compiled in-place kernel; for a shape it cannot compile, the compiled out-of-place
+    one; for a shape neither compiles, the eager ops (each step down warned once a shape)."""
     key = (tuple(z.shape), z.dtype, str(z.device))
-    if key not in _EAGER_SHAPES:
+    if key not in _OUT_SHAPES:
         try:
             return _KERNEL["fn"](z, y, ignore_index, pre)
         except _compile_errors() as error:
-            if _out_of_memory(error):
-                raise
-            why = f"{type(error).__name__}: {str(error).strip()[:300]}"
-            _EAGER_SHAPES[key] = why
-            warnings.warn(f"remat: the fused chunked-loss kernel could not be compiled for "
-                          f"{list(z.shape)} {z.dtype} logits ({why}); chunks of this shape use the "
-                          "eager path, which is correct but slower", stacklevel=2)
+            _OUT_SHAPES[key] = _compile_failure(error, z, "one more chunk-sized buffer than planned (the "
+                                                          "out-of-place kernel)")
+    if key not in _EAGER_SHAPES:
+        try:
+            loss, g = _KERNEL["out"](z, y, ignore_index, pre)
+            z.copy_(g)
+            return loss
+        except _compile_errors() as error:
+            _EAGER_SHAPES[key] = _compile_failure(error, z, "the eager path, which is correct but slower")
     return _eager_kernel(z, y, ignore_index, pre)
+
+
+def _compile_failure(error, z, instead: str) -> str:
+    """Why a compile failed, warned once; an out-of-memory error inside it propagates."""
+    if _out_of_memory(error):
+        raise error
+    why = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    warnings.warn(f"remat: the fused chunked-loss kernel could not be compiled for {list(z.shape)} {z.dtype} "
+                  f"logits ({why}); chunks of this shape use {instead}", stacklevel=3)
+    return why
 
 
 def _compile_errors() -> tuple:
