@@ -76,6 +76,25 @@ def test_a_batch_remat_cannot_read_asks_for_loss_fn():
         remat.plan(model, (torch.randn(4, 8, 16),), "1GiB")
 
 
+def test_a_forward_that_reads_tensor_values_gets_a_clear_error_on_fake_tensors():
+    """A block that branches on a value (as transformers 4.x MoE routing and BART's layer drop
+    do) cannot run on fake tensors: a ValueError that says so and what to do, the model intact."""
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.inner(x) if bool(x.sum() > 0) else x
+
+    model = nn.Sequential(*(Gated() for _ in range(3)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="depends on tensor values.*Profile on a GPU"):
+        profile(model, torch.randn(4, 16), loss_fn=lambda m, b: m(b).pow(2).mean(), device="fake")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # no fake tensor left behind
+
+
 def test_dict_batch_without_a_loss_asks_for_loss_fn():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
     with pytest.raises(TypeError, match="loss_fn"):

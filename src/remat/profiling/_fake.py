@@ -44,25 +44,14 @@ def _cuda_attention(packed: bool, padded: bool = False):
     Hugging Face cannot read fake position ids to see that a batch is not packed, and
     would build a [batch, 1, seq, seq] mask that the real run skips: unless the batch
     passes ``position_ids``, it is told there is no packing. Transformers 4.x asks whether
-    the attention mask is all ones (``torch.all``, a value fake tensors do not have) to skip
-    the mask for SDPA's causal path: it is answered as the real mask would (``padded``:
-    whether the batch's mask, read before it became fake, has a zero).
+    the attention mask is all ones: :func:`_mask_checks` answers as the real mask would
+    (``padded``: whether the batch's mask, read before it became fake, has a zero).
     """
     original = F.scaled_dot_product_attention
     masking = sys.modules.get("transformers.masking_utils")
     find_packed = getattr(masking, "find_packed_sequence_indices", None)
     if find_packed is not None and not packed:
         masking.find_packed_sequence_indices = lambda *args, **kwargs: None
-    converter = getattr(sys.modules.get("transformers.modeling_attn_mask_utils"), "AttentionMaskConverter", None)
-    ignore_mask = converter.__dict__.get("_ignore_causal_mask_sdpa") if converter is not None else None
-    if ignore_mask is not None:
-        def ignore_causal_mask(attention_mask, *args, **kwargs):
-            from torch._subclasses.fake_tensor import FakeTensor
-            if isinstance(attention_mask, FakeTensor) and attention_mask.dim() == 2:
-                # all ones: what the real run decides when there is no mask; padded: keep the mask
-                return False if padded else ignore_mask.__func__(None, *args, **kwargs)
-            return ignore_mask.__func__(attention_mask, *args, **kwargs)
-        converter._ignore_causal_mask_sdpa = staticmethod(ignore_causal_mask)
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         aten = torch.ops.aten
@@ -80,13 +69,55 @@ def _cuda_attention(packed: bool, padded: bool = False):
 
     F.scaled_dot_product_attention = sdpa
     try:
-        yield
+        with _mask_checks(padded):
+            yield
     finally:
         F.scaled_dot_product_attention = original
         if find_packed is not None:
             masking.find_packed_sequence_indices = find_packed
-        if ignore_mask is not None:
-            converter._ignore_causal_mask_sdpa = ignore_mask
+
+
+@contextlib.contextmanager
+def _mask_checks(padded: bool):
+    """Transformers 4.x's "is the 2-D attention mask all ones?" checks (``torch.all``, a value a
+    fake tensor does not have), answered from ``padded`` for fake masks: the causal one
+    (``AttentionMaskConverter._ignore_causal_mask_sdpa``) and the bidirectional one
+    (``_prepare_4d_attention_mask_for_sdpa``, imported by name into each encoder's module, so
+    replaced there too). Transformers 5 asks neither of a fake tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    utils = sys.modules.get("transformers.modeling_attn_mask_utils")
+    converter = getattr(utils, "AttentionMaskConverter", None)
+    ignore = converter.__dict__.get("_ignore_causal_mask_sdpa") if converter is not None else None
+    prepare = getattr(utils, "_prepare_4d_attention_mask_for_sdpa", None)
+
+    def fake_mask(mask):
+        return isinstance(mask, FakeTensor) and mask.dim() == 2
+
+    def ignore_causal_mask(attention_mask, *args, **kwargs):
+        # all ones: what the real run decides with no mask; padded: the mask is kept
+        if fake_mask(attention_mask):
+            return False if padded else ignore.__func__(None, *args, **kwargs)
+        return ignore.__func__(attention_mask, *args, **kwargs)
+
+    def prepare_for_sdpa(mask, dtype, tgt_len=None):
+        if fake_mask(mask):
+            return converter._expand_mask(mask=mask, dtype=dtype, tgt_len=tgt_len) if padded else None
+        return prepare(mask, dtype, tgt_len)
+
+    holders = [m for name, m in list(sys.modules.items()) if prepare is not None and m is not None
+               and (m is utils or name.startswith("transformers.models."))
+               and getattr(m, "_prepare_4d_attention_mask_for_sdpa", None) is prepare]
+    if ignore is not None:
+        converter._ignore_causal_mask_sdpa = staticmethod(ignore_causal_mask)
+    for module in holders:
+        module._prepare_4d_attention_mask_for_sdpa = prepare_for_sdpa
+    try:
+        yield
+    finally:
+        if ignore is not None:
+            converter._ignore_causal_mask_sdpa = ignore
+        for module in holders:
+            module._prepare_4d_attention_mask_for_sdpa = prepare
 
 
 def _swap_to_fake(model: nn.Module, fake_mode):

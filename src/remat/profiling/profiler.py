@@ -243,6 +243,12 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def _value_dependent_errors() -> tuple:
+    """Fake-tensor errors of a forward that reads tensor values (``.item()``, ``nonzero``)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    return DataDependentOutputException, DynamicOutputShapeException
+
+
 def _padded(batch) -> bool:
     """Whether the batch's ``attention_mask`` (a real tensor, read before faking) masks a token."""
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
@@ -266,6 +272,13 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                 meter = _TrackerMeter(tracker)
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say)
+    except _value_dependent_errors() as error:
+        raise ValueError(
+            f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
+            f"values ({type(error).__name__}: {str(error).strip()[:200]}), e.g. token routing in a transformers "
+            "4.x MoE or random layer drop, which a profile without data cannot follow. Profile on a GPU "
+            "(remat.plan or remat.profile with the model and batch on CUDA), or use transformers >= 5, whose "
+            "models run on fake tensors") from error
     finally:
         restore()
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
