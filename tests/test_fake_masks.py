@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat.profiling._fake import _mask_checks
+from remat.profiling._fake import _mask_checks, padded_mask
 
 
 class _Converter:
@@ -73,3 +73,11 @@ def test_mask_checks_answer_from_the_real_mask_and_restore(transformers4, padded
     # real tensors still go to the original checks
     with _mask_checks(padded):
         assert encoder._prepare_4d_attention_mask_for_sdpa(torch.ones(2, 8), torch.float32) is None
+
+
+def test_padded_mask_reads_the_real_mask():
+    assert padded_mask({"attention_mask": torch.tensor([[1, 1, 0]])}) is True
+    assert padded_mask({"attention_mask": torch.ones(2, 3, dtype=torch.long)}) is False
+    assert padded_mask({"input_ids": torch.zeros(2, 3, dtype=torch.long)}) is False      # no mask: all ones
+    assert padded_mask({"attention_mask": torch.ones(2, 3, device="meta")}) is False      # no values to read
+    assert padded_mask(torch.zeros(2, 3)) is False

@@ -77,6 +77,15 @@ def _cuda_attention(packed: bool, padded: bool = False):
             masking.find_packed_sequence_indices = find_packed
 
 
+def padded_mask(batch) -> bool:
+    """Whether the batch's ``attention_mask`` masks a token; read before the batch turns fake
+    (a mask on the ``meta`` device, or none, counts as all ones)."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if not isinstance(mask, torch.Tensor) or mask.device.type == "meta" or mask.dim() != 2:
+        return False
+    return not bool((mask != 0).all())
+
+
 @contextlib.contextmanager
 def _mask_checks(padded: bool):
     """Transformers 4.x's "is the 2-D attention mask all ones?" checks (``torch.all``, a value a
@@ -104,9 +113,10 @@ def _mask_checks(padded: bool):
             return converter._expand_mask(mask=mask, dtype=dtype, tgt_len=tgt_len) if padded else None
         return prepare(mask, dtype, tgt_len)
 
-    holders = [m for name, m in list(sys.modules.items()) if prepare is not None and m is not None
-               and (m is utils or name.startswith("transformers.models."))
-               and getattr(m, "_prepare_4d_attention_mask_for_sdpa", None) is prepare]
+    holders = [] if prepare is None else [
+        m for name, m in list(sys.modules.items())
+        if (m is utils or name.startswith("transformers.models.")) and getattr(m, "_prepare_4d_attention_mask_for_sdpa",
+                                                                                None) is prepare]
     if ignore is not None:
         converter._ignore_causal_mask_sdpa = staticmethod(ignore_causal_mask)
     for module in holders:

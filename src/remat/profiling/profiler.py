@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled
-from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fake
+from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fake, padded_mask
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
@@ -249,20 +249,12 @@ def _value_dependent_errors() -> tuple:
     return DataDependentOutputException, DynamicOutputShapeException
 
 
-def _padded(batch) -> bool:
-    """Whether the batch's ``attention_mask`` (a real tensor, read before faking) masks a token."""
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if not isinstance(mask, torch.Tensor) or mask.device.type == "meta" or mask.dim() != 2:
-        return False
-    return not bool((mask != 0).all())
-
-
 def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
     from torch._subclasses.fake_tensor import FakeTensorMode
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     param_bytes = _storage_bytes(model.parameters())
     buffer_bytes = _storage_bytes(model.buffers())
-    padded = _padded(batch)  # read while the mask is still real
+    padded = padded_mask(batch)  # read while the mask is still real
     restore = _swap_to_fake(model, fake_mode)
     try:
         with fake_mode, _AnyDtypeKernels():
