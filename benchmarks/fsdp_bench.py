@@ -61,6 +61,8 @@ compute vs exposed, the time no kernel runs at all (``gpu_idle_s``), busy time p
 top kernels by time; ``trace_per_rank`` has each rank's wall, span, busy and exposed seconds. The
 profiler slows the host side of the step, so the traced step is never one of the timed ones;
 compare its ``compute_busy_s`` with ``predicted_compute_s`` and its ``gpu_idle_s`` with the gap.
+Every record names the overhead constants it was predicted with (``overheads``);
+``benchmarks/fit_overheads.py`` refits them from traced rows.
 
 ``--single``: before the FSDP rows, rank 0 alone runs the unsharded model without FSDP on its
 own GPU and its own batch (``single:eager``, then ``single:hf_full``: Hugging Face full
@@ -83,6 +85,7 @@ A strategy whose predicted peak exceeds the GPU is skipped with the reason
 on every rank alike is recorded with its error and the next one runs. Rank 0 profiles on its
 GPU unless the unsharded model does not fit there (then with fake tensors and this GPU's rates).
 """
+import dataclasses
 import gc
 import json
 import os
@@ -100,7 +103,7 @@ from _trace import format_breakdown, trace_step  # noqa: E402
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
-from remat.planning.sharding import shard  # noqa: E402
+from remat.planning.sharding import FSDP2_OVERHEADS, shard  # noqa: E402
 from remat.prove.bench import environment, timed_steps  # noqa: E402
 from remat.prove.collectives import CollectiveCounter  # noqa: E402
 from remat.units import format_size  # noqa: E402
@@ -158,7 +161,8 @@ def main(argv=None):
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
-                  bus_measured=bus is not None, reshard_after_forward=not args.no_reshard)
+                  bus_measured=bus is not None, reshard_after_forward=not args.no_reshard,
+                  overheads=dataclasses.asdict(FSDP2_OVERHEADS))  # what benchmarks/fit_overheads.py refits
     records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
     for name, plan in rows:
         if isinstance(plan, dict):  # a budget that no plan fits (offload, say, on the CPU)

@@ -25,9 +25,12 @@ reduce-scatter and an all-gather). On the compute stream (:class:`~remat.plannin
 each gradient is copied into its bucket (read + write, in its block's backward, the root's after the
 embeddings' backward), with ``gradient_as_bucket_view=False`` every reduced bucket is copied back
 into the gradients once the last all-reduce ends, each all-reduce costs ``latency_s``, and compute
-slows by ``contention`` while the link is busy. The constants are FSDP2's provisional ones (DDP's
-reducer launches from C++ without Python hooks, so its latency is likely lower): to be refit, as
-FSDP2's, from the kernel-time breakdown ``benchmarks/ddp_bench.py --trace`` records.
+slows by ``contention`` while the link is busy. The constants are :data:`DDP_OVERHEADS`, the first
+estimates FSDP2 started from: with them llama-1b's DDP steps on 2 x H100 measured 4-7% above
+prediction (``benchmarks/results/issue12``). FSDP2's refit ones do not carry over: its 0.41 ms a
+collective is mostly Python hooks, and DDP's reducer launches from C++ (50 buckets at 0.41 ms
+would add 0.02 s to a 0.2 s step); to refit them, use the kernel-time breakdown
+``benchmarks/ddp_bench.py --trace`` records, as ``benchmarks/fit_overheads.py`` does for FSDP2.
 
 Checked against torch 2.13's ``torch/nn/parallel/distributed.py`` and ``reducer.cpp``:
 ``bucket_cap_mb=None`` means 25 MiB (``_DEFAULT_BUCKET_CAP_MB``) with a first bucket of
@@ -56,8 +59,10 @@ from dataclasses import replace
 from typing import Optional
 
 from remat.planning.costs import Collectives, Profile
-from remat.planning.sharding import FSDP2_OVERHEADS, Overheads, check_bus
+from remat.planning.sharding import Overheads, check_bus
 
+DDP_OVERHEADS = Overheads(hbm_Bps_fraction=0.8, contention=0.2, latency_s=50e-6)
+"""What :func:`replicate` charges beside the link (see the module docstring): estimates, not fitted."""
 FIRST_BUCKET_BYTES = 1024 * 1024
 """``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap under DDP's default."""
 BUCKET_CAP_MB = 25
@@ -67,7 +72,7 @@ BUCKET_CAP_MB = 25
 def replicate(profile: Profile, world: int, *, bucket_cap_mb: Optional[float] = None,
               gradient_as_bucket_view: bool = False, bus_Bps: Optional[float] = None,
               class_grad_bytes: Optional[tuple] = None, grad_bytes: Optional[int] = None,
-              stream: Optional[tuple] = None, overheads: Overheads = FSDP2_OVERHEADS) -> Profile:
+              stream: Optional[tuple] = None, overheads: Overheads = DDP_OVERHEADS) -> Profile:
     """``profile`` as one of ``world`` DDP ranks sees it (see the module docstring).
 
     ``bucket_cap_mb`` / ``gradient_as_bucket_view``: as passed to ``DistributedDataParallel``

@@ -82,12 +82,13 @@ a step, nearly all of it hidden. What the link time leaves out:
   post-forward/backward hooks in Python, the stream waits).
 
 The defaults (:data:`FSDP2_OVERHEADS`; each constant's docstring says where it came from) are
-provisional, not fitted: ``hbm_Bps_fraction`` 0.8, ``contention`` 0.2, ``latency_s`` 50 us. On the
-llama-8b step above they add 0.068 s (copies 0.046, launches 0.005, contention 0.017). To refit them,
-``benchmarks/fsdp_bench.py`` is to record a kernel-time breakdown of one step (copy kernels and the
-bytes they moved, compute kernels with and without a collective beside them, host time per
-collective); :meth:`Overheads.fit` turns those sums into an :class:`Overheads` to pass to
-:func:`shard` (and :func:`remat.planning.replication.replicate`).
+fitted by ``benchmarks/fit_overheads.py`` to the stock rows (``eager``, ``torch_ac``) of two traced
+``benchmarks/fsdp_bench.py`` runs (llama-8b, 1 x 4096 tokens a rank, on 2 and on 4 x H100, plans
+from a profile measured on the GPU): copies at 0.99 of HBM bandwidth, compute 0.52 s slower per
+second of link time beside it, 0.41 ms per collective. The first, provisional constants (0.8, 0.2,
+50 us) left every row 8-22% slower than predicted; refit, remat's plans in those runs (held out of
+the fit) are within -2.4..+5.5%. :meth:`Overheads.fit` turns a trace's sums into constants; pass
+others to :func:`shard` (and :func:`remat.planning.replication.replicate`) for other GPUs.
 
 Limits: HSDP and CPU offload of shards are not modelled; the root's gradients are kept in full
 (conservative); with a ``MixedPrecisionPolicy`` whose param dtype is narrower than the
@@ -103,31 +104,30 @@ from typing import Optional
 
 from remat.planning.costs import Collectives, Profile, dtype_bytes
 
-HBM_BPS_FRACTION = 0.8
-"""Provisional: the share of the datasheet HBM bandwidth FSDP2's and DDP's copies reach. A probe of
-FSDP2's copy kernels on llama-8b's block shapes (two H100s, torch 2.11): ``split_with_sizes_copy``
-(all-gather copy-out) at 2.72 TB/s read + write, 0.81 of 3.35; ``_chunk_cat`` (reduce-scatter
-copy-in, world 2) at 2.10 TB/s in bf16 (0.63), 0.94 TB/s when it casts to fp32 (0.28, not
-separated here); about 0.8 over a bf16 step's mix."""
-CONTENTION = 0.2
-"""Provisional: how much slower compute runs while a collective runs beside it (0.2: 20%), the
-issue's starting estimate (NCCL's kernels hold some of the SMs and HBM bandwidth). A probe on two
-H100s slowed a chain of 4096 x 4096 x 14336 bf16 matmuls by 0.66 s per second of back-to-back
-436 MB all-gathers beside them: an upper bound (it cannot tell the link's slowdown from the
-matmuls'), so the trace's refit decides."""
-LATENCY_S = 50e-6
-"""Provisional: seconds on the compute stream per collective (launch, stream waits). FSDP2's host
-time per collective is larger (about 0.9 ms in a probe of tiny ``fully_shard`` layers on two H100s)
-but runs ahead of the GPU while a block's kernels take longer (llama-8b's do); host-bound steps
-are not modelled."""
+HBM_BPS_FRACTION = 0.99
+"""The share of the datasheet HBM bandwidth FSDP2's copies reach, as this module counts their bytes
+(``fsdp_copy`` kernels in the traces of ``benchmarks/results/issue12``: 0.93 on 4 x H100, 1.04 on
+2, pooled 0.99; a probe of the kernels alone: ``split_with_sizes_copy`` at 0.81, ``_chunk_cat`` at
+0.63 in bf16, 0.28 when it casts to fp32 -- the byte count here is an approximation the fit
+absorbs)."""
+CONTENTION = 0.52
+"""Seconds by which compute slows per second of link time beside it: the compute kernels of a
+traced FSDP2 step against the same kernels measured alone by the profile (llama-8b, 2 and 4 x H100:
+0.48-0.55 for ``eager`` and ``torch_ac``, 0.42-0.69 over every row). NCCL's ring kernels hold SMs
+and HBM bandwidth while they run; this also absorbs what the link model misses of their length."""
+LATENCY_S = 0.41e-3
+"""Seconds per collective on the step beyond its kernels: FSDP2's pre/post hooks in Python, stream
+waits, idle gaps, and exposed communication the FIFO link model does not see (the stock rows'
+remaining gap, 0.029-0.056 s a step over 97 collectives). Charged on the compute stream in the
+phase that issues the collective; host-bound steps are not modelled beyond it."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Overheads:
     """What a collective costs the compute stream beyond the link's time (see the module doc).
 
-    Provisional: the defaults are estimates, to be refit with :meth:`fit` from the kernel-time
-    breakdown ``benchmarks/fsdp_bench.py`` records on the GPUs.
+    The defaults are fitted on H100s (``benchmarks/fit_overheads.py``); :meth:`fit` makes others
+    from a kernel-time breakdown (``benchmarks/fsdp_bench.py --trace``).
     """
 
     hbm_Bps_fraction: float = HBM_BPS_FRACTION
