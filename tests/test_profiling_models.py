@@ -13,6 +13,7 @@ import remat
 from remat.profiling.profiler import profile
 
 from test_profiling_side_effects import TinyCNN, cnn_loss, tiny_llama
+from versions import TRANSFORMERS_4
 
 
 def step(model, batch, loss_fn):
@@ -95,6 +96,44 @@ def test_a_forward_that_reads_tensor_values_gets_a_clear_error_on_fake_tensors()
     assert all(type(p) is nn.Parameter for p in model.parameters())  # no fake tensor left behind
 
 
+class _Cache:
+    """A KV cache as a transformers 4.x model holds it: each layer hands it back, the model reads it."""
+
+    def to_legacy_cache(self):
+        return ()
+
+
+class _CacheLayer(Residual):
+    def forward(self, x, layer_past=None):
+        return x + self.mlp(self.norm(x)), layer_past     # Falcon's, StableLM's (hidden, cache, ...)
+
+
+class _CacheModel(ResidualMLP):
+    def __init__(self, width=16, depth=3):
+        super().__init__(width, depth)
+        self.blocks = nn.ModuleList(_CacheLayer(width) for _ in range(depth))
+
+    def forward(self, x):
+        cache = _Cache()
+        for block in self.blocks:
+            x, cache = block(x, layer_past=cache)          # next_decoder_cache = outputs[1]
+        cache.to_legacy_cache()                            # what failed on None in the head profile
+        return x
+
+
+def test_a_layer_that_hands_back_its_kv_cache_gets_it_back_from_the_head_profile_stub():
+    """Transformers 4.x Falcon and StableLM read the cache from each layer's output and call a
+    method on it after the last layer: the stubbed head step hands back the cache it is given
+    (before, None: no head mode could be profiled)."""
+    torch.manual_seed(0)
+    model = _CacheModel()
+    batch = torch.randn(2, 8, 16)
+    loss_fn = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    prof = profile(model, batch, loss_fn=loss_fn, gpu="h100")
+    assert [h.mode for h in prof.heads] == ["plain"], prof.notes
+    plan_apply_step(model, batch, "1GiB", loss_fn=loss_fn)
+
+
 def test_dict_batch_without_a_loss_asks_for_loss_fn():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
     with pytest.raises(TypeError, match="loss_fn"):
@@ -143,6 +182,10 @@ def test_moe_with_router_logits():
                            num_experts_per_tok=2, output_router_logits=True)
     model = MixtralForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16))
+    if TRANSFORMERS_4:   # 4.x routes tokens with nonzero(): no fake-tensor profile, a clear error instead
+        with pytest.raises(ValueError, match="depends on tensor values.*transformers 4.x MoE.*Profile on a GPU"):
+            profile(model, ids, gpu="h100")
+        return
     prof = profile(model, ids, gpu="h100")      # fp32 experts on fake tensors: grouped matmul included
     assert "plain" in {h.mode for h in prof.heads}, prof.notes
     plan = plan_apply_step(model, ids, "1GiB")

@@ -19,7 +19,7 @@ are profiled apart.
 
 Limits: a block must take its hidden state as the first floating-point positional argument
 or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
-elements are None in the stub run); a configuration attribute not in
+elements are None in the stub run, but for inputs the block hands back: a 4.x KV cache); a configuration attribute not in
 :data:`CONFIG_ATTRIBUTES` is not seen, so blocks that differ only there share one profile;
 a block that the forward never calls is a ``ValueError``.
 """
@@ -71,18 +71,33 @@ class _Template:
     device: torch.device
     container: type = None
     length: int = 1
+    handed_back: tuple = ()
+    """``(position, key)`` for each element of a tuple output that is one of the block's own
+    non-tensor inputs, ``key`` an int (positional argument) or a str (keyword): transformers 4.x
+    decoder layers (Falcon, StableLM) hand back the KV cache they were given, and the model
+    reads its cache from there, so a stub must hand back the one it is given too."""
 
     @staticmethod
-    def of(out) -> "_Template":
+    def of(out, args=(), kwargs=None) -> "_Template":
         if isinstance(out, torch.Tensor):
             return _Template(tuple(out.shape), out.dtype, out.device)
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            return _Template(tuple(out[0].shape), out[0].dtype, out[0].device, type(out), len(out))
+            inputs = list(enumerate(args)) + list((kwargs or {}).items())
+            handed_back = tuple((position, key) for position, value in enumerate(out) if position > 0
+                                and value is not None and not isinstance(value, torch.Tensor)
+                                for key, given in inputs if given is value)
+            return _Template(tuple(out[0].shape), out[0].dtype, out[0].device, type(out), len(out), handed_back)
         raise TypeError(f"a block returned {type(out).__name__}; remat expects a tensor or a tuple whose first "
                         "element is the hidden state")
 
-    def wrap(self, y):
-        return y if self.container is None else self.container((y,) + (None,) * (self.length - 1))
+    def wrap(self, y, args=(), kwargs=None):
+        """``y`` in the recorded container: None in every other place, except the inputs handed back."""
+        if self.container is None:
+            return y
+        items = [y] + [None] * (self.length - 1)
+        for position, key in self.handed_back:
+            items[position] = args[key] if isinstance(key, int) else (kwargs or {}).get(key)
+        return self.container(items)
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
 
     def post(index, module, args, kwargs, out):
         if outputs[index] is None:
-            outputs[index] = _Template.of(out)
+            outputs[index] = _Template.of(out, args, kwargs)
             if all(o is not None for o in outputs):
                 raise _Captured
 

@@ -28,8 +28,9 @@ Stable times: the head's seconds are the median of ``repeats + 1`` stubbed steps
 Python's garbage collector held off while timing (:func:`remat.profiling._meters._chain`).
 
 Limits: every block must be called exactly once per step, else the step does not run its
-six phases (a ``ValueError``); a block's tuple output is its hidden state followed by None,
-so a head that reads a block's other outputs does not see them.
+six phases (a ``ValueError``); a block's tuple output is its hidden state followed by None
+(but for what the block handed back of its own inputs, the KV cache of a transformers 4.x
+layer), so a head that reads a block's other outputs does not see them.
 """
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ class _StubRun:
         if index == self.last:
             self.mark()
             y.register_hook(self.mark)                                    # head backward done
-        return template.wrap(y)
+        return template.wrap(y, args, kwargs)
 
 
 def _stub_forward(patch, *args, **kwargs):
