@@ -162,6 +162,7 @@ def main(argv=None):
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
                   bus_measured=bus is not None, reshard_after_forward=not args.no_reshard,
+                  profile_calibration=planned["calibration"],  # the measured profile's in-step calibration
                   overheads=dataclasses.asdict(FSDP2_OVERHEADS))  # what benchmarks/fit_overheads.py refits
     records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
     for name, plan in rows:
@@ -291,7 +292,7 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload
     single = {name: _predicted(simulate(prof, spec, head="plain"))
               for name, spec in (("single:eager", "keep"), ("single:hf_full", "full"))}
     return dict(plans=plans, anchors=anchors, predicted=predicted, rules=rules, single=single, profile=how,
-                bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
+                calibration=prof.notes.get("calibration"), bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
 
 
 def default_budgets(sharded, treatments) -> list:
