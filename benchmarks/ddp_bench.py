@@ -76,7 +76,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
-from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed,  # noqa: E402
+from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, profile_ids,  # noqa: E402
                         finished, measured_row)
 
 import remat  # noqa: E402
@@ -197,7 +197,7 @@ def _profiled(config, dtype, batch, seq, how, cuda):
     if how == "cuda":
         try:
             model = build_model(config, device="cuda", dtype=dtype)
-            ids = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
+            ids = profile_ids(config, batch, seq, "cuda")  # not zeros: they run faster (fsdp_bench.profile_ids)
             return model, ids, remat.profile(model, ids), how
         except torch.cuda.OutOfMemoryError:
             print("the model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
