@@ -2,7 +2,9 @@
 problem, and says nothing on a good one. The GPU check (measured against predicted) carries
 the gpu marker. Compiled models are compiled (``Module.compile()``, ``torch.compile``) but never
 called here: doctor reads how they will run and steps them eagerly."""
+import os
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from remat.integrations.doctor import Finding, doctor
 
 pytest.importorskip("transformers")
 from test_integrations_hf import VOCAB, tiny_llama, with_lora  # noqa: E402
+from versions import TRANSFORMERS_4  # noqa: E402
 
 # the tiny Llama at 2 x 16 tokens, no optimizer state: keeping everything peaks at ~316 kB
 # and the smallest plan at ~265 kB, so this budget needs some checkpointing
@@ -33,8 +36,11 @@ def _batch():
 
 
 def _args(tmp_path, **extra):
+    """TrainingArguments for doctor to read. Transformers 4.x's ``fsdp=`` exports ACCELERATE_USE_FSDP
+    and FSDP_* to ``os.environ``, where every later Accelerator of this process finds them (a CPU
+    Trainer then asks for a GPU): the environment is put back."""
     from transformers import TrainingArguments
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mock.patch.dict(os.environ):
         warnings.simplefilter("ignore")
         return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **extra)
 
@@ -97,12 +103,16 @@ def test_hf_and_fsdp_checkpointing_both_on(tmp_path):
 def test_reentrant_checkpointing_with_frozen_inputs(tmp_path):
     """LoRA (frozen embeddings) under reentrant checkpointing whose blocks' inputs do not require
     grad: the adapters get no gradient. transformers 5 adds the input-grad hook when it switches
-    checkpointing on, so the bad setup is the hook taken off again."""
+    checkpointing on, so the bad setup is the hook taken off again; 4.x adds it only for adapters
+    it loaded itself, so a PEFT-wrapped model is the bad setup until the hook is added."""
     lora = with_lora(_model())
     base = lora.base_model.model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if TRANSFORMERS_4:
+        assert _checks(doctor(lora, _batch())) == ["reentrant-frozen-inputs", "no-grad"]
+        base.enable_input_require_grads()
     assert doctor(lora, _batch()) == []                         # transformers' hook: adapters train
     base.disable_input_require_grads()
     findings = doctor(lora, _batch())
@@ -113,6 +123,22 @@ def test_reentrant_checkpointing_with_frozen_inputs(tmp_path):
     from remat.integrations.doctor import _enable_adds_input_grads
     expected = [] if _enable_adds_input_grads(base) else ["reentrant-frozen-inputs"]
     assert _checks(doctor(with_lora(_model()), training_args=args)) == expected
+
+
+def test_a_removed_input_grad_hook_left_on_the_model_is_no_hook():
+    """Transformers 4.x's ``disable_input_require_grads`` removes the hook and leaves its handle as
+    ``_require_grads_hook``: doctor reads whether the hook is installed, not whether a handle is there."""
+    lora = with_lora(_model())
+    base = lora.base_model.model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if getattr(base, "_require_grads_hook", None) is not None:  # transformers 5 hooked the inputs itself
+        base.disable_input_require_grads()
+    handle = base.get_input_embeddings().register_forward_hook(lambda m, args, out: out.requires_grad_(True))
+    handle.remove()
+    base._require_grads_hook = handle                           # as transformers 4.x's disable leaves it
+    assert _checks(doctor(lora, _batch())) == ["reentrant-frozen-inputs", "no-grad"]
 
 
 def test_rng_state_not_preserved_with_dropout(tmp_path):

@@ -195,9 +195,16 @@ def _frozen_inputs(model: nn.Module) -> bool:
         return False
     trainable = any(p.requires_grad for p in model.parameters())
     fixed = not embeddings.weight.requires_grad
-    hooked = getattr(model, "_require_grads_hook", None) is not None or any(
-        getattr(m, "_require_grads_hook", None) is not None for m in model.modules())
+    hooked = any(_registered(getattr(m, "_require_grads_hook", None)) for m in model.modules())
     return trainable and fixed and not hooked
+
+
+def _registered(handle) -> bool:
+    """Whether a hook handle's hook is still installed: transformers 4.x's
+    ``disable_input_require_grads`` removes the hook but leaves the handle on the model (5.x
+    deletes it), so the handle's presence alone does not say the hook runs."""
+    hooks = handle.hooks_dict_ref() if hasattr(handle, "hooks_dict_ref") else None
+    return hooks is not None and getattr(handle, "id", None) in hooks
 
 
 def _enable_adds_input_grads(model: nn.Module) -> bool:
