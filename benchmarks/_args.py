@@ -16,7 +16,7 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
 
 def distributed_parser(doc: str) -> argparse.ArgumentParser:
     """:func:`bench_parser` plus what the torchrun benchmarks (FSDP2, DDP) share: per-GPU budgets,
-    the device, how rank 0 profiles, and the kernel-time trace."""
+    the device, how rank 0 profiles, the kernel-time trace and the garbage collector."""
     p = bench_parser(doc)
     p.add_argument("--budgets", help="per-GPU budgets, comma-separated (default: see the docstring)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -24,4 +24,7 @@ def distributed_parser(doc: str) -> argparse.ArgumentParser:
                    help="how rank 0 profiles: on its GPU (default on CUDA) or with fake tensors")
     p.add_argument("--trace", action="store_true",
                    help="one more step per row under torch.profiler: rank 0 records its kernel-time breakdown")
+    p.add_argument("--gc", choices=("auto", "manual"), default="auto",
+                   help="Python's garbage collector during a row's steps: auto (Python's default) or manual "
+                        "(collected before them and off while they run, as torchtitan and torchtnt train)")
     return p

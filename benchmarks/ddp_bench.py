@@ -136,7 +136,7 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
-                  dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], parallel="ddp")
+                  dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], parallel="ddp", gc=args.gc)
     records = []
     for name, plan in rows:
         if isinstance(plan, dict):  # a budget no plan fits

@@ -38,7 +38,9 @@ same batch per rank, and gets ``fully_shard`` on every decoder layer and then th
 
 Protocol (as ``remat bench``): a step is ``zero_grad(set_to_none=True)``, forward with
 ``labels``, ``backward()``; no optimizer. ``--warmup`` steps, then ``--steps`` timed ones (rank
-0's time; FSDP2's collectives keep the ranks in step), then one more step under
+0's time; FSDP2's collectives keep the ranks in step; with ``--gc manual`` Python's garbage
+collector runs before them and is off while they run, as torchtitan and torchtnt train, since a
+collection on one rank stalls the others at the next collective), then one more step under
 :class:`remat.prove.collectives.CollectiveCounter` for the all-gathers, reduce-scatters and
 all-reduces per step. Rank 0 writes one JSON line per strategy to ``--out/fsdp_bench.jsonl``:
 predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
@@ -162,7 +164,7 @@ def main(argv=None):
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
                   bus_measured=bus is not None, reshard_after_forward=not args.no_reshard,
-                  profile_calibration=planned["calibration"],  # the measured profile's in-step calibration
+                  profile_calibration=planned["calibration"], gc=args.gc,  # the measured profile's in-step calibration
                   overheads=dataclasses.asdict(FSDP2_OVERHEADS))  # what benchmarks/fit_overheads.py refits
     records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
     for name, plan in rows:
@@ -465,15 +467,25 @@ def _step(model, ids):
 
 def _timed(step, args, cuda):
     """``--warmup`` steps, then ``--steps`` timed ones: (seconds of each, each one's peak
-    allocated bytes (None on the CPU), the last loss)."""
-    timed_steps(step, args.warmup, cuda=cuda)
-    times, step_peaks, loss = [], [], None
-    for _ in range(args.steps):  # the peak of each step, so that one odd step shows
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        seconds, loss = timed_steps(step, 1, cuda=cuda)
-        times += seconds
-        step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
+    allocated bytes (None on the CPU), the last loss). With ``--gc manual`` Python's garbage
+    collector runs before them and not during them: a collection on one rank in the middle of
+    a step holds every other rank at the next collective."""
+    manual = args.gc == "manual"
+    if manual:
+        gc.collect()
+        gc.disable()
+    try:
+        timed_steps(step, args.warmup, cuda=cuda)
+        times, step_peaks, loss = [], [], None
+        for _ in range(args.steps):  # the peak of each step, so that one odd step shows
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            seconds, loss = timed_steps(step, 1, cuda=cuda)
+            times += seconds
+            step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
+    finally:
+        if manual:
+            gc.enable()
     return times, step_peaks, loss
 
 
