@@ -112,6 +112,8 @@ def test_remove_after_an_outside_wrapper_keeps_the_wrapper():
 
 def test_accelerate_prepare_then_remove_keeps_autocast():
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)   # an earlier Trainer fixed the precision
     model, make_inputs = _llama(use_cache=False)
     remat.apply(model, "full", head="chunked")
     model = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
