@@ -82,7 +82,7 @@ def rows(paths) -> list:
                     raise ValueError(f"{path}: {record['strategy']} was planned from a {record.get('profile')!r} "
                                      "profile; fit only rows predicted from a profile measured on the GPU "
                                      "(fsdp_bench.py --profile cuda)")
-                found.append(terms(record))
+                found.append(dict(terms(record), source=path))
     return found
 
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     report = []
     for r in found:
         new = predict(r, fitted)
-        report.append(dict(strategy=r["strategy"], world=r["world"], step_s=round(r["step_s"], 4),
+        report.append(dict(source=r["source"], strategy=r["strategy"], world=r["world"], step_s=round(r["step_s"], 4),
                            before_s=round(r["predicted_step_s"], 4), after_s=round(new, 4),
                            error_before=round((r["step_s"] - r["predicted_step_s"]) / r["predicted_step_s"], 4),
                            error_after=round((r["step_s"] - new) / new, 4), fitted_on=r["strategy"] in args.fit_on))
