@@ -32,6 +32,7 @@ same batch per rank, and gets ``fully_shard`` on every decoder layer and then th
      to the all-``keep`` one, so that the solver picks different mixes at any world size.
 
   Each remat record says which (``budget_rule``) and whether its plan offloads (``offloads``).
+  ``--treatments keep,selective,full`` plans with those treatments only (to measure one mix).
   ``--plan-only`` prints the budgets and plans without a process group or a GPU: a fake-tensor
   profile with ``--gpu``'s rates (default h100), for ``--world`` ranks (default 2), offload
   allowed as on a GPU.
@@ -124,6 +125,7 @@ def parse_args(argv=None):
                    help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
     p.add_argument("--single", action="store_true",
                    help="first, rank 0 alone runs the unsharded model (eager, hf_full) without FSDP")
+    p.add_argument("--treatments", help="plan with these treatments only, comma-separated (default: all)")
     p.add_argument("--plan-only", action="store_true",
                    help="no process group and no run: print the budgets and plans for --world GPUs of --gpu "
                         "(fake-tensor profile, offload allowed) and exit")
@@ -269,7 +271,8 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload
     if cuda:
         torch.cuda.empty_cache()
     # as remat.plan: offload only where there is a GPU to offload from
-    treatments = [t for t in sharded.treatments(0) if offload or t not in OFFLOADING_TREATMENTS]
+    allowed = args.treatments.split(",") if args.treatments else sharded.treatments(0)
+    treatments = [t for t in sharded.treatments(0) if (offload or t not in OFFLOADING_TREATMENTS) and t in allowed]
     if args.budgets:
         from remat.units import parse_size
         budgets = [(parse_size(b), "--budgets") for b in args.budgets.split(",")]
