@@ -96,7 +96,8 @@ def test_an_encoder_decoder_config_is_refused_in_one_short_line(capsys, tmp_path
 
 
 def test_a_config_file_of_any_name_and_an_attention_the_model_supports(capsys, tmp_path):
-    """Gemma-2 refuses sdpa (attention softcapping) on transformers 5: remat must pick eager."""
+    """Gemma-2 refuses sdpa (attention softcapping) on transformers 5, and 4.x's sdpa drops the
+    softcapping: remat must pick eager on both."""
     from transformers import Gemma2Config
 
     from remat.integrations.presets import attention_for, load_config

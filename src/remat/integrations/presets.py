@@ -102,14 +102,19 @@ def _config_from_file(path: str):
 
 def attention_for(config) -> str:
     """The attention implementation to build ``config``'s model with: the one the config names,
-    else ``sdpa`` where the model class supports it, else ``eager``.
+    else ``sdpa`` where the model class supports it and the config softcaps no attention logits,
+    else ``eager``.
 
     Gemma-2 (attention logit softcapping) refuses ``sdpa`` on transformers 5, so forcing
-    ``sdpa`` on every model, as remat once did, cannot build it.
+    ``sdpa`` on every model, as remat once did, cannot build it; transformers 4.x builds it with
+    ``sdpa`` but drops the softcapping there (it warns to train with ``eager``), so a config that
+    softcaps gets ``eager`` on every version.
     """
     named = getattr(config, "_attn_implementation_internal", None)
     if named:
         return named
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "eager"
     return "sdpa" if getattr(_causal_lm_class(config), "_supports_sdpa", False) else "eager"
 
 
