@@ -22,11 +22,17 @@ How, on every rank:
    shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
    (per GPU and in all) and, on CUDA, every rank's peak beside the plan's prediction.
 
+Python's garbage collector is off during the steps and runs between them every ``--gc-every``
+steps (0: Python's automatic collection), as torchtitan and torchtnt train: a collection that
+starts on one rank in the middle of a step holds every other rank at the next collective (a
+DDP plan on 2 x H100 ran 5.5% slower with automatic collection, ``benchmarks/results/issue12``).
+
 ``--plan`` skips planning: a spec (``full``, ``every:2``, ...) or a plan file from
 ``remat plan --fsdp N --out plan.json``. On the CPU (``--device cpu``, gloo) the same code
 runs end to end on a tiny model; there is no peak memory to report there.
 """
 import argparse
+import gc
 import os
 import time
 import warnings
@@ -52,7 +58,11 @@ def main(argv=None):
     p.add_argument("--gpu", help="rates to plan with (h100, h200, a100); default: this GPU's")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (after remat, before FSDP2)")
     p.add_argument("--plan-out", help="rank 0 writes the plan it used here")
+    p.add_argument("--gc-every", type=int, default=50,
+                   help="collect Python's garbage between steps every N steps, never during one (0: automatic)")
     args = p.parse_args(argv)
+    if args.gc_every < 0:
+        p.error(f"--gc-every must be 0 (Python's automatic collection) or a positive number of steps, got {args.gc_every}")
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -91,7 +101,12 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     tokens = args.batch * args.seq
     times = []
+    if args.gc_every > 0:
+        gc.collect()
+        gc.disable()
     for step in range(args.steps):
+        if args.gc_every > 0 and step and step % args.gc_every == 0:
+            gc.collect(1)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
         _sync(cuda)
         start = time.perf_counter()
@@ -105,6 +120,7 @@ def main(argv=None):
         dist.all_reduce(loss)
         say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
             f"{tokens / times[-1]:,.0f} tokens/s per rank")
+    gc.enable()
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median without the first step
     planned = plan.notes.get("predicted_step_s")
     say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
