@@ -153,11 +153,19 @@ def build_model(config, *, device="cpu", dtype=None, attn_implementation=None, s
 def materialise(model, device, seed: int = 0):
     """Give a model built on the ``meta`` device (or sharded by FSDP2 after that) real storage on
     ``device``, initialised the model's own way (``_init_weights``, rotary tables recomputed);
-    returns ``model``. Each FSDP2 rank fills only its own shards."""
+    returns ``model``. Each FSDP2 rank fills only its own shards.
+
+    Transformers 4.x's ``_init_weights`` fills only linear and embedding weights: the norms keep
+    what their constructor gave them (Llama's ones, Gemma's zeros), which ``to_empty`` turned
+    into garbage (NaN losses). So every floating parameter starts as NaN, and one that
+    ``_init_weights`` left so gets its module's constructor value (:func:`_constructor_fill`)."""
     import torch
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                _local(p).fill_(float("nan"))
         for module in model.modules():
             model._init_weights(module)  # transformers 5 also recomputes the rotary buffers here
             if hasattr(module, "rope_init_fn") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
@@ -165,4 +173,36 @@ def materialise(model, device, seed: int = 0):
                 module.inv_freq.copy_(inv_freq)
                 if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
                     module.original_inv_freq.copy_(inv_freq)
+        for name, module in model.named_modules():
+            left = {n: p for n, p in module.named_parameters(recurse=False) if _local(p).isnan().any()}
+            if left:
+                _constructor_fill(name, module, left)
     return model
+
+
+def _local(p):
+    """The part of ``p`` this process holds: an FSDP2 shard's local tensor, else ``p``."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _constructor_fill(name, module, left):
+    """Fill ``left`` (``module``'s parameters that ``_init_weights`` did not initialise) with what
+    the module's constructor gives them, read from a fresh instance built on the CPU from their
+    shape (a norm takes its size first: ``LlamaRMSNorm(hidden_size)``, ``nn.LayerNorm(n)``). Those
+    values must be constants, so a shard fills as the whole would; anything else is a ValueError:
+    there is no init to copy."""
+    import torch
+    shape = next(iter(left.values())).shape
+    try:
+        with torch.device("cpu"):
+            fresh = dict(type(module)(shape[0] if len(shape) == 1 else tuple(shape)).named_parameters(recurse=False))
+    except (TypeError, ValueError, RuntimeError):  # a constructor that does not take a size first
+        fresh = {}
+    for key, p in left.items():
+        value = fresh.get(key)
+        if value is None or value.shape != p.shape or not bool((value == value.flatten()[0]).all()):
+            raise ValueError(f"{name}.{key} ({type(module).__name__}) is not initialised by the model's "
+                             "_init_weights and remat cannot rebuild its constructor value; build the model on a "
+                             "real device instead of 'meta', or use transformers >= 5 (whose _init_weights "
+                             "initialises every module)")
+        _local(p).fill_(value.flatten()[0].item())
