@@ -25,7 +25,8 @@ How, on every rank:
 Python's garbage collector is off during the steps and runs between them every ``--gc-every``
 steps (0: Python's automatic collection), as torchtitan and torchtnt train: a collection that
 starts on one rank in the middle of a step holds every other rank at the next collective (a
-DDP plan on 2 x H100 ran 5.5% slower with automatic collection, ``benchmarks/results/issue12``).
+DDP plan on 2 x H100 ran 5.5% slower with automatic collection, a selective-heavy FSDP2 plan ~14%;
+``benchmarks/results/issue12``).
 
 ``--plan`` skips planning: a spec (``full``, ``every:2``, ...) or a plan file from
 ``remat plan --fsdp N --out plan.json``. On the CPU (``--device cpu``, gloo) the same code
