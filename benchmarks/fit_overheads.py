@@ -102,16 +102,13 @@ def fit(found: list, fit_on=("eager", "torch_ac")) -> Overheads:
     hbm = chosen[0]["hbm_Bps"]
     if any(r["hbm_Bps"] != hbm for r in chosen):
         raise ValueError("the rows to fit on come from GPUs with different HBM bandwidths; fit one GPU kind at a time")
-    slowdown = sum(r["measured_compute_s"] - r["alone_s"] for r in chosen)
-    partial = Overheads.fit(copy_bytes=sum(r["copy_bytes"] for r in chosen),
-                            copy_s=sum(r["measured_copy_s"] for r in chosen), hbm_Bps=hbm,
-                            overlapped_s=sum(r["overlap_s"] for r in chosen), slowdown_s=max(0.0, slowdown),
-                            collectives=sum(r["collectives"] for r in chosen), host_s=0.0)
-    host = sum(r["step_s"] - predict(r, partial) for r in chosen)
-    return Overheads.fit(copy_bytes=sum(r["copy_bytes"] for r in chosen),
-                         copy_s=sum(r["measured_copy_s"] for r in chosen), hbm_Bps=hbm,
-                         overlapped_s=sum(r["overlap_s"] for r in chosen), slowdown_s=max(0.0, slowdown),
-                         collectives=sum(r["collectives"] for r in chosen), host_s=max(0.0, host))
+    sums = dict(copy_bytes=sum(r["copy_bytes"] for r in chosen), copy_s=sum(r["measured_copy_s"] for r in chosen),
+                hbm_Bps=hbm, overlapped_s=sum(r["overlap_s"] for r in chosen),
+                slowdown_s=max(0.0, sum(r["measured_compute_s"] - r["alone_s"] for r in chosen)),
+                collectives=sum(r["collectives"] for r in chosen))
+    without_host = Overheads.fit(**sums, host_s=0.0)  # the copies and contention first, then what is left
+    host = sum(r["step_s"] - predict(r, without_host) for r in chosen)
+    return Overheads.fit(**sums, host_s=max(0.0, host))
 
 
 def main(argv=None) -> int:

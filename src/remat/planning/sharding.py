@@ -86,10 +86,11 @@ fitted by ``benchmarks/fit_overheads.py`` to the stock rows (``eager``, ``torch_
 ``benchmarks/fsdp_bench.py`` runs on 2 x H100 (llama-8b, 1 x 4096 tokens a rank, plans from a
 profile measured on the GPU on random tokens): copies at 1.08 of the datasheet HBM bandwidth as
 their bytes are counted here, compute 0.19 s slower per second of link time beside it, 0.35 ms
-per collective. Held out of the fit, remat's plans in those runs measured +1.9..+4.1% above
-prediction (``mlp``/``full``/``keep`` mixes) and +6.6..+10.3% (``selective``-heavy mixes:
-the selective treatment's Python dispatch per op is host time this model does not count). An
-earlier fit (0.99, 0.52, 0.41 ms) came from runs profiled on all-zero tokens, which ran 8%
+per collective. A later run with these constants measured remat's plans (offload plans among
+them) within +0.0..+2.8% of prediction, and selective-heavy plans within -2.5..+1.2%, with
+Python's garbage collector kept out of the steps; with automatic collection a selective-heavy
+plan ran 21.8% over (a collection on one rank holds the others at the next collective: not
+modelled, it depends on the whole program's heap). An earlier fit (0.99, 0.52, 0.41 ms) came from runs profiled on all-zero tokens, which ran 8%
 faster than real data and left that error to the overheads. :meth:`Overheads.fit` turns a
 trace's sums into constants; pass others to :func:`shard` (and
 :func:`remat.planning.replication.replicate`) for other GPUs.
