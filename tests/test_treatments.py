@@ -258,6 +258,41 @@ def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
     model.blocks[0](x).sum().backward()
 
 
+def test_a_forward_that_raises_leaves_no_checkpoint_state_entered():
+    """Torch < 2.7 leaves a checkpoint's saved-tensor hooks and ``context_fn`` modes entered when
+    the forward raises, for as long as the traceback lives (here ``info`` keeps it): remat closes
+    them, so the process goes on as before (a later model's step is exact, no mode is left)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            scores = torch.matmul(self.proj(x), self.proj.weight)
+            scores += 1.0                      # refused by selective's guard, inside the checkpoint
+            return scores.softmax(-1)
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    remat.apply(model, "selective", blocks="blocks")
+    with pytest.raises(ValueError, match="modifies in place") as info:
+        model.blocks[0](torch.randn(2, 3, 8, requires_grad=True)).sum().backward()
+    assert info.traceback and _get_current_dispatch_mode_stack() == []
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    losses = []
+    for m in (plain, reference):
+        loss = m(x).square().sum()
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), reference.parameters()))
+
+
 def test_tensor_keywords_become_checkpoint_inputs():
     """checkpoint restores the RNG of the devices of its positional tensors only: a module
     called with keywords only (HF attention) must still have its tensors seen there."""

@@ -164,17 +164,48 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     if state.running_stats:
         function = _stats_once(function, state.running_stats)
     if state.treatment == "full":
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+        return _checkpoint(function, args)
     if state.treatment == "selective":
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=selective_context)
+        return _checkpoint(function, args, context_fn=selective_context)
     if state.treatment == "offload":
         with state.engine.saved_tensors(state.key):
             return function(*args)
     if state.treatment == "full+offload":
         with state.engine.saved_tensors(state.key):
-            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+            return _checkpoint(function, args)
     raise AssertionError(f"unhandled treatment {state.treatment}")  # check_treatment validated it
+
+
+def _checkpoint(function, args, **options):
+    """Non-reentrant ``checkpoint`` of ``function(*args)`` that leaves nothing entered if the
+    forward raises.
+
+    Torch < 2.7 does not resume its checkpoint's generator when the forward raises, so what the
+    generator entered (the checkpoint's saved-tensor hooks, ``context_fn``'s forward modes)
+    stayed entered while the traceback lived: later ops of the thread ran under them (the next
+    backward failed with "Trying to backward an extra time", the selective guard refused
+    unrelated tensors). Here the generator, found in the traceback's ``checkpoint`` frame, is
+    closed, which exits its ``with`` blocks; torch >= 2.7 has closed it already (a no-op then)."""
+    try:
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **options)
+    except BaseException as error:
+        _close_checkpoints(error.__traceback__)
+        raise
+
+
+_CHECKPOINT_CODE = getattr(checkpoint, "__wrapped__", checkpoint).__code__
+
+
+def _close_checkpoints(tb) -> None:
+    """Close the checkpoint generators of ``tb``'s ``checkpoint`` frames, innermost first."""
+    generators = []
+    while tb is not None:
+        if tb.tb_frame.f_code is _CHECKPOINT_CODE:
+            generators.append(tb.tb_frame.f_locals.get("gen"))
+        tb = tb.tb_next
+    for generator in reversed(generators):
+        if generator is not None:
+            generator.close()
 
 
 def _refuse_replica(module: nn.Module, args, kwargs) -> None:
