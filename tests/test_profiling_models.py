@@ -96,6 +96,26 @@ def test_a_forward_that_reads_tensor_values_gets_a_clear_error_on_fake_tensors()
     assert all(type(p) is nn.Parameter for p in model.parameters())  # no fake tensor left behind
 
 
+def test_tokens_per_expert_counted_with_bincount_profile_on_fake_tensors():
+    """Transformers 5.x experts before ``histc`` counted tokens per expert with
+    ``bincount(ids, minlength=experts)``, whose length depends on the ids' values: on fake tensors
+    it is shaped ``minlength`` (what expert ids give), so the profile runs, as on a GPU."""
+    class Routed(nn.Module):
+        def __init__(self, experts=4):
+            super().__init__()
+            self.experts, self.gate, self.inner = experts, nn.Linear(16, experts), nn.Linear(16, 16)
+
+        def forward(self, x):
+            ids = self.gate(x).argmax(-1).flatten()
+            per_expert = torch.bincount(ids, minlength=self.experts)   # shape (experts,)
+            scale = per_expert.to(x.dtype).mean() / ids.numel() * self.experts
+            return x + self.inner(x) * scale
+
+    model = nn.Sequential(*(Routed() for _ in range(2)))
+    prof = profile(model, torch.randn(4, 16), loss_fn=lambda m, b: m(b).pow(2).mean(), device="fake")
+    assert len(prof.block_class) == 2 and prof.cost(0, "keep").kept > 0
+
+
 class _Cache:
     """A KV cache as a transformers 4.x model holds it: each layer hands it back, the model reads it."""
 

@@ -8,15 +8,18 @@ the length of a fake run, calling the CUDA flash or memory-efficient ops, whose 
 functions run on fake CPU tensors: a CPU-only profile then sees what the GPU kernels save
 (output, log-sum-exp and the inputs) rather than what the CPU kernels save. (The chunked
 head skips its probe of the model's logit transform on fake tensors itself.)
-:class:`_AnyDtypeKernels` lets ``aten._grouped_mm`` (the MoE experts' grouped matmul in
-transformers) take the dtypes its CPU kernel takes: its fake-tensor (meta) function copies the
-CUDA kernel's checks and refuses anything but bf16, so an fp32 MoE that trains on the CPU
-could not be profiled.
+:class:`_KernelStandIns` stands in for two ops of the MoE experts in transformers that fake
+tensors cannot run as the model does: ``aten._grouped_mm`` (their grouped matmul) takes the
+dtypes its CPU kernel takes (its fake-tensor (meta) function copies the CUDA kernel's checks and
+refuses anything but bf16, so an fp32 MoE that trains on the CPU could not be profiled), and
+``aten.bincount`` with a ``minlength`` (tokens per expert, in transformers 5.x before its switch to
+``histc``) is shaped ``minlength`` (its size depends on the values: no fake run could go on).
 
 Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
 tracker could not tell a view from a new tensor; fake tensors keep storages.
 
-Limits: only SDPA and the grouped matmul are redirected; a model calling its own attention kernels is measured
+Limits: only SDPA, the grouped matmul and ``bincount`` are redirected (a ``bincount`` whose ids
+reach past ``minlength``, which expert routing never does, would be shaped too small); a model calling its own attention kernels is measured
 with whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a
 mask, the efficient one equal query and key heads; anything else falls back to the CPU
 op. Hugging Face's packed-sequence check is told "not packed" unless the batch passes
@@ -160,15 +163,21 @@ def _swap_to_fake(model: nn.Module, fake_mode):
 _GROUPED_MM = torch.ops.aten._grouped_mm.default if hasattr(torch.ops.aten, "_grouped_mm") else None
 
 
-class _AnyDtypeKernels(TorchDispatchMode):
-    """Fake runs of ops whose meta function is stricter than the kernel a model really runs.
+_BINCOUNT = torch.ops.aten.bincount.default
+
+
+class _KernelStandIns(TorchDispatchMode):
+    """Fake runs of ops whose meta function refuses what the model really runs.
 
     ``aten._grouped_mm``'s meta function mirrors the CUDA kernel's dtype check (bf16 only),
     while the CPU kernel (what an fp32 MoE on the CPU runs) takes fp32 and fp16 too. Here a
     grouped matmul of another dtype is shaped by the bf16 meta function and handed back in its
-    own dtype: same shape, same strides, new storage, as the real kernel returns. Enter it
-    *below* the byte tracker (after the ``FakeTensorMode``, before the tracker) so the tracker
-    sees only the op and its result, not the casts made here.
+    own dtype: same shape, same strides, new storage, as the real kernel returns.
+    ``aten.bincount(ids, minlength=n)`` (no weights) counts tokens per expert (transformers 5.x's experts
+    before ``histc``): its length is ``max(n, max(ids) + 1)``, a value fake tensors do not have,
+    and expert ids are below ``n``, so it is handed back as ``n`` counts. Enter it *below* the
+    byte tracker (after the ``FakeTensorMode``, before the tracker) so the tracker sees only the
+    op and its result, not the casts made here.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -182,4 +191,8 @@ class _AnyDtypeKernels(TorchDispatchMode):
                 shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), bound.get("offs"),
                               None if bias is None else bias.to(torch.bfloat16))
                 return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=shaped.device)
+        if func is _BINCOUNT:
+            bound = dict(zip(("self", "weights", "minlength"), args), **kwargs)
+            if bound.get("minlength", 0) > 0 and bound.get("weights") is None:
+                return torch.zeros(bound["minlength"], dtype=torch.int64, device=bound["self"].device)
         return func(*args, **kwargs)

@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled
-from remat.profiling._fake import _AnyDtypeKernels, _cuda_attention, _swap_to_fake, padded_mask
+from remat.profiling._fake import _KernelStandIns, _cuda_attention, _swap_to_fake, padded_mask
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
@@ -257,7 +257,7 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     padded = padded_mask(batch)  # read while the mask is still real
     restore = _swap_to_fake(model, fake_mode)
     try:
-        with fake_mode, _AnyDtypeKernels():
+        with fake_mode, _KernelStandIns():
             fbatch = tree_map(_to_fake, batch)
             tracker = _Tracker(rates)
             with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded):
