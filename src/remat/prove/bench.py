@@ -111,7 +111,7 @@ def _hf_native(every_n_layers: int = 1, offload: bool = False):
 
 
 def _hf_sac(model, batch):
-    from remat.treat.treatments import selective_context
+    from remat.treat.selective import selective_context
     _enable_hf(model, {"use_reentrant": False, "context_fn": selective_context})
     return model, contextlib.nullcontext, None
 
