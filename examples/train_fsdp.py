@@ -23,7 +23,8 @@ How, on every rank:
    (per GPU and in all) and, on CUDA, every rank's peak beside the plan's prediction.
 
 Python's garbage collector is off during the steps and runs between them every ``--gc-every``
-steps (0: Python's automatic collection), as torchtitan and torchtnt train: a collection that
+steps (0: Python's automatic collection; :class:`remat.integrations.collector.StepCollector`),
+as torchtitan and torchtnt train: a collection that
 starts on one rank in the middle of a step holds every other rank at the next collective (a
 DDP plan on 2 x H100 ran 5.5% slower with automatic collection, a selective-heavy FSDP2 plan ~14%;
 ``benchmarks/results/issue12``).
@@ -33,7 +34,6 @@ DDP plan on 2 x H100 ran 5.5% slower with automatic collection, a selective-heav
 runs end to end on a tiny model; there is no peak memory to report there.
 """
 import argparse
-import gc
 import os
 import time
 import warnings
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import remat
+from remat.integrations.collector import StepCollector
 from remat.integrations.presets import build_model, load_config, materialise
 
 
@@ -64,6 +65,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.gc_every < 0:
         p.error(f"--gc-every must be 0 (Python's automatic collection) or a positive number of steps, got {args.gc_every}")
+    collector = StepCollector(args.gc_every)
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -102,12 +104,9 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     tokens = args.batch * args.seq
     times = []
-    if args.gc_every > 0:
-        gc.collect()
-        gc.disable()
+    collector.start()
     for step in range(args.steps):
-        if args.gc_every > 0 and step and step % args.gc_every == 0:
-            gc.collect(1)
+        collector.step(step)   # between steps: every --gc-every steps, on every rank at once
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
         _sync(cuda)
         start = time.perf_counter()
@@ -121,7 +120,7 @@ def main(argv=None):
         dist.all_reduce(loss)
         say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
             f"{tokens / times[-1]:,.0f} tokens/s per rank")
-    gc.enable()
+    collector.stop()
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median without the first step
     planned = plan.notes.get("predicted_step_s")
     say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
