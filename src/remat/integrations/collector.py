@@ -23,7 +23,11 @@ several ranks and 0 on one (where a collection delays one process only, hidden w
 runs ahead).
 
 Limits: objects in reference cycles live until the next full collection (``every`` steps), so a
-loop that makes much cyclic garbage holds more host memory between collections.
+loop that makes much cyclic garbage holds more host memory between collections. A loop that
+raises between :meth:`start` and :meth:`stop` leaves automatic collection off unless the caller
+stops the collector (``try/finally``; the Hugging Face Trainer calls no callback on an
+exception, which is one reason ``RematCallback`` does this only under several ranks, where a
+failed rank ends its process).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ every 50, on every rank at once, and not inside a step (:mod:`remat.integrations
 an automatic collection on one rank holds the others at the next collective; a selective-heavy
 FSDP2 plan ran 14% slower with it on 2 x H100); ``collect_every=0`` leaves it to Python, an int
 sets the steps. One message says so when it is on; ``on_train_end`` gives Python its collector
-back.
+back (a ``train()`` that raises calls no callback: there ``gc.enable()`` is the caller's).
 
 TRL 1.x adds its own fused LM head after ``Trainer.__init__`` (``add_fused_lm_head``: an
 instance ``forward`` whose training path calls the backbone and computes log-probabilities
