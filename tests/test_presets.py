@@ -2,8 +2,8 @@
 
 Transformers 4.x's ``_init_weights`` fills only linear and embedding weights; the norms kept
 their constructor's values, which ``to_empty`` had made garbage (the CPU DDP bench's losses were
-NaN on transformers 4.51). Here the model's ``_init_weights`` is replaced by one written as 4.x's
-Llama one is, so the check holds on any transformers.
+NaN on transformers 4.51). Here the model's ``_init_weights`` is made to skip the norms, as
+4.x's does, so the check holds on any transformers.
 """
 import pytest
 import torch
@@ -13,14 +13,15 @@ pytest.importorskip("transformers")
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 
 
-def _linear_and_embedding_only(model):
-    std = model.config.initializer_range
+def _leaves_norms_alone(model):
+    """The model's own ``_init_weights`` except that it skips the norms, as 4.x's does (its
+    rotary tables, which transformers 5 recomputes there, stay computed: left as ``to_empty``
+    made them, they are whatever memory held and the loss is NaN some runs and not others)."""
+    real = model._init_weights
 
     def init(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.data.zero_()
+        if "Norm" not in type(module).__name__:
+            real(module)
     return init
 
 
@@ -31,7 +32,7 @@ def test_norms_skipped_by_init_weights_get_their_constructor_value(family, norm,
         "gemma", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8)
     model = build_model(config, device="meta")
-    model._init_weights = _linear_and_embedding_only(model)
+    model._init_weights = _leaves_norms_alone(model)
     materialise(model, "cpu")
     norms = [m for m in model.modules() if type(m).__name__ == norm]
     assert norms and all(torch.equal(m.weight, torch.full_like(m.weight, value)) for m in norms)
