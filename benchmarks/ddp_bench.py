@@ -76,7 +76,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
-from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, profile_ids,  # noqa: E402
+from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, rank_ids,  # noqa: E402
                         finished, measured_row)
 
 import remat  # noqa: E402
@@ -133,8 +133,7 @@ def main(argv=None):
     if "remat" in wanted:
         rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]]
 
-    generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    ids = rank_ids(config, args.batch, args.seq, device, rank)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], parallel="ddp", gc=args.gc)
     records = []
@@ -197,7 +196,7 @@ def _profiled(config, dtype, batch, seq, how, cuda):
     if how == "cuda":
         try:
             model = build_model(config, device="cuda", dtype=dtype)
-            ids = profile_ids(config, batch, seq, "cuda")  # not zeros: they run faster (fsdp_bench.profile_ids)
+            ids = rank_ids(config, batch, seq, "cuda")  # not zeros: they run faster (fsdp_bench.rank_ids)
             return model, ids, remat.profile(model, ids), how
         except torch.cuda.OutOfMemoryError:
             print("the model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)

@@ -161,8 +161,7 @@ def main(argv=None):
     if "remat" in wanted:
         rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]]
 
-    generator = torch.Generator().manual_seed(1234 + rank)  # each rank its own slice of data (profile_ids: rank 0's)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    ids = rank_ids(config, args.batch, args.seq, device, rank)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
                   bus_measured=bus is not None, reshard_after_forward=not args.no_reshard,
@@ -253,7 +252,7 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload
     if how == "cuda":
         try:  # the whole model on rank 0's GPU: measured times, as fsdp_validate does
             model = build_model(config, device="cuda", dtype=dtype)
-            prof = profile(model, profile_ids(config, args.batch, args.seq, "cuda"), device="cuda")
+            prof = profile(model, rank_ids(config, args.batch, args.seq, "cuda"), device="cuda")
         except torch.cuda.OutOfMemoryError:
             print("the unsharded model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
             how, model = "fake", None
@@ -299,14 +298,15 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload
                 calibration=prof.notes.get("calibration"), bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
 
 
-def profile_ids(config, batch: int, seq: int, device) -> torch.Tensor:
-    """Rank 0's token ids (as the timed steps draw them) for a profile measured on the GPU.
+def rank_ids(config, batch: int, seq: int, device, rank: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s random token ids: each rank its own slice of data in the timed steps, and
+    rank 0's for a profile measured on the GPU.
 
     Not zeros: on an H100 the llama-8b step ran 8% faster on all-zero tokens (identical
     activations toggle fewer bits: less power, higher clocks), and a profile taken on them
     predicted every step that much low (the unsharded step: 0.391 s predicted, 0.430 measured;
     0.421 and 0.424 on random tokens)."""
-    generator = torch.Generator().manual_seed(1234)
+    generator = torch.Generator().manual_seed(1234 + rank)
     return torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
 
 
