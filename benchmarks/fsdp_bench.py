@@ -104,6 +104,7 @@ from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside 
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 import remat  # noqa: E402
+from remat.integrations.collector import EVERY, StepCollector  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
 from remat.planning.sharding import FSDP2_OVERHEADS, shard  # noqa: E402
@@ -473,10 +474,8 @@ def _timed(step, args, cuda):
     allocated bytes (None on the CPU), the last loss). With ``--gc manual`` Python's garbage
     collector runs before them and not during them: a collection on one rank in the middle of
     a step holds every other rank at the next collective."""
-    manual = args.gc == "manual"
-    if manual:
-        gc.collect()
-        gc.disable()
+    collector = StepCollector(EVERY if args.gc == "manual" else 0)   # what examples/train_fsdp.py runs
+    collector.start()
     try:
         timed_steps(step, args.warmup, cuda=cuda)
         times, step_peaks, loss = [], [], None
@@ -487,8 +486,7 @@ def _timed(step, args, cuda):
             times += seconds
             step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
     finally:
-        if manual:
-            gc.enable()
+        collector.stop()
     return times, step_peaks, loss
 
 
