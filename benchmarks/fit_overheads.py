@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the constants and every row's re-prediction here (JSON)")
     args = p.parse_args(argv)
     found = rows(args.records)
-    fitted = fit(found, tuple(args.fit_on.split(",")))
+    fit_on = tuple(args.fit_on.split(","))
+    fitted = fit(found, fit_on)
     print(f"fitted: hbm_Bps_fraction={fitted.hbm_Bps_fraction:.3f} contention={fitted.contention:.3f} "
           f"latency_s={fitted.latency_s * 1e3:.3f} ms  (on {args.fit_on})")
     report = []
@@ -128,8 +129,9 @@ def main(argv=None) -> int:
         report.append(dict(source=r["source"], strategy=r["strategy"], world=r["world"], step_s=round(r["step_s"], 4),
                            before_s=round(r["predicted_step_s"], 4), after_s=round(new, 4),
                            error_before=round((r["step_s"] - r["predicted_step_s"]) / r["predicted_step_s"], 4),
-                           error_after=round((r["step_s"] - new) / new, 4), fitted_on=r["strategy"] in args.fit_on))
-        print(f"world {r['world']} {r['strategy']:18s} measured {r['step_s']:.3f} s  predicted {r['predicted_step_s']:.3f}"
+                           error_after=round((r["step_s"] - new) / new, 4), fitted_on=r["strategy"] in fit_on))
+        print(f"world {r['world']} {r['strategy']:18s} measured {r['step_s']:.3f} s  "
+              f"predicted {r['predicted_step_s']:.3f}"
               f" ({report[-1]['error_before']:+.1%})  refit {new:.3f} ({report[-1]['error_after']:+.1%})"
               f"{'  [fit]' if report[-1]['fitted_on'] else ''}")
     if args.out:

@@ -296,7 +296,8 @@ def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload
     single = {name: _predicted(simulate(prof, spec, head="plain"))
               for name, spec in (("single:eager", "keep"), ("single:hf_full", "full"))}
     return dict(plans=plans, anchors=anchors, predicted=predicted, rules=rules, single=single, profile=how,
-                calibration=prof.notes.get("calibration"), bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
+                calibration=prof.notes.get("calibration"),
+                bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
 
 
 def rank_ids(config, batch: int, seq: int, device, rank: int = 0) -> torch.Tensor:

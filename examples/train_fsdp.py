@@ -64,7 +64,8 @@ def main(argv=None):
                    help="collect Python's garbage between steps every N steps, never during one (0: automatic)")
     args = p.parse_args(argv)
     if args.gc_every < 0:
-        p.error(f"--gc-every must be 0 (Python's automatic collection) or a positive number of steps, got {args.gc_every}")
+        p.error("--gc-every must be 0 (Python's automatic collection) or a positive number of steps, "
+                f"got {args.gc_every}")
     collector = StepCollector(args.gc_every)
 
     cuda = args.device == "cuda"

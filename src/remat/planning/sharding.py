@@ -90,8 +90,9 @@ per collective. A later run with these constants measured remat's plans (offload
 them) within +0.0..+2.8% of prediction, and selective-heavy plans within -2.5..+1.2%, with
 Python's garbage collector kept out of the steps; with automatic collection a selective-heavy
 plan ran 21.8% over (a collection on one rank holds the others at the next collective: not
-modelled, it depends on the whole program's heap). An earlier fit (0.99, 0.52, 0.41 ms) came from runs profiled on all-zero tokens, which ran 8%
-faster than real data and left that error to the overheads. :meth:`Overheads.fit` turns a
+modelled, it depends on the whole program's heap). An earlier fit (0.99, 0.52, 0.41 ms) came
+from runs profiled on all-zero tokens, which ran 8% faster than real data and left that error
+to the overheads. :meth:`Overheads.fit` turns a
 trace's sums into constants; pass others to :func:`shard` (and
 :func:`remat.planning.replication.replicate`) for other GPUs.
 

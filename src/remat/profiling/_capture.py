@@ -19,9 +19,9 @@ are profiled apart.
 
 Limits: a block must take its hidden state as the first floating-point positional argument
 or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
-elements are None in the stub run, but for inputs the block hands back: a 4.x KV cache); a configuration attribute not in
-:data:`CONFIG_ATTRIBUTES` is not seen, so blocks that differ only there share one profile;
-a block that the forward never calls is a ``ValueError``.
+elements are None in the stub run, but for inputs the block hands back: a 4.x KV cache); a
+configuration attribute not in :data:`CONFIG_ATTRIBUTES` is not seen, so blocks that differ
+only there share one profile; a block that the forward never calls is a ``ValueError``.
 """
 from __future__ import annotations
 

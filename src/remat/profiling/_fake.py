@@ -19,9 +19,10 @@ Why not run on the ``meta`` device: meta tensors share no storages, so the live-
 tracker could not tell a view from a new tensor; fake tensors keep storages.
 
 Limits: only SDPA, the grouped matmul and ``bincount`` are redirected (a ``bincount`` whose ids
-reach past ``minlength``, which expert routing never does, would be shaped too small); a model calling its own attention kernels is measured
-with whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a
-mask, the efficient one equal query and key heads; anything else falls back to the CPU
+reach past ``minlength``, which expert routing never does, would be shaped too small); a model
+calling its own attention kernels is measured with whatever those do on CPU. The flash
+stand-in takes head sizes up to 256 without a mask, the efficient one equal query and key
+heads; anything else falls back to the CPU
 op. Hugging Face's packed-sequence check is told "not packed" unless the batch passes
 ``position_ids``.
 """
