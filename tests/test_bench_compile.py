@@ -43,11 +43,12 @@ def test_strategy_list_with_compile_plans_and_anchors(monkeypatch):
     names = _names(listed)
     assert names == ["eager", "hf_full", "every2", "sac", "save_on_cpu", "hf_every2", "hf_offload", "remat:full",
                      "remat@10GiB", "remat@16GiB", "liger", "cce", "compile_1", "compile_0.5",
-                     "remat+compile@10GiB", "remat+compile@16GiB"]
+                     "compile_1+mask_skip", "remat+compile@10GiB", "remat+compile@16GiB"]
     by = {s.name: s for s in listed}
     assert by["remat+compile@16GiB"].budget_bytes == 16 * GiB and by["remat+compile@16GiB"].kind == "remat"
-    assert {s.name for s in listed if s.compiled} == {"compile_1", "compile_0.5", "remat+compile@10GiB",
-                                                      "remat+compile@16GiB"}
+    assert {s.name for s in listed if s.compiled} == {"compile_1", "compile_0.5", "compile_1+mask_skip",
+                                                      "remat+compile@10GiB", "remat+compile@16GiB"}
+    assert by["compile_1+mask_skip"].kind == "remat"  # remat's fix: never the "best stock" a plan is held to
     assert by["liger"].kind == by["compile_1"].kind == by["hf_every2"].kind == "anchor"
     # without the flags: no compiled rows, no fused anchors
     plain = _names(bench.strategies([10 * GiB]))
@@ -99,7 +100,7 @@ def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: (compiled.append(kw), real_compile(self, **kw))[1])
     (row,) = [s for s in bench.strategies([64 * MiB], compile_plans=True, compile_backend="eager", gpu="cpu",
-                                          anchors=False, uniform=()) if s.compiled]
+                                          anchors=False, uniform=()) if s.name.startswith("remat+compile@")]
     record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
     assert record["status"] == "ok", record
     assert profiled == [{"compile": True, "gpu": "cpu"}]
@@ -293,3 +294,16 @@ def test_cli_json_prints_records_only(tmp_path, capsys):
                  "--only", "eager", "--json", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["strategy"] == "eager"
+
+
+def test_stock_compiled_rows_run_without_remats_mask_skip_and_the_mask_skip_row_with_it():
+    """remat rows hold transformers' mask decisions while their model lives; the stock compile row
+    after them must measure stock torch.compile (its record says so), the mask-skip row remat's."""
+    wanted = ("remat:keep", "compile_1", "compile_1+mask_skip")
+    listed = [s for s in bench.strategies([], uniform=("keep",), compile_budgets=(1.0,), compile_plans=True,
+                                          compile_backend="eager") if s.name in wanted]
+    records = {s.name: bench.measure(_tiny_build, s, _tiny_batch(), warmup=1, steps=1) for s in listed}
+    assert [r["status"] for r in records.values()] == ["ok"] * 3, records
+    assert records["compile_1"]["mask_skip"] is False
+    assert records["compile_1+mask_skip"]["mask_skip"] is True
+    assert "mask_skip" not in records["remat:keep"]  # an eager row: the skip acts only under compile

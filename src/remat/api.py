@@ -7,6 +7,10 @@ checkpointing being switched on *later* (the Trainer does that at ``train()`` wi
 ``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead
 of silently checkpointing every block twice.
 
+Under ``torch.compile`` an applied model also gets transformers' attention-mask decision as
+eager mode makes it (:mod:`remat.treat.mask_skip`: SDPA's causal kernel instead of a
+materialised mask, process-wide while the model lives); ``remove`` gives that back too.
+
 Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
 plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
 made fresh at each apply.
@@ -18,7 +22,7 @@ from typing import Optional
 import torch.nn as nn
 
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
-from remat.treat import patches
+from remat.treat import mask_skip, patches
 from remat.treat.discovery import BlockSelector, discover
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
@@ -80,6 +84,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         patches.remove(model)
         patches.reinstall(previous)
         raise
+    mask_skip.hold(model, structure.block_names)
     return model
 
 
@@ -88,6 +93,7 @@ def remove(model: nn.Module) -> nn.Module:
     another library installed over remat's (accelerate's autocast ``forward``) stays, and
     remat's part inside it passes calls straight through."""
     patches.remove(model)
+    mask_skip.release(model)
     return model
 
 

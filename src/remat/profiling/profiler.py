@@ -83,7 +83,7 @@ from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.
 )
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
-from remat.treat import patches
+from remat.treat import mask_skip, patches
 from remat.treat.discovery import discover
 
 
@@ -285,6 +285,8 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     model.zero_grad(set_to_none=True)
     meter = _CudaMeter()
     backend = COMPILE_BACKEND if compile else None
+    if compile:  # measured as it will run once applied and compiled: the mask skipped as in eager
+        mask_skip.hold(model, [name for name, _ in named])
     body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
                          repeats=REPEATS, backend=backend)
     model.zero_grad(set_to_none=True)

@@ -25,7 +25,10 @@ where neither is there the rows are skipped, saying so) and, optionally, ``compi
 remat rows: ``remat:<spec>`` (a uniform spec), ``remat@<budget>`` (the planner's plan for it)
 and ``remat+compile@<budget>`` (``remat.plan(model, batch, budget, compile=True)``, applied,
 then ``model.compile()``; the compile happens in the warm-up steps, whose time is recorded as
-``warmup_s``).
+``warmup_s``), with ``compile_1+mask_skip`` before them: stock ``torch.compile`` with only
+remat's attention-mask skip (:mod:`remat.treat.mask_skip`), to show what the plans add to it.
+Compiled rows record ``mask_skip``: whether that skip was in force (never for the stock
+``compile_<b>`` rows: every remat model of an earlier row has been freed by then).
 
 Compiled rows run last (a compile takes most of a minute); each starts from
 ``torch._dynamo.reset()`` and the default ``activation_memory_budget``, and leaves both as
@@ -47,6 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from remat.prove.anchors import Skip, fused_anchor, fused_loss_unavailable
+from remat.treat import mask_skip
 
 GiB = 2 ** 30
 
@@ -143,6 +147,15 @@ def _compiled(budget: float, backend: Optional[str] = None):
     return prepare
 
 
+def _compiled_mask_skip(backend: Optional[str] = None):
+    """Stock ``torch.compile`` (no plan, default memory budget) with remat's mask skip alone: how much
+    of a compiled remat row's speed is :mod:`remat.treat.mask_skip` rather than its plan."""
+    def prepare(model, batch):
+        mask_skip.hold(model)
+        return torch.compile(model, **_backend(backend)), contextlib.nullcontext, None
+    return prepare
+
+
 def _backend(backend: Optional[str]) -> dict:
     return {"backend": backend} if backend else {}
 
@@ -209,6 +222,7 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
                 for b in compile_budgets]
     if compile_plans:
+        out.append(Strategy("compile_1+mask_skip", "remat", _compiled_mask_skip(compile_backend), compiled=True))
         out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles, compile=True,
                                                                        backend=compile_backend),
                          budget_bytes=b, compiled=True) for b in budgets]
@@ -261,6 +275,8 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
         record["static_bytes"] = sum(t.numel() * t.element_size()
                                      for t in list(model.parameters()) + list(model.buffers()))
         forward, context, plan, *notes = strategy.prepare(model, batch)
+        if strategy.compiled:
+            record["mask_skip"] = bool(mask_skip.wrapped())
         for extra in notes:
             record.update(extra)
         if plan is not None:

@@ -1,0 +1,173 @@
+"""remat.treat.mask_skip: under torch.compile the attention mask is skipped where eager skips it.
+
+Each compiled run goes through a backend that records every SDPA call dynamo put in the graph
+(its ``attn_mask`` and ``is_causal``), then runs the graph as captured. transformers 5.24 with
+torch 2.13 already skips the causal mask under compile; transformers 5.17 (the GPU machine's)
+refuses whenever dynamo traces. The tests put 5.17's rule in place where the installed one
+differs, so that remat's wrapper is what makes the difference.
+"""
+import gc
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+masking_utils = pytest.importorskip("transformers.masking_utils")
+
+import remat  # noqa: E402
+from remat.treat import mask_skip  # noqa: E402
+
+
+def _tiny(kind="llama"):
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=128, attn_implementation="sdpa")
+        return transformers.BertModel(config)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config)
+
+
+def _compiled_sdpa_calls(model, **inputs):
+    """(the SDPA calls in the compiled graphs as (has a mask, is_causal), the output)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]  # checkpoints nest theirs
+        for node in (n for graph in graphs for n in graph.nodes):
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask is not None, node.kwargs.get("is_causal", False)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        output = torch.compile(model, backend=backend)(**inputs)
+    finally:
+        torch._dynamo.reset()
+    return calls, output
+
+
+def _rule_of_5_17(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+    """transformers 5.17's decision: never skip while dynamo traces (the rest as eager decides)."""
+    if torch.compiler.is_compiling():
+        return False
+    return padding_mask is None and (q_length == 1 or q_length == kv_length)
+
+
+@pytest.fixture
+def rule_5_17(monkeypatch):
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", _rule_of_5_17)
+    yield
+    for key in list(mask_skip._holders):
+        del mask_skip._holders[key]
+    mask_skip._unwrap_if_unheld()
+
+
+def test_without_remat_the_5_17_rule_compiles_a_masked_non_causal_attention(rule_5_17):
+    ids = torch.randint(0, 128, (2, 16))
+    calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=ids)
+    assert calls == [(True, False)] * 2
+
+
+def test_applied_model_compiles_causal_attention_without_a_mask_and_same_loss_and_grads(rule_5_17):
+    ids = torch.randint(0, 128, (2, 16))
+    reference = _tiny()
+    reference_loss = reference(input_ids=ids, labels=ids).loss
+    reference_loss.backward()
+    model = remat.apply(_tiny(), "full")
+    assert mask_skip.wrapped()
+    calls, output = _compiled_sdpa_calls(model, input_ids=ids, labels=ids)
+    assert calls == [(False, True)] * 2
+    output.loss.backward()
+    torch.testing.assert_close(output.loss, reference_loss)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_padding_mask_is_left_to_transformers(rule_5_17):
+    ids = torch.randint(0, 128, (2, 16))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :4] = 0
+    model = remat.apply(_tiny(), "keep")
+    eager = model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+    calls, output = _compiled_sdpa_calls(model, input_ids=ids, attention_mask=attention_mask, labels=ids)
+    assert calls and all(has_mask for has_mask, _ in calls)
+    torch.testing.assert_close(output.loss, eager)
+
+
+def test_the_installed_transformers_skips_under_compile_once_remat_holds_the_model():
+    ids = torch.randint(0, 128, (2, 16))
+    model = remat.apply(_tiny(), "keep")
+    calls, _ = _compiled_sdpa_calls(model, input_ids=ids)
+    assert calls == [(False, True)] * 2
+    remat.remove(model)
+
+
+def test_encoder_without_padding_mask_runs_unmasked_under_compile():
+    model = _tiny("bert")
+    remat.apply(model, "keep")
+    calls, _ = _compiled_sdpa_calls(model, input_ids=torch.randint(0, 128, (2, 16)))
+    assert calls == [(False, False)] * 2
+    remat.remove(model)
+
+
+def test_held_while_an_applied_model_lives_and_given_back_by_remove_or_collection(rule_5_17):
+    first, second = remat.apply(_tiny(), "keep"), remat.apply(_tiny(), "full")
+    assert masking_utils._ignore_causal_mask_sdpa is not _rule_of_5_17
+    remat.remove(first)
+    assert mask_skip.wrapped(), "the second model still holds it"
+    del second
+    gc.collect()
+    assert not mask_skip.wrapped() and masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
+    remat.apply(first, "keep")
+    remat.apply(first, "full")  # applying again holds once
+    remat.remove(first)
+    assert masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
+
+
+def test_another_wrapper_on_top_stays_and_remats_part_passes_through(rule_5_17):
+    model = remat.apply(_tiny(), "keep")
+    remats = masking_utils._ignore_causal_mask_sdpa
+
+    def theirs(*args, **kwargs):
+        return remats(*args, **kwargs)
+    masking_utils._ignore_causal_mask_sdpa = theirs
+    remat.remove(model)
+    assert masking_utils._ignore_causal_mask_sdpa is theirs
+    calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=torch.randint(0, 128, (2, 16)))
+    assert calls == [(True, False)] * 2
+
+
+class _Branch(torch.nn.Module):
+    def forward(self, x):
+        return x * (2 if mask_skip.compiling_not_exporting() else 3)
+
+
+def test_compiling_is_told_from_exporting_and_from_eager():
+    x = torch.ones(2)
+    torch._dynamo.reset()
+    assert torch.compile(_Branch(), backend="eager")(x).tolist() == [2, 2]
+    torch._dynamo.reset()
+    assert torch.export.export(_Branch(), (x,)).module()(x).tolist() == [3, 3]
+    assert _Branch()(x).tolist() == [3, 3]
+
+
+def test_use_cache_off_model_made_positions_are_not_taken_for_packing(rule_5_17):
+    """With no cache, transformers looks for packed sequences in the position ids; under compile it
+    cannot read them and keeps the mask. Positions the model made itself are never packed."""
+    ids = torch.randint(0, 128, (2, 16))
+    model = _tiny()
+    model.config.use_cache = False
+    assert _compiled_sdpa_calls(model, input_ids=ids)[0] == [(True, False)] * 2
+    remat.apply(model, "keep")
+    calls, output = _compiled_sdpa_calls(model, input_ids=ids, labels=ids)
+    assert calls == [(False, True)] * 2
+    packed = torch.arange(16).repeat(2, 1)
+    packed[:, 8:] -= 8  # two documents a row: the caller's positions keep transformers' packed mask
+    calls, output = _compiled_sdpa_calls(model, input_ids=ids, labels=ids, position_ids=packed)
+    assert calls and all(has_mask for has_mask, _ in calls)
+    torch.testing.assert_close(output.loss, model(input_ids=ids, labels=ids, position_ids=packed).loss)
+    remat.remove(model)
+    assert mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
