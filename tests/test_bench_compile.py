@@ -248,6 +248,17 @@ def test_combine_runs_keeps_the_worst_of_n():
     assert short[-1]["status"] == "missing" and "run 2 of 2" in short[-1]["reason"]
 
 
+def test_frontier_table_does_not_judge_what_was_not_measured():
+    compiled_only = [r for r in _one_run() if not r["strategy"].startswith("remat@")]
+    short = report.combine_runs([compiled_only, compiled_only[:-1]])  # run 2 ended before the 25 GiB plan
+    targets = {16 * GiB: {"remat": 0.95, "remat+compile": 0.98}, 25 * GiB: {"remat": 1.0, "remat+compile": 1.05}}
+    rows = {line.split("|")[1].strip(): line for line in report.frontier_table(short, targets).splitlines()[2:]}
+    assert "remat >= 0.95: not run" in rows["16.00 GiB"] and "remat+compile >= 0.98: PASS" in rows["16.00 GiB"]
+    assert "remat+compile >= 1.05: not shown (missing in a run)" in rows["25.00 GiB"]
+    over = report.combine_runs([_one_run()])  # the 25 GiB compiled plan peaks over its budget
+    assert "remat+compile >= 1.05: FAIL" in report.frontier_table(over, targets)
+
+
 def test_monotone_check_flags_a_frontier_that_goes_down():
     assert report.monotone_violations(report.combine_runs([_one_run(), _one_run(0.01)])) == []
     dipped = report.combine_runs([_one_run(), _one_run(dip=True)])

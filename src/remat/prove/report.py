@@ -216,9 +216,7 @@ def frontier_table(records: list, targets: Optional[dict] = None, stock_margin: 
             cells.append(_runs_text(row, budget))
             target = (targets or {}).get(budget, {}).get(name)
             if target is not None:
-                ok = (row is not None and row.get("status") == "ok" and row["peak_bytes"] <= budget
-                      and row.get("vs_eager", 0) >= target)
-                verdicts.append(f"{name} >= {target:g}: {'PASS' if ok else 'FAIL'}")
+                verdicts.append(f"{name} >= {target:g}: {_verdict(row, budget, target)}")
         best = max((r for r in anchors if r["peak_bytes"] <= budget), key=lambda r: r["tokens_per_s"], default=None)
         chosen = best_within(mine, budget)
         if chosen is not None and chosen["peak_bytes"] <= budget:
@@ -235,6 +233,17 @@ def frontier_table(records: list, targets: Optional[dict] = None, stock_margin: 
         lines.append(f"| {format_size(budget)} | {cells[0]} | {cells[1]} | {best_text} | {versus_text} | "
                      f"{stable_text} | {'; '.join(verdicts)} |")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(row: Optional[dict], budget: int, target: float) -> str:
+    """PASS or FAIL, or why there is nothing to judge: a series these runs did not measure, or a
+    row some run did not reach (its worst of N is unknown, which is neither a pass nor a fail)."""
+    if row is None:
+        return "not run"
+    if row.get("status") == "missing":
+        return "not shown (missing in a run)"
+    ok = row.get("status") == "ok" and row["peak_bytes"] <= budget and row.get("vs_eager", 0) >= target
+    return "PASS" if ok else "FAIL"
 
 
 def _runs_text(row: Optional[dict], budget: int) -> str:
