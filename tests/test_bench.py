@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from remat.prove import bench, report
+from remat.prove import bench, report, strategies
 from remat.cli import main
 
 
@@ -46,7 +46,7 @@ def test_out_of_memory_is_a_result_not_a_crash():
     def prepare(model, batch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
     ids = torch.zeros(1, 4, dtype=torch.long)
-    record = bench.measure(lambda: torch.nn.Linear(2, 2), bench.Strategy("huge", "anchor", prepare),
+    record = bench.measure(lambda: torch.nn.Linear(2, 2), strategies.Strategy("huge", "anchor", prepare),
                            {"input_ids": ids, "labels": ids})
     assert record["status"] == "oom" and "80.00 GiB" in record["reason"]
 

@@ -13,7 +13,7 @@ import torch
 
 import remat
 from remat.cli import main
-from remat.prove import anchors, bench, report
+from remat.prove import anchors, bench, report, strategies
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -38,7 +38,7 @@ def _no_module(monkeypatch, missing):
 
 def test_strategy_list_with_compile_plans_and_anchors(monkeypatch):
     _no_module(monkeypatch, missing=())  # both anchors "import"
-    listed = bench.strategies([10 * GiB, 16 * GiB], uniform=("full",), compile_budgets=(1.0, 0.5),
+    listed = strategies.strategies([10 * GiB, 16 * GiB], uniform=("full",), compile_budgets=(1.0, 0.5),
                               compile_plans=True, fused_anchors=("liger", "cce"))
     names = _names(listed)
     assert names == ["eager", "hf_full", "every2", "sac", "save_on_cpu", "hf_every2", "hf_offload", "remat:full",
@@ -51,14 +51,14 @@ def test_strategy_list_with_compile_plans_and_anchors(monkeypatch):
     assert by["compile_1+mask_skip"].kind == "remat"  # remat's fix: never the "best stock" a plan is held to
     assert by["liger"].kind == by["compile_1"].kind == by["hf_every2"].kind == "anchor"
     # without the flags: no compiled rows, no fused anchors
-    plain = _names(bench.strategies([10 * GiB]))
+    plain = _names(strategies.strategies([10 * GiB]))
     assert not any(n.startswith(("compile_", "remat+compile", "liger", "cce")) for n in plain)
 
 
 def test_anchors_refused_with_a_clear_message_when_not_importable(monkeypatch):
     _no_module(monkeypatch, missing=("liger_kernel",))
     with pytest.raises(ValueError, match=r"liger anchor needs the liger_kernel module.*pip install"):
-        bench.strategies([], fused_anchors=("cce", "liger"))
+        strategies.strategies([], fused_anchors=("cce", "liger"))
     assert anchors.fused_loss_unavailable("cce") is None
     assert "unknown anchor" in anchors.fused_loss_unavailable("apex")
 
@@ -99,7 +99,7 @@ def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: (compiled.append(kw), real_compile(self, **kw))[1])
-    (row,) = [s for s in bench.strategies([64 * MiB], compile_plans=True, compile_backend="eager", gpu="cpu",
+    (row,) = [s for s in strategies.strategies([64 * MiB], compile_plans=True, compile_backend="eager", gpu="cpu",
                                           anchors=False, uniform=()) if s.name.startswith("remat+compile@")]
     record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
     assert record["status"] == "ok", record
@@ -119,14 +119,14 @@ def test_compiled_rows_leave_the_compiler_as_they_found_it():
     def prepare(model, batch):
         functorch_config.activation_memory_budget = 0.3
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-    record = bench.measure(lambda: torch.nn.Linear(2, 2), bench.Strategy("c", "anchor", prepare, compiled=True),
+    record = bench.measure(lambda: torch.nn.Linear(2, 2), strategies.Strategy("c", "anchor", prepare, compiled=True),
                            _tiny_batch(4))
     assert record["status"] == "oom" and record["compiled"]
     assert functorch_config.activation_memory_budget == before
 
 
 def test_hf_every2_runs_only_where_transformers_has_the_method():
-    hf = [s for s in bench.strategies() if s.name in ("hf_every2", "hf_offload")]
+    hf = [s for s in strategies.strategies() if s.name in ("hf_every2", "hf_offload")]
     every2, offload = hf
     record = bench.measure(_tiny_build, every2, _tiny_batch(), warmup=1, steps=1)
     method = getattr(_tiny_build(), "activation_checkpointing_enable", None)
@@ -158,7 +158,7 @@ def test_hf_every2_runs_only_where_transformers_has_the_method():
         def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False):
             self.called = (gradient_checkpointing_kwargs, every_n_layers, offload)
     model = V517()
-    method, kwargs_name = bench.hf_checkpointing(model)
+    method, kwargs_name = strategies.hf_checkpointing(model)
     assert method.__name__ == "gradient_checkpointing_enable" and kwargs_name == "gradient_checkpointing_kwargs"
 
 
@@ -174,7 +174,7 @@ def test_fused_loss_forward_computes_the_models_own_loss():
     expected = model(**batch).loss
     torch.testing.assert_close(fused, expected)
     # and the anchor row itself refuses the CPU, saying why
-    record = bench.measure(_tiny_build, bench.Strategy("liger", "anchor", anchors.fused_anchor("liger")), batch)
+    record = bench.measure(_tiny_build, strategies.Strategy("liger", "anchor", anchors.fused_anchor("liger")), batch)
     assert record["status"] == "skipped" and "only applies on a GPU" in record["reason"]
 
 
@@ -311,7 +311,7 @@ def test_stock_compiled_rows_run_without_remats_mask_skip_and_the_mask_skip_row_
     """remat rows hold transformers' mask decisions while their model lives; the stock compile row
     after them must measure stock torch.compile (its record says so), the mask-skip row remat's."""
     wanted = ("remat:keep", "compile_1", "compile_1+mask_skip")
-    listed = [s for s in bench.strategies([], uniform=("keep",), compile_budgets=(1.0,), compile_plans=True,
+    listed = [s for s in strategies.strategies([], uniform=("keep",), compile_budgets=(1.0,), compile_plans=True,
                                           compile_backend="eager") if s.name in wanted]
     records = {s.name: bench.measure(_tiny_build, s, _tiny_batch(), warmup=1, steps=1) for s in listed}
     assert [r["status"] for r in records.values()] == ["ok"] * 3, records

@@ -68,8 +68,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from remat.prove import bench
-    from remat.prove import report
+    from remat.prove import bench, report, strategies
     from remat.prove.anchors import FUSED_LOSSES
     from remat.units import parse_budget
 
@@ -97,16 +96,16 @@ def run(args) -> int:
     if unknown:
         raise ValueError(f"--anchors names unknown anchors {unknown}; known: {', '.join(FUSED_LOSSES)}")
     options = dict(compile_plans=args.compile, compile_backend=args.compile_backend, gpu=plan_rates)
-    chosen = strategies = bench.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
-                                           fused_anchors=fused, **options)
+    chosen = listed = strategies.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
+                                            fused_anchors=fused, **options)
     if args.only:
         wanted = set(args.only.split(","))
-        chosen = [s for s in strategies if s.name in wanted]
+        chosen = [s for s in listed if s.name in wanted]
         auto_names = {"remat@auto", "remat+compile@auto"} if budgets_arg == "auto" else set()
         unknown = wanted - {s.name for s in chosen} - auto_names
         if unknown:
             raise ValueError(f"--only names unknown strategies {sorted(unknown)}; known: "
-                             f"{', '.join(s.name for s in strategies)}")
+                             f"{', '.join(s.name for s in listed)}")
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "bench.jsonl")
     if os.path.exists(jsonl):
@@ -123,7 +122,7 @@ def run(args) -> int:
         else:
             floor = 2 * eager["static_bytes"]  # weights, and their gradients at the end of backward
             auto = [int(floor + (eager["peak_bytes"] - floor) * f) for f in AUTO_FRACTIONS]
-            more = bench.strategies(auto, uniform=(), anchors=False, **options)
+            more = strategies.strategies(auto, uniform=(), anchors=False, **options)
             if args.only:
                 more = [s for s in more if s.name.split("@")[0] + "@auto" in auto_wanted]
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,

@@ -7,19 +7,22 @@ Why: before every forward, transformers decides whether SDPA can run with ``attn
 mask, queries as long as the keys) skips the mask. While dynamo traces, the same functions
 answer "do not skip" on the versions we run: transformers 5.17 refuses whenever it is tracing,
 and 5.24 asks ``torch.compiler.is_exporting()``, which dynamo folds to True under plain
-``torch.compile`` before torch 2.14 (pytorch#176347). So a compiled model builds the full
-mask and SDPA runs a masked, non-causal kernel over every query-key pair. Measured on one
-H100 (bench model, llama-1b, 4 x 4096 tokens, torch 2.11, transformers 5.17): SDPA forward
-and backward 129 ms a step compiled against 40 ms eager, the largest single cost of the
-compiled step, and the reason ``Module.compile()`` gained only ~5% over eager.
+``torch.compile`` before torch 2.14 (pytorch#176347). With ``use_cache`` off, the
+packed-sequence check on the position ids cannot read them under compile either and adds a
+packed-sequence mask. So a compiled model builds the full mask and SDPA runs a masked, non-causal kernel over every
+query-key pair: on the bench model the compiled step's attention took three times its eager
+time, more than inductor's fusions saved (``benchmarks/results/issue11/README.md``).
 
 What: :func:`hold` (called by :func:`remat.apply` and by ``remat.profile(..., compile=True)``)
-wraps those two functions in ``transformers.masking_utils`` while at least one held model is
-alive and has not been given back by :func:`release` (``remat.remove``). The wrapper answers
-"skip" only when it can decide from Python values alone and eager mode would answer the
-same: dynamo is compiling and not exporting, there is no padding mask, no local-attention
-window reaches the key length, the query offset is a Python int, and (causal) the query is
-one token or as long as the keys. Every other call, and every call outside dynamo, goes to
+wraps those two and ``find_packed_sequence_indices`` in ``transformers.masking_utils`` while
+at least one held model is alive and has not been given back by :func:`release`
+(``remat.remove``). The wrappers
+answer as eager mode does only where that needs no tensor's values: dynamo is compiling and
+not exporting, there is no padding mask, no local-attention window reaches the key length,
+the query offset is a Python int, and (causal) the query is one token or as long as the keys;
+the packed-sequence check answers "not packed" when the base model made the position ids
+itself (the caller passed none: a per-model patch of the base model's ``forward``, tag
+``mask-skip``, notes it). Every other call, and every call outside dynamo, goes to
 transformers' own function. ``is_causal=True`` with no mask computes what the causal mask
 computes (SDPA's own causal kernel, the one eager mode runs): the compiled model then
 attends as the eager one does, rather than differently.
