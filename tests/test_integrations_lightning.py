@@ -67,3 +67,34 @@ def test_budget_plans_from_real_batches_and_replans_on_a_longer_one():
     assert callback.replans == 2 and callback.planned_tokens == 32
     assert current_plan(module) == callback.plan and len([m for m in said if "planned" in m]) == 2
     remat.remove(module)
+
+
+def test_collects_between_batches_and_gives_the_collector_back_also_after_an_exception():
+    import gc
+    from remat.integrations.lightning import RematCallback
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            during.append(gc.isenabled())
+
+    during, said = [], []
+    _fit(LitLM(), [RematCallback(spec="full", collect_every=2, say=said.append), Probe()])
+    assert during == [False] * STEPS and gc.isenabled()
+    assert any("between batches, every 2" in m for m in said)
+
+    class Failing(LitLM):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("a failing step")
+    with pytest.raises(RuntimeError, match="a failing step"):
+        _fit(Failing(), [RematCallback(spec="full", collect_every=2, say=said.append)])
+    assert gc.isenabled()   # on_exception gave it back
+
+
+def test_one_process_auto_leaves_the_collector_alone_and_a_bad_setting_fails_at_once():
+    import gc
+    from remat.integrations.lightning import RematCallback
+    callback = RematCallback(spec="full", say=lambda m: None)
+    _fit(LitLM(), [callback])
+    assert callback._collector is None and gc.isenabled()
+    with pytest.raises(ValueError, match="collect_every"):
+        RematCallback(spec="full", collect_every=-1)

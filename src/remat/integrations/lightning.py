@@ -18,6 +18,11 @@ moves it to its device -> ``on_fit_start`` -> for each batch ``on_train_batch_st
   :class:`remat.Guard` counts them), with the head mode kept.
 - On CUDA, after ``report_after_steps`` batches the measured peak
   (``torch.cuda.max_memory_allocated``) is printed beside the plan's prediction.
+- Under several ranks (``trainer.world_size > 1``) Python's garbage collector runs between
+  batches, every 50, on every rank at once, never inside one (:mod:`remat.integrations.collector`,
+  as :class:`remat.integrations.hf.RematCallback` does); ``collect_every=0`` leaves it to
+  Python, an int sets the batches. ``on_fit_start`` starts it; ``on_fit_end`` and, unlike the
+  Hugging Face Trainer, ``on_exception`` give Python its collector back.
 
 The loss the planner measures: ``loss_fn(module, batch)`` if given; else, for a dict batch,
 ``lm(**batch).loss`` of the Hugging Face causal LM inside the LightningModule (the first
@@ -30,12 +35,13 @@ at the first batch and at each new longest one; an out-of-memory step is not red
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch.nn as nn
 from lightning.pytorch import Callback
 
 from remat.integrations._planning import BatchPlanner
+from remat.integrations.collector import StepCollector, collect_every as collect_every_steps
 
 
 class RematCallback(BatchPlanner, Callback):
@@ -45,16 +51,22 @@ class RematCallback(BatchPlanner, Callback):
     can give). ``spec``: apply this instead of planning. ``head``: ``"plain"``/``"chunked"``
     to fix the head mode. ``loss_fn(module, batch) -> loss`` for the planner. ``blocks``:
     which modules are the blocks (see :func:`remat.apply`). ``profile_device``: where plans
-    are profiled (see :class:`remat.Guard`). ``plan_options``: passed to :func:`remat.plan`.
+    are profiled (see :class:`remat.Guard`). ``collect_every``: Python's garbage collection
+    between batches (``"auto"``: every 50 under several ranks; 0: Python's own; an int: that
+    many batches). ``plan_options``: passed to :func:`remat.plan`.
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, loss_fn=None, blocks=None,
                  report_after_steps: int = 2, profile_device: str = "auto",
-                 say: Optional[Callable[[str], None]] = None, **plan_options):
+                 say: Optional[Callable[[str], None]] = None, collect_every: Union[int, str] = "auto",
+                 **plan_options):
+        collect_every_steps(collect_every, 1)   # a bad value fails here, not when training starts
         super().__init__(budget, spec, head=head, report_after_steps=report_after_steps,
                          profile_device=profile_device, say=say, plan_options=plan_options)
         self.loss_fn = loss_fn
         self.blocks = blocks
+        self.collect_every = collect_every
+        self._collector = None
         self._steps = 0
 
     def setup(self, trainer, pl_module, stage):
@@ -65,6 +77,13 @@ class RematCallback(BatchPlanner, Callback):
         from remat.api import current_plan
         if self.spec is not None and current_plan(pl_module) is None:
             self._apply_spec(pl_module, self.blocks)   # built in configure_model: no blocks at setup
+        every = collect_every_steps(self.collect_every, trainer.world_size)
+        if every:
+            self._collector = StepCollector(every)
+            self._collector.start()
+            self.say(f"remat: Python's garbage collector runs between batches, every {every} on every rank, not "
+                     "inside one (a collection on one rank mid-step stalls the others at the next collective); "
+                     "RematCallback(collect_every=0) leaves it to Python")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.spec is None:
@@ -72,7 +91,20 @@ class RematCallback(BatchPlanner, Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._steps += 1
+        if self._collector is not None:
+            self._collector.step(self._steps)
         self.report_peak(pl_module, self._steps, "batches")
+
+    def on_fit_end(self, trainer, pl_module):
+        self._stop_collecting()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._stop_collecting()
+
+    def _stop_collecting(self) -> None:
+        if self._collector is not None:
+            self._collector.stop()
+            self._collector = None
 
     def _options(self, module: nn.Module, batch) -> dict:
         return dict(self.plan_options, blocks=self.blocks, loss_fn=self.loss_fn or _default_loss(module, batch))
