@@ -32,7 +32,7 @@ failed rank ends its process).
 from __future__ import annotations
 
 import gc
-from typing import Union
+from typing import Callable, Optional, Union
 
 EVERY = 50
 """Steps between full collections under several ranks (torchtitan's default, too)."""
@@ -77,3 +77,18 @@ class StepCollector:
             if self._was_enabled:
                 gc.enable()
             self._was_enabled = None
+
+
+def started(setting: Union[int, str], world_size: int, say: Callable[[str], None],
+            unit: str = "steps") -> Optional[StepCollector]:
+    """What the training callbacks run: a started collector for ``setting`` under ``world_size``
+    ranks, announced once through ``say``; None where ``setting`` leaves collection to Python."""
+    every = collect_every(setting, world_size)
+    if not every:
+        return None
+    collector = StepCollector(every)
+    collector.start()
+    say(f"remat: Python's garbage collector runs between {unit}, every {every} {unit} on every rank, not inside "
+        "one (a collection on one rank mid-step stalls the others at the next collective); "
+        "RematCallback(collect_every=0) leaves it to Python")
+    return collector

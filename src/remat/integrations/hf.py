@@ -93,7 +93,7 @@ from transformers import TrainerCallback
 
 from remat.guard import batch_tokens, check_recovery, redo_out_of_memory  # one rule and one loop with remat.Guard
 from remat.integrations._planning import BatchPlanner
-from remat.integrations.collector import StepCollector, collect_every as collect_every_steps
+from remat.integrations.collector import collect_every as collect_every_steps, started
 from remat.treat import patches
 
 _TAG = "hf-callback"
@@ -202,13 +202,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
 
     # -- the pieces ----------------------------------------------------------------------
     def _collect(self, args) -> None:
-        every = collect_every_steps(self.collect_every, getattr(args, "world_size", 1))
-        if every:
-            self._collector = StepCollector(every)
-            self._collector.start()
-            self.say(f"remat: Python's garbage collector runs between steps, every {every} steps on every rank, "
-                     "not inside one (a collection on one rank mid-step stalls the others at the next "
-                     "collective); RematCallback(collect_every=0) leaves it to Python")
+        self._collector = started(self.collect_every, getattr(args, "world_size", 1), self.say)
 
     def _take_over_args(self, args) -> None:
         if not any(getattr(args, name, False) for name in _HF_SWITCHES):

@@ -41,7 +41,7 @@ import torch.nn as nn
 from lightning.pytorch import Callback
 
 from remat.integrations._planning import BatchPlanner
-from remat.integrations.collector import StepCollector, collect_every as collect_every_steps
+from remat.integrations.collector import collect_every as collect_every_steps, started
 
 
 class RematCallback(BatchPlanner, Callback):
@@ -77,13 +77,7 @@ class RematCallback(BatchPlanner, Callback):
         from remat.api import current_plan
         if self.spec is not None and current_plan(pl_module) is None:
             self._apply_spec(pl_module, self.blocks)   # built in configure_model: no blocks at setup
-        every = collect_every_steps(self.collect_every, trainer.world_size)
-        if every:
-            self._collector = StepCollector(every)
-            self._collector.start()
-            self.say(f"remat: Python's garbage collector runs between batches, every {every} on every rank, not "
-                     "inside one (a collection on one rank mid-step stalls the others at the next collective); "
-                     "RematCallback(collect_every=0) leaves it to Python")
+        self._collector = started(self.collect_every, trainer.world_size, self.say, unit="batches")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.spec is None:
