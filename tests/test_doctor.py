@@ -210,6 +210,22 @@ def test_a_compiled_model_is_stepped_eagerly_and_not_judged_by_eager_plans():
     assert model._compiled_call_impl is never                 # put back
 
 
+def test_an_all_ones_attention_mask_on_a_compiled_sdpa_model():
+    model = remat.apply(_model(), "keep")
+    batch = _batch()
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    findings = doctor(model, batch, compiled=True)
+    assert _checks(findings) == ["compiled-attention-mask"] and findings[0].severity == "warning"
+    assert "(2, 16)" in findings[0].what and "causal" in findings[0].why and "leave attention_mask out" in findings[0].fix
+    assert doctor(model, batch) == []                          # eager: transformers skips the mask itself
+    padded = dict(batch, attention_mask=batch["attention_mask"].clone())
+    padded["attention_mask"][0, :3] = 0
+    assert doctor(model, padded, compiled=True) == []          # padding: the mask is needed
+    assert doctor(model, _batch(), compiled=True) == []        # no mask: remat's skip applies
+    model.config._attn_implementation = "eager"
+    assert doctor(model, batch, compiled=True) == []           # not SDPA
+
+
 def test_segments_plans_are_not_simulated():
     from remat.planning.simulator import simulate
     from remat.profiling.profiler import profile
