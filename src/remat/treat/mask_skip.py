@@ -185,9 +185,7 @@ def release(model: nn.Module) -> None:
     ref = _holders.get(id(model))
     if ref is not None and ref() is model:
         del _holders[id(model)]
-    base = _base_model(model)
-    if base is not None:
-        patches.remove(base, PATCH_TAG)
+    patches.remove(model, PATCH_TAG)
     _unwrap_if_unheld()
 
 
