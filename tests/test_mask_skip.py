@@ -171,3 +171,27 @@ def test_use_cache_off_model_made_positions_are_not_taken_for_packing(rule_5_17)
     torch.testing.assert_close(output.loss, model(input_ids=ids, labels=ids, position_ids=packed).loss)
     remat.remove(model)
     assert mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt_neox", "phi"])
+def test_families_compile_with_eagers_loss_and_gradients(family, rule_5_17, monkeypatch):
+    """Each family as a user builds it (config defaults, cache off, no dropout), applied and compiled:
+    the same loss and gradients as eager, and the decoders that build their mask through
+    masking_utils run causal SDPA without a mask."""
+    import families
+    monkeypatch.setattr(families, "DROPOUT", 0.0)  # compiled and eager runs draw other dropout masks
+    model, _ = families.CAUSAL[family]()
+    remat.apply(model, "full")
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    calls, output = _compiled_sdpa_calls(model, input_ids=ids, labels=ids)
+    output.loss.backward()
+    torch.testing.assert_close(output.loss, eager, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        if name in expected:
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    if family in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+        assert calls and all(call == (False, True) for call in calls), calls
