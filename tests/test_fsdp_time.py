@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from remat.planning.costs import BlockCost, Collectives, HeadCost, Profile, rates_for
+from remat.planning.comm import Collectives
+from remat.planning.costs import BlockCost, HeadCost, Profile, rates_for
 from remat.planning.sharding import FSDP2_OVERHEADS, NO_OVERHEADS, Overheads, comm_notes
 from remat.planning.sharding import shard as _shard
 from remat.planning.simulator import simulate

@@ -3,7 +3,7 @@ step, as a profile transform (the counterpart of :mod:`remat.planning.sharding` 
 
 How: :func:`replicate` returns a new :class:`~remat.planning.costs.Profile` for one rank of a DDP
 run wrapped after ``remat.apply``, with DDP's default arguments unless told otherwise, whose
-``comm`` (:class:`~remat.planning.costs.Collectives`, ``kind="ddp"``) lists the step's bucketed
+``comm`` (:class:`~remat.planning.comm.Collectives`, ``kind="ddp"``) lists the step's bucketed
 all-reduces. The simulator and the solver read it unchanged, as they read a sharded profile.
 
 Memory, per rank: the whole model stays (nothing is sharded), and the reducer allocates one flat
@@ -58,7 +58,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from remat.planning.costs import Collectives, Profile
+from remat.planning.comm import Collectives
+from remat.planning.costs import Profile
 from remat.planning.sharding import Overheads, check_bus
 
 DDP_OVERHEADS = Overheads(hbm_Bps_fraction=0.8, contention=0.2, latency_s=50e-6)

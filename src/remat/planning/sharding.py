@@ -3,7 +3,7 @@
 How: :func:`shard` returns a new :class:`~remat.planning.costs.Profile` whose static bytes and
 per-block bytes are those of one rank under FSDP2 ``fully_shard`` applied to every block and
 then to the root (after ``remat.apply``, as remat requires), and whose ``comm``
-(:class:`~remat.planning.costs.Collectives`) lists the step's all-gathers and reduce-scatters.
+(:class:`~remat.planning.comm.Collectives`) lists the step's all-gathers and reduce-scatters.
 The simulator and the solver read the transformed profile unchanged, so a plan for a sharded
 run is solved exactly like one for a single GPU. Memory, per rank:
 
@@ -58,7 +58,7 @@ whose numbers are validated, stays the one source of truth.
 :func:`remat.profiling.profiler.block_param_bytes` reads it, so this module never sees a model.
 
 Overheads beside the link (:class:`Overheads`, fields of the
-:class:`~remat.planning.costs.Collectives`, charged on the compute stream in the phase where they
+:class:`~remat.planning.comm.Collectives`, charged on the compute stream in the phase where they
 happen by :class:`Link`, the simulator's model of the link; the plan's notes and
 :meth:`~remat.planning.simulator.Simulation.stages` show each). On two H100s, llama-8b at
 1 x 4096 tokens a rank, every strategy measured 0.11-0.12 s a step above a time model that
@@ -108,7 +108,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from remat.planning.costs import Collectives, Profile, dtype_bytes
+from remat.planning.comm import Collectives
+from remat.planning.costs import Profile, dtype_bytes
 
 HBM_BPS_FRACTION = 1.08
 """FSDP2's copies' bytes as this module counts them, over the ``fsdp_copy`` kernels' seconds, over the
@@ -157,7 +158,7 @@ class Overheads:
                    latency_s=host_s / collectives)
 
     def fields(self, hbm_Bps: float) -> dict:
-        """The :class:`~remat.planning.costs.Collectives` fields these constants set, at ``hbm_Bps``."""
+        """The :class:`~remat.planning.comm.Collectives` fields these constants set, at ``hbm_Bps``."""
         return dict(copy_Bps=float(hbm_Bps) * self.hbm_Bps_fraction, contention=float(self.contention),
                     latency_s=float(self.latency_s))
 
@@ -232,7 +233,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
 
 
 class Link:
-    """How :func:`remat.simulate` charges a :class:`~remat.planning.costs.Collectives`: one FIFO link at
+    """How :func:`remat.simulate` charges a :class:`~remat.planning.comm.Collectives`: one FIFO link at
     the bus rate beside the compute stream, and the overheads that land on that stream, summed.
     ``clock``: the simulator's, whose ``"gpu"`` entry :meth:`stretch` moves."""
 
