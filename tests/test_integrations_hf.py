@@ -241,3 +241,52 @@ def test_callback_refuses_a_cpu_model_without_budget_or_spec(tmp_path):
 def _batch_for_docs():
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(8))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_without_full_attention_masks_drops_only_masks_of_all_ones(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from remat.integrations.hf import RematCallback, without_full_attention_masks
+
+    def with_masks(pad_first=0):
+        rows = TokenData(count=4).rows
+        masks = [torch.ones_like(r) for r in rows]
+        masks[0][:pad_first] = 0
+        return [{"input_ids": r, "attention_mask": m, "labels": r.clone()} for r, m in zip(rows, masks)]
+    collate = without_full_attention_masks(default_data_collator)
+    assert "attention_mask" not in collate(with_masks())
+    padded = collate(with_masks(pad_first=3))
+    assert padded["attention_mask"][0, :3].tolist() == [0, 0, 0] and padded["attention_mask"][1].all()
+    with pytest.raises(TypeError, match="wraps a collator"):
+        without_full_attention_masks("not a collator")
+
+    class Rows(torch.utils.data.Dataset):
+        rows = with_masks()
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+    def losses(collator):
+        seen, logged = [], []
+        model = tiny_llama()
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("attention_mask" in kwargs),
+                                        with_kwargs=True)
+
+        class Log(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    logged.append(logs["loss"])
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                 logging_steps=1, report_to="none", use_cpu=True, save_strategy="no")
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=collator,
+                          callbacks=[RematCallback(spec="full", say=lambda m: None), Log()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        return seen, logged
+    seen_plain, plain = losses(default_data_collator)
+    seen_wrapped, wrapped = losses(collate)
+    assert all(seen_plain) and not any(seen_wrapped) and len(plain) == 2
+    assert wrapped == plain   # an all-ones mask masks nothing: the same losses

@@ -327,9 +327,9 @@ def _check_compiled_mask(model, batch, compiled: bool) -> list:
             "seq] mask and SDPA runs a masked kernel over every query-key pair instead of its causal one (on the "
             "bench model, llama-1b 4 x 4096 on an H100, attention took 128 ms of a 333 ms compiled step, 40 ms "
             "eager)",
-        fix="leave attention_mask out of batches without padding (a collator that returns none, or "
-            "remove it before the forward); with remat applied the compiled model then runs SDPA's causal "
-            "kernel (remat.treat.mask_skip)")]
+        fix="leave attention_mask out of batches without padding (with the Trainer: data_collator="
+            "remat.integrations.hf.without_full_attention_masks(collator)); with remat applied the compiled "
+            "model then runs SDPA's causal kernel (remat.treat.mask_skip)")]
 
 
 def _on_meta(model) -> bool:

@@ -72,6 +72,15 @@ again, at most ``max_retries`` times. ``training_step`` is the unit that can be 
 holds one micro-batch's forward and backward and nothing the Trainer counts (steps, tokens
 seen, the optimizer step) happens inside it.
 
+Under ``torch_compile=True``: collators hand the model an ``attention_mask`` even when no row
+is padded, and under compile transformers then builds the full causal mask (it cannot read
+the mask's values), so SDPA runs its masked kernel. :func:`without_full_attention_masks` wraps
+a collator so that a batch whose mask is all ones goes without it; the applied model then runs
+SDPA's causal kernel under compile (:mod:`remat.treat.mask_skip`). It is a wrapper the user
+puts in, never something the callback does to the batches on its own::
+
+    trainer = Trainer(..., data_collator=without_full_attention_masks(collator), callbacks=[...])
+
 Budget while planning: plans are profiled as :class:`remat.Guard` profiles them
 (``profile_device="auto"``: the first on the GPU with the allocator capped at the budget,
 later ones on fake tensors), so re-planning never takes more GPU memory than the budget.
@@ -299,6 +308,23 @@ def guard_trainer(trainer, callback: Optional[RematCallback] = None):
 def _guarded_training_step(patch, model, inputs, *args, **kwargs):
     """``Trainer.training_step`` under the callback's out-of-memory recovery."""
     return patch.state.callback.redo(lambda: patch.call_previous(model, inputs, *args, **kwargs), inputs)
+
+
+def without_full_attention_masks(collate: Callable) -> Callable:
+    """``collate`` whose batches drop ``attention_mask`` when it is all ones (no row padded):
+    the same attention for a model that uses the mask only to mask (decoders, encoders), and
+    under ``torch.compile`` SDPA's causal kernel instead of a masked one. Batches with padding
+    keep their mask. See the module docstring."""
+    if not callable(collate):
+        raise TypeError(f"without_full_attention_masks wraps a collator (a callable), got {type(collate).__name__}")
+
+    def collate_without_full_masks(features):
+        batch = collate(features)
+        mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+        if isinstance(mask, torch.Tensor) and bool(mask.all()):
+            del batch["attention_mask"]
+        return batch
+    return collate_without_full_masks
 
 
 def _tensors(kwargs, args=()) -> dict:
