@@ -29,7 +29,8 @@ attends as the eager one does, rather than differently.
 
 Export: ``torch.export`` sets ``torch.compiler._is_exporting_flag`` (a module global that
 dynamo reads as a value, unlike the function it folds), and the wrapper defers to
-transformers then: an exported graph must not hard-code ``is_causal``.
+transformers then: an exported graph must not hard-code ``is_causal``. A torch without that
+flag (2.6) cannot tell export from compile, so there nothing is wrapped.
 
 Limits: process-wide, since transformers' functions are module state: while one model holds
 the wrapper, any model compiled in the process gets it. A batch with an ``attention_mask``
@@ -132,7 +133,7 @@ def hold(model: nn.Module, block_names: Optional[list] = None) -> bool:
     """Wrap transformers' mask decisions while ``model`` lives (or until :func:`release`), and
     mark the position ids its base model makes itself. Returns whether anything is wrapped."""
     module = _masking_utils()
-    if module is None:
+    if module is None or not hasattr(torch.compiler, "_is_exporting_flag"):
         return False
     key = id(model)
     if key not in _holders or _holders[key]() is not model:
