@@ -122,19 +122,15 @@ def _save_on_cpu(model, batch):
     return model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), None
 
 
-def _compiled(budget: float, backend: Optional[str] = None):
+def _compiled(budget: float, backend: Optional[str] = None, *, skip_masks: bool = False):
+    """Stock ``torch.compile`` at ``activation_memory_budget=budget``; ``skip_masks``: with remat's mask
+    skip alone (no plan), to show how much of a compiled remat row's speed is
+    :mod:`remat.treat.mask_skip` rather than its plan."""
     def prepare(model, batch):
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = budget  # measure() restores it afterwards
-        return torch.compile(model, **_backend(backend)), contextlib.nullcontext, None
-    return prepare
-
-
-def _compiled_mask_skip(backend: Optional[str] = None):
-    """Stock ``torch.compile`` (no plan, default memory budget) with remat's mask skip alone: how much
-    of a compiled remat row's speed is :mod:`remat.treat.mask_skip` rather than its plan."""
-    def prepare(model, batch):
-        mask_skip.hold(model)
+        if skip_masks:
+            mask_skip.hold(model)
         return torch.compile(model, **_backend(backend)), contextlib.nullcontext, None
     return prepare
 
@@ -205,7 +201,8 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
                 for b in compile_budgets]
     if compile_plans:
-        out.append(Strategy("compile_1+mask_skip", "remat", _compiled_mask_skip(compile_backend), compiled=True))
+        out.append(Strategy("compile_1+mask_skip", "remat", _compiled(1.0, compile_backend, skip_masks=True),
+                            compiled=True))
         out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles, compile=True,
                                                                        backend=compile_backend),
                          budget_bytes=b, compiled=True) for b in budgets]

@@ -96,7 +96,7 @@ _DECISIONS = {
 
 def compiling_not_exporting() -> bool:
     """True while dynamo traces for ``torch.compile`` (not ``torch.export``)."""
-    return torch.compiler.is_compiling() and not getattr(torch.compiler, "_is_exporting_flag", False)
+    return torch.compiler.is_compiling() and not torch.compiler._is_exporting_flag
 
 
 def _masking_utils():
