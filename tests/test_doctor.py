@@ -222,6 +222,10 @@ def test_an_all_ones_attention_mask_on_a_compiled_sdpa_model():
     padded["attention_mask"][0, :3] = 0
     assert doctor(model, padded, compiled=True) == []          # padding: the mask is needed
     assert doctor(model, _batch(), compiled=True) == []        # no mask: remat's skip applies
+    with torch.device("meta"):                                 # a model and batch without values
+        on_meta = remat.apply(_model(), "keep")
+    unknown = {key: value.to("meta") for key, value in batch.items()}
+    assert "compiled-attention-mask" not in _checks(doctor(on_meta, unknown, compiled=True))
     model.config._attn_implementation = "eager"
     assert doctor(model, batch, compiled=True) == []           # not SDPA
 

@@ -315,10 +315,11 @@ def _check_compile(model, compiled: bool) -> list:
 
 
 def _check_compiled_mask(model, batch, compiled: bool) -> list:
+    from remat.profiling._fake import padded_mask
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     config = getattr(model, "config", None)
-    if (not compiled or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+    if (not compiled or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.device.type == "meta"
+            or padded_mask(batch) or getattr(config, "_attn_implementation", None) != "sdpa"):
         return []
     return [Finding(
         check="compiled-attention-mask", severity="warning", cost=0.25,
