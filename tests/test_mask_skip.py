@@ -175,14 +175,17 @@ def test_use_cache_off_model_made_positions_are_not_taken_for_packing(rule_5_17)
     assert mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache-default", "cache-off"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt_neox", "phi"])
-def test_families_compile_with_eagers_loss_and_gradients(family, rule_5_17, monkeypatch):
-    """Each family as a user builds it (config defaults, cache off, no dropout), applied and compiled:
-    the same loss and gradients as eager, and the decoders that build their mask through
-    masking_utils run causal SDPA without a mask."""
+def test_families_compile_with_eagers_loss_and_gradients(family, use_cache, rule_5_17, monkeypatch):
+    """Each family as a user builds it (config defaults, ``use_cache`` on as from_pretrained gives it,
+    or off as trainers set it; no dropout), applied and compiled: the same loss and gradients as
+    eager, and the decoders that build their mask through masking_utils run causal SDPA without
+    a mask."""
     import families
     monkeypatch.setattr(families, "DROPOUT", 0.0)  # compiled and eager runs draw other dropout masks
     model, _ = families.CAUSAL[family]()
+    model.config.use_cache = use_cache
     remat.apply(model, "full")
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     eager = model(input_ids=ids, labels=ids).loss
