@@ -131,6 +131,25 @@ def test_a_compiled_plan_keeps_its_margin_below_the_budget():
     assert "compile_margin_bytes" not in remat.plan(model, ids, budget, profiled=fake).notes
 
 
+def test_remat_plan_cli_solves_a_compiled_profile_within_the_same_margin():
+    """``remat plan --compile`` solves through the same function as ``remat.plan(compile=True)``:
+    the margin kept back and the plan marked compiled (the CLI once solved at the whole budget)."""
+    from dataclasses import replace
+    from remat.cli.plan import solve_from_args
+    from remat.planning.plans import OFFLOADING_TREATMENTS
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    fake = profile(model, ids, device="fake")
+    compiled = replace(fake, notes=dict(fake.notes, compile=True))
+    budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
+    plain = [t for t in compiled.treatments(0) if t not in OFFLOADING_TREATMENTS]
+    from_cli = solve_from_args(compiled, budget, plain, lambda *a, **k: None)
+    from_api = remat.plan(model, ids, budget, compile=True, profiled=compiled, treatments=plain)
+    assert from_cli.notes["compile"] and from_cli.notes["compile_margin_bytes"] > 0
+    assert from_cli.summary() == from_api.summary()
+    assert from_cli.notes["predicted_peak_bytes"] == from_api.notes["predicted_peak_bytes"]
+
+
 def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo

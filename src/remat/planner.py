@@ -97,8 +97,17 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
         prof = replicated(prof, model, ddp_world)
+    return solve_profiled(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+
+
+def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None) -> Plan:
+    """The fastest plan for ``prof`` within ``budget_bytes``, as :func:`plan` solves it: a compiled
+    profile is solved for the budget less :data:`COMPILE_MARGIN` of what lies above static memory
+    (``notes["budget_bytes"]`` stays the budget asked, ``notes["compile_margin_bytes"]`` says
+    how much was kept back) and its plan marked ``notes["compile"]``. For callers that hold a
+    profile already (``remat plan``, the FSDP bench). Raises :class:`remat.NoPlanFits`."""
     margin = int(COMPILE_MARGIN * max(0, budget_bytes - prof.static_bytes)) if prof.notes.get("compile") else 0
-    chosen = solve(prof, budget_bytes - margin, treatments=_allowed(prof, treatments), heads=heads)
+    chosen = solve(prof, budget_bytes - margin, treatments=treatments, heads=heads)
     if margin:
         chosen = replace(chosen, notes=dict(chosen.notes, budget_bytes=budget_bytes, compile_margin_bytes=margin))
     return _marked(chosen, prof)

@@ -177,12 +177,13 @@ def treatments_from_args(prof, args):
 
 
 def solve_from_args(prof, budget, treatments, say):
-    """:func:`remat.planning.solver.solve`, with a heartbeat on stderr while it runs."""
-    from remat.planning.solver import solve
+    """:func:`remat.planner.solve_profiled` (as ``remat.plan`` solves: a compiled profile within its
+    margin, its plan marked compiled), with a heartbeat on stderr while it runs."""
+    from remat.planner import solve_profiled
     from remat.units import format_size
     with working(say, f"solving for {format_size(budget)}: {len(prof.block_names)} blocks, "
                       f"{len(treatments)} treatments, {len(prof.heads)} head options"):
-        return solve(prof, budget, treatments=treatments)
+        return solve_profiled(prof, budget, treatments=treatments)
 
 
 def no_fit_message(error, budget, args) -> str:
@@ -285,8 +286,6 @@ def run(args) -> int:
         plan = solve_from_args(prof, budget, treatments, say)
     except NoPlanFits as e:
         raise ValueError(no_fit_message(e, budget, args)) from None
-    from remat.planner import _marked
-    plan = _marked(plan, prof)   # notes["compile"] for a compiled profile, as remat.plan marks it
     if args.out:
         plan.save(args.out)
         print(f"written    {args.out}", file=sys.stderr)
