@@ -76,8 +76,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
-from fsdp_bench import (TRACE_PER_RANK, _gpu_rates, _prepare, _settle, _step, _timed, rank_ids,  # noqa: E402
-                        finished, measured_row)
+from _fsdp_plans import gpu_rates, rank_ids  # noqa: E402
+from fsdp_bench import TRACE_PER_RANK, _prepare, _settle, _step, _timed, finished, measured_row  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -196,7 +196,7 @@ def _profiled(config, dtype, batch, seq, how, cuda):
     if how == "cuda":
         try:
             model = build_model(config, device="cuda", dtype=dtype)
-            ids = rank_ids(config, batch, seq, "cuda")  # not zeros: they run faster (fsdp_bench.rank_ids)
+            ids = rank_ids(config, batch, seq, "cuda")  # not zeros: they run faster (_fsdp_plans.rank_ids)
             return model, ids, remat.profile(model, ids), how
         except torch.cuda.OutOfMemoryError:
             print("the model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
@@ -204,7 +204,7 @@ def _profiled(config, dtype, batch, seq, how, cuda):
         torch.cuda.empty_cache()
     model = build_model(config, device="meta", dtype=dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    return model, ids, remat.profile(model, ids, gpu=_gpu_rates() if cuda else "cpu"), "fake"
+    return model, ids, remat.profile(model, ids, gpu=gpu_rates() if cuda else "cpu"), "fake"
 
 
 def _plan_rank0(args, config, grad_config, dtype, world, cuda) -> dict:

@@ -17,10 +17,10 @@ same batch per rank, and gets ``fully_shard`` on every decoder layer and then th
   Rank 0 profiles the unsharded model once (on its GPU; fake tensors on the CPU), turns the
   profile into one rank's view (:func:`remat.planning.sharding.shard`) and solves for each budget
   -- what ``remat.plan(model, batch, budget, fsdp_world=world)`` does, with one profile for
-  them all -- and broadcasts the plans as data. ``--budgets 20GiB,28GiB,36GiB`` fixes them; the
-  four defaults (:func:`default_budgets`), lowest first:
+  them all -- and broadcasts the plans as data (``benchmarks/_fsdp_plans.py``).
+  ``--budgets 20GiB,28GiB,36GiB`` fixes them; the four defaults (``default_budgets``), lowest first:
 
-  1. an *offload* budget (:func:`offload_budget`), where the solver's plan offloads: halfway
+  1. an *offload* budget (``offload_budget``), where the solver's plan offloads: halfway
      between the smallest budget any plan fits and the smallest one a plan without offload
      fits, where offload lowers the first (no plan without offload fits there); else, where it
      does not (llama-8b 1x4096 on 2 ranks peaks in the embeddings' backward, whatever the
@@ -67,6 +67,14 @@ compare its ``compute_busy_s`` with ``predicted_compute_s`` and its ``gpu_idle_s
 Every record names the overhead constants it was predicted with (``overheads``);
 ``benchmarks/fit_overheads.py`` refits them from traced rows.
 
+``--compile``: also the compiled rows, every block ``torch.compile``-d alone after its
+checkpointing and before ``fully_shard`` (torchtitan's order; the root -- embeddings, head and
+loss -- runs eager): ``eager+compile``, ``torch_ac+compile`` and ``remat+compile@<budget>``,
+planned from a compiled profile rank 0 takes on its GPU (``remat.profile(..., compile=True)``)
+at torch_ac's predicted peak and the three ``full..keep`` fractions (no offload under compile).
+Dynamo's caches are reset before each compiled row, so each row compiles its own blocks (the
+first timed step comes after ``--warmup`` steps, which compile). GPU only.
+
 ``--single``: before the FSDP rows, rank 0 alone runs the unsharded model without FSDP on its
 own GPU and its own batch (``single:eager``, then ``single:hf_full``: Hugging Face full
 checkpointing), where its predicted peak (the unsharded profile's, no collectives) fits the
@@ -101,19 +109,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
+from _fsdp_plans import COMPILED_ANCHORS, EAGER_ANCHORS, OVERHEADS, plan_rank0, rank_ids  # noqa: E402
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.collector import EVERY, StepCollector  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
-from remat.planning.sharding import FSDP2_OVERHEADS, shard  # noqa: E402
+from remat.planning.sharding import FSDP2_OVERHEADS  # noqa: E402
 from remat.prove.bench import environment, timed_steps  # noqa: E402
 from remat.prove.collectives import CollectiveCounter  # noqa: E402
 from remat.units import format_size  # noqa: E402
 
-FRACTIONS = (0.15, 0.5, 0.85)
-OFFLOAD_LADDER = (0.02, 0.04, 0.06, 0.08, 0.10)  # see offload_budget
 # what every rank reports of its own traced step (rank 0's whole breakdown is in the record)
 TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl_exposed_s", "gpu_idle_s")
 
@@ -126,6 +133,8 @@ def parse_args(argv=None):
                    help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
     p.add_argument("--single", action="store_true",
                    help="first, rank 0 alone runs the unsharded model (eager, hf_full) without FSDP")
+    p.add_argument("--compile", action="store_true",
+                   help="also the compiled rows: each block torch.compile-d before fully_shard (GPU only)")
     p.add_argument("--treatments", help="plan with these treatments only, comma-separated (default: all)")
     p.add_argument("--plan-only", action="store_true",
                    help="no process group and no run: print the budgets and plans for --world GPUs of --gpu "
@@ -154,11 +163,13 @@ def main(argv=None):
 
     from remat.profiling._calibrate import bus_rate
     bus = bus_rate() if cuda else None  # a collective: every rank, before rank 0 plans alone
-    box = [_plan_rank0(args, config, dtype, world, cuda, bus) if rank == 0 else None]
+    if args.compile and not cuda:
+        raise SystemExit("--compile runs on CUDA only: the compiled rows are planned from a profile measured on the GPU")
+    box = [plan_rank0(args, config, dtype, world, cuda, bus, compile=args.compile) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     planned = box[0]
-    rows = [("eager", None), ("torch_ac", None), ("hf_full", None)]
-    rows = [r for r in rows if r[0] in wanted]
+    rows = [(name, None) for name, _ in EAGER_ANCHORS if name in wanted]
+    rows += [(name, None) for name, _ in COMPILED_ANCHORS if args.compile and name.split("+")[0] in wanted]
     if "remat" in wanted:
         rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]]
 
@@ -167,6 +178,7 @@ def main(argv=None):
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], bus_GBps=planned["bus_GBps"],
                   bus_measured=bus is not None, reshard_after_forward=not args.no_reshard,
                   profile_calibration=planned["calibration"], gc=args.gc,  # the measured profile's in-step calibration
+                  compile_calibration=planned.get("compile_calibration"),
                   overheads=dataclasses.asdict(FSDP2_OVERHEADS))  # what benchmarks/fit_overheads.py refits
     records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
     for name, plan in rows:
@@ -177,7 +189,7 @@ def main(argv=None):
                 print(_line(records[-1]), flush=True)
             continue
         predicted = planned["anchors"].get(name) or planned["predicted"][name]
-        record = dict(shared, strategy=name, kind="remat" if plan else "anchor",
+        record = dict(shared, strategy=name, kind="remat" if plan else "anchor", compiled=_compiled(name),
                       predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"],
                       predicted_compute_s=predicted["compute_s"], predicted_comm_s=predicted["comm_s"],
                       predicted_exposed_comm_s=predicted["exposed_comm_s"],
@@ -194,9 +206,6 @@ def main(argv=None):
     return finished(records, os.path.join(args.out, "fsdp_bench.jsonl"))
 
 
-# the simulator's FSDP2 overheads, where it has them (copy-in/out, launches, contention): beside
-# --trace's fsdp_copy and nccl seconds
-OVERHEADS = ("comm_copy_s", "comm_launch_s", "comm_contention_s")
 
 
 def finished(records: list, path: str) -> list:
@@ -230,142 +239,13 @@ def measured_row(record: dict, predicted_peak: int, device, measure) -> dict:
     return record
 
 
-def _predicted(sim) -> dict:
-    return dict(peak=sim.peak_bytes, step_s=round(sim.step_s, 5), compute_s=round(sim.step_s - sim.exposed_comm_s, 5),
-                comm_s=round(sim.comm_s, 5), exposed_comm_s=round(sim.exposed_comm_s, 5),
-                **{k: round(getattr(sim, k), 5) for k in OVERHEADS if hasattr(sim, k)})
-
-
-def _plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=None) -> dict:
-    """Profile once, then the plan per budget and the anchors' predictions, as plain data.
-
-    ``gpu``: the rates of a fake-tensor profile (default this GPU's, or the CPU's);
-    ``offload``: whether plans may offload (default: on a GPU only)."""
-    from remat.planning.simulator import simulate
-    from remat.profiling.profiler import profile
-    try:
-        from remat.profiling.profiler import block_param_bytes
-    except ImportError:  # before block_param_bytes moved to the profiler
-        from remat.planning.sharding import block_param_bytes
-    how = args.profile or ("cuda" if cuda else "fake")
-    offload = cuda if offload is None else offload
-    prof = model = None
-    if how == "cuda":
-        try:  # the whole model on rank 0's GPU: measured times, as fsdp_validate does
-            model = build_model(config, device="cuda", dtype=dtype)
-            prof = profile(model, rank_ids(config, args.batch, args.seq, "cuda"), device="cuda")
-        except torch.cuda.OutOfMemoryError:
-            print("the unsharded model does not fit on one GPU for profiling: fake tensors instead", file=sys.stderr)
-            how, model = "fake", None
-        if prof is None:  # out of the except block: its traceback no longer holds the model's tensors
-            gc.collect()
-            torch.cuda.empty_cache()
-    if prof is None:
-        model = build_model(config, device="meta", dtype=dtype)
-        prof = profile(model, torch.zeros(args.batch, args.seq, dtype=torch.long), device="fake",
-                       gpu=gpu or (_gpu_rates() if cuda else "cpu"))
-    sharded = shard(prof, world, block_param_bytes(model, prof), reshard_after_forward=not args.no_reshard,
-                    bus_Bps=bus)
-    del model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    # as remat.plan: offload only where there is a GPU to offload from
-    allowed = args.treatments.split(",") if args.treatments else sharded.treatments(0)
-    treatments = [t for t in sharded.treatments(0) if (offload or t not in OFFLOADING_TREATMENTS) and t in allowed]
-    if args.budgets:
-        from remat.units import parse_size
-        budgets = [(parse_size(b), "--budgets") for b in args.budgets.split(",")]
-    else:
-        budgets = default_budgets(sharded, treatments)
-    plans, predicted, rules = [], {}, {}
-    for b, rule in budgets:
-        name = f"remat@{format_size(b).replace(' ', '')}"
-        try:
-            plan = remat.solve(sharded, b, treatments=treatments)
-        except remat.NoPlanFits as e:
-            print(f"budget {format_size(b)} ({rule}): {e}", file=sys.stderr)
-            plans.append(dict(name=name, budget=b, rule=rule, plan=None, error=f"no plan fits: {str(e)[:300]}"))
-            continue
-        plans.append(dict(name=name, budget=b, rule=rule, plan=plan.to_dict()))
-        predicted[name] = _predicted(simulate(sharded, plan))
-        rules[name] = rule
-    anchors = {name: _predicted(simulate(sharded, spec, head="plain"))
-               for name, spec in (("eager", "keep"), ("torch_ac", "full"), ("hf_full", "full"))}
-    # rank 0 alone, unsharded and without FSDP (--single): the same step on one GPU
-    single = {name: _predicted(simulate(prof, spec, head="plain"))
-              for name, spec in (("single:eager", "keep"), ("single:hf_full", "full"))}
-    return dict(plans=plans, anchors=anchors, predicted=predicted, rules=rules, single=single, profile=how,
-                calibration=prof.notes.get("calibration"),
-                bus_GBps=round(sharded.comm.bus_Bps / 1e9, 1) if sharded.comm else None)
-
-
-def rank_ids(config, batch: int, seq: int, device, rank: int = 0) -> torch.Tensor:
-    """Rank ``rank``'s random token ids: each rank its own slice of data in the timed steps, and
-    rank 0's for a profile measured on the GPU.
-
-    Not zeros: on an H100 the llama-8b step ran 8% faster on all-zero tokens (identical
-    activations toggle fewer bits: less power, higher clocks), and a profile taken on them
-    predicted every step that much low (the unsharded step: 0.391 s predicted, 0.430 measured;
-    0.421 and 0.424 on random tokens)."""
-    generator = torch.Generator().manual_seed(1234 + rank)
-    return torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
-
-
-def default_budgets(sharded, treatments) -> list:
-    """The four default per-GPU budgets, ``[(bytes, rule)]``, lowest first: one where the solver
-    offloads (:func:`offload_budget`), then 15%, 50% and 85% of the way from the all-``full``
-    plan's predicted peak (chunked head) to the all-``keep`` one."""
-    from remat.planning.simulator import simulate
-    low = simulate(sharded, "full", head="chunked").peak_bytes
-    high = simulate(sharded, "keep", head="chunked").peak_bytes
-    return [offload_budget(sharded, treatments, high)] + [
-        (int(low + f * (high - low)), f"{f:.0%} of full..keep") for f in FRACTIONS]
-
-
-def offload_budget(sharded, treatments, high) -> tuple:
-    """``(bytes, rule)``: a budget at which the solver's plan offloads, below the other three.
-
-    The smallest budgets come from the solver itself (:class:`remat.NoPlanFits`'s
-    ``smallest_peak``), with and without the offload treatments. Where offload lowers the
-    smallest budget, halfway between the two: no plan without offload fits there, so the plan
-    must offload. Where it does not (the peak is set where offload frees nothing: llama-8b
-    1x4096 on 2 ranks peaks in the embeddings' backward, 17.76 GiB predicted for every plan
-    that fits), the lowest of 2%, 4% ... 10% of the way from that smallest budget to ``high``
-    (the all-``keep`` peak) at which the fastest plan offloads (``full+offload`` blocks making
-    room for ``selective`` ones); 2% if none does. Offload not allowed (the CPU): 90% of the
-    smallest budget, which no plan fits (the row says so)."""
-    def smallest(allowed):
-        try:
-            return remat.solve(sharded, 1, treatments=allowed).notes["predicted_peak_bytes"]
-        except remat.NoPlanFits as e:
-            return e.smallest_peak
-    plain = [t for t in treatments if t not in OFFLOADING_TREATMENTS]
-    without = smallest(plain)
-    if len(plain) == len(treatments):
-        return int(0.9 * without), "90% of the smallest budget (offload not allowed here)"
-    least = smallest(treatments)
-    if least < without:
-        return (least + without) // 2, "below every plan without offload"
-    for f in OFFLOAD_LADDER:
-        budget = int(without + f * (high - without))
-        try:
-            plan = remat.solve(sharded, budget, treatments=treatments)
-        except remat.NoPlanFits:
-            continue
-        if any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()):
-            return budget, f"{f:.0%} of smallest..keep: the lowest of {OFFLOAD_LADDER} whose plan offloads"
-    budget = int(without + OFFLOAD_LADDER[0] * (high - without))
-    return budget, f"{OFFLOAD_LADDER[0]:.0%} of smallest..keep (no plan offloads up to {OFFLOAD_LADDER[-1]:.0%})"
-
-
 def plan_only(args) -> dict:
     """``--plan-only``: the budgets and plans for ``--world`` GPUs of ``--gpu``, from a fake-tensor
     profile on this machine, offload allowed (as on a GPU); printed, and returned as
-    :func:`_plan_rank0`'s data."""
+    ``plan_rank0``'s data."""
     config = load_config(args.model)
     args.profile = "fake"
-    planned = _plan_rank0(args, config, torch.bfloat16, args.world, False, gpu=args.gpu, offload=True)
+    planned = plan_rank0(args, config, torch.bfloat16, args.world, False, gpu=args.gpu, offload=True)
     print(f"{args.model} {args.batch}x{args.seq} per rank, FSDP2 world {args.world}, {args.gpu} rates "
           f"(fake-tensor profile, bf16)")
     for name, p in {**planned["anchors"], **planned["single"]}.items():
@@ -378,14 +258,24 @@ def plan_only(args) -> dict:
     return planned
 
 
-def _gpu_rates():
-    name = torch.cuda.get_device_name().lower()
-    return next((g for g in ("h200", "h100", "a100") if g in name), "h100")
+def _compiled(name: str) -> bool:
+    """Whether row ``name`` compiles its blocks (``eager+compile``, ``remat+compile@20GiB``)."""
+    return "+compile" in name
 
 
 def _prepare(name, plan, model):
-    """Make ``model`` (on meta) the strategy ``name``; returns the modules to shard, in order."""
+    """Make ``model`` (on meta) the strategy ``name``; returns the modules to shard, in order,
+    each compiled for a ``+compile`` row."""
     layers = list(remat.discover(model).block_names)
+    blocks = _checkpointed(name.replace("+compile", ""), plan, model, layers)
+    if _compiled(name):
+        for block in blocks:
+            block.compile()
+    return blocks
+
+
+def _checkpointed(name, plan, model, layers):
+    """``model`` with strategy ``name``'s checkpointing (eager: none); returns its layers."""
     if name == "torch_ac":
         from functools import partial
 
@@ -424,6 +314,8 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     from torch.distributed.fsdp import fully_shard
     cuda = device.type == "cuda"
     before = _settle(cuda)
+    if _compiled(name):  # each compiled row traces its own blocks: no guards or limits spent by earlier rows
+        torch._dynamo.reset()
     mesh = init_device_mesh(device.type, (world,))
     model = build_model(config, device="meta", dtype=dtype)
     reshard = not args.no_reshard
