@@ -8,12 +8,14 @@ timed) and solves for each budget, what ``remat.plan(model, batch, budget, fsdp_
 does with one profile for them all. The result is plain data (:func:`plan_rank0`), which the
 bench broadcasts so that every rank applies the same plans.
 
-With ``compile=True`` it also profiles the model as it runs compiled
-(``remat.profile(..., compile=True)``: each block class x treatment compiled alone, the head and
-a calibration step with the whole model compiled) and plans the compiled rows from that
-profile, with ``remat.plan``'s compile margin: the ``+compile`` rows compile every block
-alone, after the checkpointing and before ``fully_shard`` (torchtitan's order), and the root
-(embeddings, head, loss) runs eager. Their budgets are torch's full checkpointing's predicted
+With ``compile=True`` it also profiles the model as the ``+compile`` rows run it, every block
+compiled alone after its checkpointing and before ``fully_shard`` (torchtitan's order) and the
+root (embeddings, head, loss) eager: ``remat.profile(..., compile="blocks")``, each block class
+x treatment compiled alone, the head eager, calibrated on a step with every block compiled.
+The compiled rows are planned from that profile with ``remat.plan``'s compile margin. (Planned
+from a ``compile=True`` profile -- the whole model compiled, the head too -- the plans peaked
+1.2-2.9 GiB over their prediction on 4 x H200, llama-8b: the eager root's plain head keeps
+more than the compiled one; ``h200x4_fsdp_bench_compile.jsonl``.) Their budgets are torch's full checkpointing's predicted
 peak (the level at which the issue compares tokens/s) and the three ``full..keep`` fractions
 of the compiled profile. Compiled profiles need the model on a GPU: ``compile`` on the CPU or
 with a fake-tensor profile raises SystemExit.
@@ -59,6 +61,7 @@ def plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=
     ``offload``: whether plans may offload (default: on a GPU only)."""
     from remat.planning.simulator import simulate
     from remat.profiling.profiler import block_param_bytes
+    offload = cuda if offload is None else offload
     model, prof, how = _profiled(args, config, dtype, cuda, gpu)
     if compile and how != "cuda":
         raise SystemExit(f"--compile needs rank 0's profile on its GPU (compiled memory and time are measured "
@@ -69,7 +72,7 @@ def plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=
 
     sharded = sharded_view(prof)
     compiled = sharded_view(remat.profile(model, rank_ids(config, args.batch, args.seq, "cuda"), device="cuda",
-                                          compile=True)) if compile else None
+                                          compile="blocks")) if compile else None
     del model
     gc.collect()
     if cuda:

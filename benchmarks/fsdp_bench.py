@@ -70,7 +70,7 @@ Every record names the overhead constants it was predicted with (``overheads``);
 ``--compile``: also the compiled rows, every block ``torch.compile``-d alone after its
 checkpointing and before ``fully_shard`` (torchtitan's order; the root -- embeddings, head and
 loss -- runs eager): ``eager+compile``, ``torch_ac+compile`` and ``remat+compile@<budget>``,
-planned from a compiled profile rank 0 takes on its GPU (``remat.profile(..., compile=True)``)
+planned from a compiled profile rank 0 takes on its GPU (``remat.profile(..., compile="blocks")``)
 at torch_ac's predicted peak and the three ``full..keep`` fractions (no offload under compile).
 Dynamo's caches are reset before each compiled row, so each row compiles its own blocks (the
 first timed step comes after ``--warmup`` steps, which compile). GPU only.
@@ -128,7 +128,8 @@ TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl
 def parse_args(argv=None):
     p = distributed_parser(__doc__)
     p.set_defaults(model="llama-8b", batch=1, seq=4096, steps=3, warmup=2)
-    p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat", help="which rows to run")
+    p.add_argument("--strategies", default="eager,torch_ac,hf_full,remat",
+                   help="which rows to run (remat: every plan; with --compile, remat+compile: the compiled plans only)")
     p.add_argument("--no-reshard", action="store_true",
                    help="fully_shard(reshard_after_forward=False) on every block (and plan for it)")
     p.add_argument("--single", action="store_true",
@@ -170,8 +171,9 @@ def main(argv=None):
     planned = box[0]
     rows = [(name, None) for name, _ in EAGER_ANCHORS if name in wanted]
     rows += [(name, None) for name, _ in COMPILED_ANCHORS if args.compile and name.split("+")[0] in wanted]
-    if "remat" in wanted:
-        rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]]
+    # "remat": every plan's row; "remat+compile": the compiled plans' only
+    rows += [(p["name"], Plan.from_dict(p["plan"]) if p["plan"] else p) for p in planned["plans"]
+             if "remat" in wanted or p["name"].split("@")[0] in wanted]
 
     ids = rank_ids(config, args.batch, args.seq, device, rank)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,

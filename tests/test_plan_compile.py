@@ -208,6 +208,75 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     assert all("forward" not in block.__dict__ for _, block in named)
 
 
+def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatch):
+    """``compile="blocks"`` (FSDP2's per-block compile): every block cost asked compiled, every
+    head cost eager, and the notes say which scope; ``compile=True`` asks the head compiled."""
+    from remat.profiling import _measure
+    from remat.profiling.profiler import model_loss
+    from remat.planning.costs import rates_for
+    from remat.treat.discovery import discover
+    model = _tiny().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    batch, loss_fn = model_loss(ids)
+    named = discover(model).blocks(model)
+    asked = {"block": [], "head": []}
+    real_block, real_head = _measure._block_cost, _measure._head_cost
+
+    def block_cost(*args, backend=None, **kwargs):  # measured eager here: what matters is what was asked
+        asked["block"].append(backend)
+        return real_block(*args, backend=None, **kwargs)
+
+    def head_cost(*args):
+        asked["head"].append(args[-1])
+        return real_head(*args[:-1], None)
+    monkeypatch.setattr(_measure, "_block_cost", block_cost)
+    monkeypatch.setattr(_measure, "_head_cost", head_cost)
+    for scope, head_backend in (("blocks", None), ("model", "aot_eager")):
+        asked = {"block": [], "head": []}
+        body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"),
+                                      ("plain", "chunked"), (1024,), 0, lambda s: None, backend="aot_eager",
+                                      scope=scope)
+        assert body.notes["compile"] is True and body.notes["compile_scope"] == scope
+        assert asked["block"] and set(asked["block"]) == {"aot_eager"}, scope
+        assert asked["head"] and set(asked["head"]) == {head_backend}, scope
+
+
+def test_compiled_blocks_compiles_each_block_alone_and_restores_them():
+    """:func:`compiled_blocks`: inside, each block's call is compiled (the root is not) and the loss
+    is eager's; outside, every block is as it was."""
+    from remat.profiling._compiled import compiled_blocks
+    from remat.treat.discovery import discover
+    model = _tiny().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    named = discover(model).blocks(model)
+    eager_loss = model(input_ids=ids, labels=ids).loss
+    with compiled_blocks(named, "aot_eager") as counter:
+        assert all(block.__dict__.get("_compiled_call_impl") is not None for _, block in named)
+        assert model.__dict__.get("_compiled_call_impl") is None
+        loss = model(input_ids=ids, labels=ids).loss
+    assert counter.graphs >= 1
+    torch.testing.assert_close(loss, eager_loss)
+    assert all(block.__dict__.get("_compiled_call_impl") is None for _, block in named)
+
+
+def test_compile_scope_is_checked_and_a_profile_of_another_scope_is_refused():
+    from dataclasses import replace
+    from remat.profiling._compiled import compile_scope, profile_scope
+    assert [compile_scope(c) for c in (False, True, "model", "blocks")] == [None, "model", "model", "blocks"]
+    with pytest.raises(ValueError, match="'blocks'"):
+        compile_scope("layers")
+    assert profile_scope({"compile": True}) == "model"   # profiles from before scopes
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    fake = profile(model, ids, device="fake")
+    whole = replace(fake, notes=dict(fake.notes, compile=True, compile_scope="model"))
+    with pytest.raises(ValueError, match="compile=True.*compile='blocks'"):
+        remat.plan(model, ids, 2**40, compile="blocks", profiled=whole)
+    per_block = replace(fake, notes=dict(fake.notes, compile=True, compile_scope="blocks"))
+    chosen = remat.plan(model, ids, 2**40, compile="blocks", profiled=per_block)
+    assert chosen.notes["compile"] is True and chosen.notes["compile_scope"] == "blocks"
+
+
 # ---------------------------------------------------------------- GPU: prediction vs a compiled step
 
 def _gpu(test):

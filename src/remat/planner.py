@@ -35,6 +35,7 @@ from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
+from remat.profiling._compiled import compile_scope, profile_scope
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import profile as _profile
 from remat.units import parse_budget
@@ -50,7 +51,7 @@ for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no blo
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
-         compile: bool = False, profiled: Optional[Profile] = None, ddp_world: int = 1) -> Plan:
+         compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
@@ -74,6 +75,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
     It resets ``torch._dynamo`` (each block is compiled alone, then the caches are cleared so your
     ``model.compile()`` starts clean): anything else this process compiled recompiles on its next call.
+    ``compile="blocks"``: plan for each block compiled alone with the embeddings and head eager
+    (``block.compile()`` on every block, as FSDP2 is compiled before ``fully_shard``);
+    ``notes["compile_scope"]`` says which.
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
@@ -82,15 +86,17 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     if fsdp_world != 1 and ddp_world != 1:
         raise ValueError(f"fsdp_world={fsdp_world!r} and ddp_world={ddp_world!r}: a model is either sharded (FSDP2) or "
                          "replicated (DDP) over its ranks, not both; pass one of them (HSDP is not modelled)")
-    if compile and treatments is not None:
+    scope = compile_scope(compile)
+    if scope and treatments is not None:
         offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
         if offloading:
             from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
             raise ValueError(f"treatments {offloading} cannot be planned with compile=True: {OFFLOAD_UNDER_COMPILE}; "
                              "leave them out, or plan without compile=True")
-    if profiled is not None and bool(profiled.notes.get("compile")) != bool(compile):
-        raise ValueError(f"profiled was made with compile={bool(profiled.notes.get('compile'))}, "
-                         f"but compile={compile} was asked: profile again with remat.profile(..., compile={compile})")
+    if profiled is not None and profile_scope(profiled.notes) != scope:
+        made = {None: False, "model": True}.get(profile_scope(profiled.notes), profile_scope(profiled.notes))
+        raise ValueError(f"profiled was made with compile={made!r}, but compile={compile!r} was asked: profile "
+                         f"again with remat.profile(..., compile={compile!r})")
     prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
                                 blocks=blocks, progress=progress, compile=compile)
     if fsdp_world != 1:
@@ -162,7 +168,8 @@ def _marked(chosen: Plan, prof) -> Plan:
     """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled."""
     if not prof.notes.get("compile"):
         return chosen
-    extra = {"compile": True, "compile_backend": prof.notes.get("compile_backend")}
+    extra = {"compile": True, "compile_scope": profile_scope(prof.notes),
+             "compile_backend": prof.notes.get("compile_backend")}
     if isinstance(prof.notes.get("calibration"), dict):
         extra["compile_calibration"] = prof.notes["calibration"]
     return replace(chosen, notes=dict(chosen.notes, **extra))

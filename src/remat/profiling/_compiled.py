@@ -1,7 +1,9 @@
 """Profiling for compiled models: each block × treatment and the head measured as ``torch.compile`` runs them.
 
 The user's flow is ``plan = remat.plan(model, batch, budget, compile=True); remat.apply(model,
-plan); model.compile()``. Compile changes every treatment's memory (the bench model's ``full``
+plan); model.compile()``, or, under FSDP2 as torchtitan trains, each block compiled alone
+before ``fully_shard`` while the root (embeddings, head, loss) runs eager:
+``remat.plan(..., compile="blocks")`` (:data:`SCOPES`). Compile changes every treatment's memory (the bench model's ``full``
 keeps 27.59 GiB eager, 15.79 GiB compiled: AOTAutograd's partitioner saves other tensors than
 eager autograd, and inductor fuses the pointwise ops whose outputs eager keeps) and its time,
 so a compiled plan must be profiled compiled. How:
@@ -14,6 +16,11 @@ so a compiled plan must be profiled compiled. How:
   ``Module.compile()`` compiles it (:func:`compiled_model`); each stub is a ``torch.compiler.disable``
   frame, so the embeddings and the head+loss are compiled graphs of their own and the meter
   reads between them. The chunked head's interception runs eager as it does in the user's flow.
+- ``compile="blocks"``: the blocks as above, the head as eager runs it (no model compile around
+  the stubs), and the calibration steps compile each block alone, not the model: on 4 x H200
+  (llama-8b, FSDP2) plans made for the whole model compiled peaked 1.2-2.9 GiB above their
+  prediction when only their blocks were, the plain head's eager logits and loss being the
+  difference.
 - Calibration (:func:`calibrate_compiled`): one real compiled step of the fastest uniform plan
   that fits in free memory; forward and backward seconds are scaled by in-step / profiled, as
   the eager calibration does per block (a compiled step has no block boundaries to time).
@@ -54,6 +61,9 @@ import torch
 from remat.planning.costs import Profile
 
 BACKEND = "inductor"
+SCOPES = ("model", "blocks")
+"""What a compiled plan is made for: ``model`` (``compile=True``), ``model.compile()`` or
+``torch.compile(model)``; ``blocks``, each block compiled alone, the root eager (FSDP2's usual way)."""
 REGION_CHECKPOINTS = ("full", "mlp", "attention")
 """Treatments that checkpoint a region whose input the compiled graph saves; their memory is
 calibrated by the ``full`` step (``selective``, op-level, measured within 3 MiB a block)."""
@@ -64,6 +74,26 @@ NEEDS_GPU = ("compile=True plans need the model on a GPU: compiled memory and ti
              "block and the head compiled (torch.compile), which fake tensors cannot do. Move the model to the GPU "
              "(model.cuda()) and plan there, or plan without compile=True (eager numbers: compile usually lowers "
              "memory, e.g. 'full' 27.6 -> 15.8 GiB on the bench model, so an eager plan is conservative in memory)")
+
+
+def compile_scope(compile) -> "str | None":
+    """``compile`` (False, True, ``"model"``, ``"blocks"``) as a scope of :data:`SCOPES`, None for
+    eager; ValueError for anything else."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "model"
+    if compile in SCOPES:
+        return compile
+    raise ValueError(f"compile must be False, True (the whole model compiled, as model.compile()) or 'blocks' "
+                     f"(each block compiled alone, the embeddings and head eager: FSDP2's per-block compile), "
+                     f"got {compile!r}")
+
+
+def profile_scope(notes: dict) -> "str | None":
+    """The compile scope a profile (or plan) was made for, from its notes (profiles older than
+    scopes, marked ``compile`` only, were made for the whole model)."""
+    return (notes.get("compile_scope") or "model") if notes.get("compile") else None
 
 
 class CountingBackend:
@@ -107,6 +137,23 @@ def compiled_model(model, backend: str):
         model._compiled_call_impl = previous
 
 
+@contextlib.contextmanager
+def compiled_blocks(named, backend: str):
+    """Each block of ``named`` compiled alone in place, as ``block.compile()`` does, for the
+    ``with`` block (one dynamo cache for all: blocks of one class share their graph); yields the counter."""
+    torch._dynamo.reset()
+    counter = CountingBackend(backend)
+    previous = [block.__dict__.get("_compiled_call_impl") for _, block in named]
+    call = torch.compile(backend=counter, dynamic=False)
+    for _, block in named:
+        block._compiled_call_impl = call(block._call_impl)
+    try:
+        yield counter
+    finally:
+        for (_, block), before in zip(named, previous):
+            block._compiled_call_impl = before
+
+
 _EAGER = {}
 
 
@@ -117,7 +164,8 @@ def eager(fn):
     return _EAGER[fn]
 
 
-def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend: str = BACKEND) -> Profile:
+def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend: str = BACKEND,
+                       scope: str = "model") -> Profile:
     """Scale the profile's seconds to those of a real compiled step (see the module doc).
 
     The fastest uniform plan (no offload) whose predicted peak fits in 85% of free memory is
@@ -128,14 +176,16 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     calibrated treatment's kept bytes; both peaks are noted beside the ratios. Then, unless that
     plan was already ``full``, one more compiled step of uniform ``full`` (with the head option of
     the smallest predicted peak) does the same for the region checkpoints
-    (:data:`REGION_CHECKPOINTS`, :func:`charged_region_checkpoints`) -- memory only."""
+    (:data:`REGION_CHECKPOINTS`, :func:`charged_region_checkpoints`) -- memory only. ``scope``
+    ``blocks``: the steps compile each block alone, the rest eager (:func:`compiled_blocks`)."""
     from remat.profiling._calibrate import calibration_plan
     chosen = calibration_plan(model, prof)
     if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
     sim, treatment, head = chosen
-    say(f"calibrating on a compiled step: {treatment}, head {head.mode} (compiling the whole model)")
-    steps, peak = _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, prof.static_bytes)
+    say(f"calibrating on a compiled step: {treatment}, head {head.mode} "
+        f"({'compiling the whole model' if scope == 'model' else 'compiling each block'})")
+    steps, peak = _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, prof.static_bytes, scope)
     prof = scaled_to_step(prof, sim, treatment, head, steps, peak)
     if treatment == "full" or "full" not in prof.treatments(0):
         return prof
@@ -145,7 +195,7 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     head = min(prof.heads, key=lambda h: simulate(prof, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
     sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
-    _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes)
+    _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes, scope)
     extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
     prof = charged_region_checkpoints(prof, treatment, extra)
     note = dict(prof.notes["calibration"], full_step={"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)})
@@ -169,13 +219,16 @@ def charged_region_checkpoints(prof: Profile, calibrated: str, full_extra: int) 
     return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
 
 
-def _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, static_bytes: int) -> tuple:
-    """Uniform ``treatment`` and ``head`` on ``model``, compiled: two warm-up steps (they compile),
+def _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, static_bytes: int,
+                    scope: str = "model") -> tuple:
+    """Uniform ``treatment`` and ``head`` on ``model``, compiled (the whole model, or each block
+    alone for ``scope`` ``blocks``): two warm-up steps (they compile),
     then three timed. Returns ((forward s, backward s, wall s) per step, the peak above what was
     allocated before the timed steps plus ``static_bytes``)."""
     from remat.profiling._calibrate import uniform_applied
     device = next(model.parameters()).device
-    with uniform_applied(model, named, treatment, head), compiled_model(model, backend) as counter:
+    compiled = compiled_model(model, backend) if scope == "model" else compiled_blocks(named, backend)
+    with uniform_applied(model, named, treatment, head), compiled as counter:
         for _ in range(2):
             _timed_step(model, batch, loss_fn)
         check_compiled(counter, "the calibration step")

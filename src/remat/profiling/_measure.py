@@ -16,7 +16,8 @@ only in configuration (Gemma-2's sliding-window and global layers, encoder and d
 profiled apart.
 
 Compiled (``backend`` given, ``remat.plan(..., compile=True)``): the same runs through the
-block's compiled call and with the model compiled around the stubs; see
+block's compiled call and with the model compiled around the stubs (``compile="blocks"``: the
+head's runs eager, as the root runs when only the blocks are compiled); see
 :mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
 than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
 warned); dynamo's cache is reset afterwards, so the user's own compile starts empty.
@@ -45,19 +46,21 @@ class MissingLoss(TypeError):
 
 
 def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1,
-                  backend=None):
+                  backend=None, scope="model"):
     """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
-    backend name to measure everything compiled (see :mod:`remat.profiling._compiled`), else eager."""
+    backend name to measure compiled (see :mod:`remat.profiling._compiled`), else eager;
+    ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks."""
     try:
         return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                             repeats, backend)
+                             repeats, backend, scope)
     finally:
         if backend is not None:  # the user's own compile must not meet the profile's cache entries
             import torch._dynamo
             torch._dynamo.reset()
 
 
-def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend):
+def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend,
+                  scope):
     started = time.perf_counter()
     capture = _capture(model, batch, loss_fn, named)
     signatures, firsts, block_class = {}, [], []
@@ -95,7 +98,8 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     heads, notes = [], {}
     if backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
-        notes.update(compile=True, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE, **skipped)
+        notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE,
+                     **skipped)
     for mode in head_modes:
         if mode == "chunked":
             reason = _chunked_unavailable(model)
@@ -105,9 +109,10 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         options = [None] if mode == "plain" else _chunk_options(chunks, hidden)
         for chunk in options:
             say(f"profiling embeddings and head: {mode}{'' if chunk is None else f' ({chunk} tokens)'}"
-                + ("" if backend is None else ", compiled"))
+                + ("" if backend is None or scope == "blocks" else ", compiled"))
             try:
-                heads.append(_head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend))
+                heads.append(_head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats,
+                                        backend if scope == "model" else None))
             except MissingLoss:
                 raise
             except Exception as e:  # the head may refuse this model: say so, plan without it

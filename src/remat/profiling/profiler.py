@@ -73,7 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
-from remat.profiling._compiled import calibrate_compiled
+from remat.profiling._compiled import calibrate_compiled, compile_scope
 from remat.profiling._fake import _KernelStandIns, _cuda_attention, _swap_to_fake, padded_mask
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
@@ -90,7 +90,7 @@ from remat.treat.discovery import discover
 def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
-            progress=None, calibrate: bool = True, compile: bool = False) -> Profile:
+            progress=None, calibrate: bool = True, compile=False) -> Profile:
     """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
@@ -118,6 +118,9 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     a fake-tensor profile cannot run compiled code, so ``device="fake"`` (or a model off the GPU)
     raises ValueError rather than returning eager numbers as compiled ones. Dynamo's caches are
     reset when it is done (anything else compiled in the process recompiles on its next call).
+    ``compile="blocks"``: each block compiled alone and the rest eager, as FSDP2 trains compiled
+    (``block.compile()`` on every block before ``fully_shard``); ``notes["compile_scope"]`` says
+    which (``model`` for ``compile=True``).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
@@ -128,7 +131,8 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     device = device or ("cuda" if first.device.type == "cuda" else "fake")
     if device not in ("cuda", "fake"):
         raise ValueError(f"device must be 'cuda' or 'fake', got {device!r}")
-    if compile and device == "fake":
+    scope = compile_scope(compile)
+    if scope and device == "fake":
         from remat.profiling._compiled import NEEDS_GPU
         where = "device='fake' was asked for" if first.device.type == "cuda" else f"the model is on {first.device}"
         raise ValueError(f"{NEEDS_GPU} ({where})")
@@ -152,7 +156,7 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
                                  min_offload_bytes, say)
         return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, calibrate, held.held_grad_bytes, compile)
+                             min_offload_bytes, say, calibrate, held.held_grad_bytes, scope)
 
 
 # Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is
@@ -279,16 +283,16 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
 
 
 def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True, held_grad_bytes=0, compile=False) -> Profile:
+                  calibrate=True, held_grad_bytes=0, scope=None) -> Profile:
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
     meter = _CudaMeter()
-    backend = COMPILE_BACKEND if compile else None
-    if compile:  # measured as it will run once applied and compiled: the mask skipped as in eager
+    backend = COMPILE_BACKEND if scope else None
+    if scope == "model":  # measured as it will run once applied and compiled: the mask skipped as in eager
         mask_skip.hold(model, [name for name, _ in named])
     body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats=REPEATS, backend=backend)
+                         repeats=REPEATS, backend=backend, scope=scope)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
@@ -299,8 +303,8 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     if not calibrate:
         return prof
     try:
-        if compile:
-            return calibrate_compiled(model, batch, loss_fn, named, prof, say, backend)
+        if scope:
+            return calibrate_compiled(model, batch, loss_fn, named, prof, say, backend, scope)
         return _calibrate(model, batch, loss_fn, named, prof, say)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)
