@@ -134,9 +134,13 @@ def test_plan_compile_without_cuda_is_refused_before_building(capsys, monkeypatc
     assert "--compile measures the compiled blocks on a GPU" in line and "Drop --compile for an eager plan" in line
 
 
-def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("flag, scope, then", [(["--compile"], "model", "model.compile()"),
+                                               (["--compile", "blocks"], "blocks", "block.compile() on each block")])
+def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys, monkeypatch, tmp_path, flag, scope,
+                                                                         then):
     """The GPU itself is not here: the CUDA check is passed and the compiled profile stood in for
-    by an eager one marked compiled (the real one: tests/test_plan_compile.py, GPU)."""
+    by an eager one marked compiled (the real one: tests/test_plan_compile.py, GPU). ``--compile``
+    alone plans for the whole model compiled, ``--compile blocks`` for each block compiled alone."""
     import dataclasses
 
     import torch
@@ -154,18 +158,20 @@ def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys,
     def fake_profile(model, batch, *, compile=False, **kwargs):
         built["compile"], built["gpu"] = compile, kwargs.get("gpu")
         prof = profile(model, batch, gpu="h100", optimizer=kwargs["optimizer"])
-        return dataclasses.replace(prof, notes=dict(prof.notes, compile=True, compile_backend="inductor"))
+        return dataclasses.replace(prof, notes=dict(prof.notes, compile=True, compile_scope=scope,
+                                                    compile_backend="inductor"))
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr("remat.integrations.presets.build_model", fake_build)
     monkeypatch.setattr("remat.profiling.profiler.profile", fake_profile)
     out_path = tmp_path / "plan.json"
-    assert main(["plan", *TINY, "--budget", "1GiB", "--compile", "--out", str(out_path)]) == 0
+    assert main(["plan", *TINY, "--budget", "1GiB", *flag, "--out", str(out_path)]) == 0
     out = capsys.readouterr().out
-    assert built == {"device": "cuda", "compile": True, "gpu": None}
-    assert "planned for compiled execution" in out and "model.compile()" in out
-    assert remat.Plan.load(str(out_path)).notes["compile"] is True
+    assert built == {"device": "cuda", "compile": scope, "gpu": None}
+    assert "planned for compiled execution" in out and then in out
+    saved = remat.Plan.load(str(out_path)).notes
+    assert saved["compile"] is True and saved["compile_scope"] == scope
     monkeypatch.undo()
     assert main(["plan", *TINY, "--budget", "1GiB"]) == 0
     assert "compiled" not in capsys.readouterr().out

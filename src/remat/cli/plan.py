@@ -77,9 +77,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")
     parser.add_argument("--phases", action="store_true", help="also print every phase of the step (timeline)")
-    parser.add_argument("--compile", action="store_true",
-                        help="plan for the model compiled after remat.apply (model.compile()): measured compiled on "
-                             "this machine's GPU with random weights, no offload (needs CUDA; --gpu is not used)")
+    parser.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
+                        help="plan for the model compiled after remat.apply: 'model' (the default; model.compile()) "
+                             "or 'blocks' (block.compile() on each block, the rest eager, as FSDP2 trains "
+                             "compiled): measured compiled on this machine's GPU with random weights, no offload "
+                             "(needs CUDA; --gpu is not used)")
 
 
 def check_model_arguments(args) -> None:
@@ -151,7 +153,7 @@ def profile_from_args(args, say):
         model = build_model(config, device="cuda", dtype=dtype)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         ids = ids.to(next(model.parameters()).device)
-        prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=True)
+        prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=args.compile)
     else:
         say(f"building {args.model} on the meta device")
         model = build_model(config, device="meta", dtype=dtype)
@@ -299,8 +301,10 @@ def run(args) -> int:
     print(f"model      {args.model}  batch {args.batch} x {args.seq} tokens, {args.dtype}, "
           f"optimizer {args.optimizer}, rates {prof.rates.name} ({source})")
     if plan.notes.get("compile"):
-        print("compiled   planned for compiled execution: remat.apply(model, plan), then model.compile() "
-              "(costs measured compiled; run uncompiled, its peak and time are not these)")
+        then = ("block.compile() on each block (before fully_shard under FSDP2)"
+                if plan.notes.get("compile_scope") == "blocks" else "model.compile()")
+        print(f"compiled   planned for compiled execution: remat.apply(model, plan), then {then} "
+              "(costs measured compiled; run otherwise, its peak and time are not these)")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
     print(f"static     {format_size(prof.static_bytes)}")
