@@ -17,7 +17,14 @@ How, on every rank:
    every rank instead would also profile ``world`` times.
 3. ``remat.apply(model, plan)``, then ``fully_shard`` on every block and then on the root
    (remat first: its checkpoint then runs inside the FSDP2 unit, and recomputing a block
-   all-gathers nothing more). ``--compile`` compiles each block between the two, as torchtitan does.
+   all-gathers nothing more). ``--compile`` compiles each block between the two, as torchtitan does,
+   and plans for that: rank 0 builds the unsharded model on its GPU with random weights and
+   plans with ``compile="blocks"`` (each block class x treatment measured compiled, the
+   embeddings and head eager; see ``remat.profiling._compiled``). Where the unsharded model
+   does not fit rank 0's GPU (or on the CPU) it plans eager with fake tensors among the
+   treatments that compile block by block (``keep``, ``full``, ``selective``: no offload,
+   which splits a compiled graph, nor ``attention``/``mlp``, which recompile per block): an eager
+   plan's memory is an over-estimate under compile, its step time an under-estimate of the gain.
 4. ``to_empty`` on the device and the model's own weight init (each rank initialises only its
    shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
    (per GPU and in all) and, on CUDA, every rank's peak beside the plan's prediction.
@@ -35,6 +42,7 @@ runs end to end on a tiny model; there is no peak memory to report there.
 """
 import argparse
 import os
+import sys
 import time
 import warnings
 
@@ -44,6 +52,11 @@ import torch.distributed as dist
 import remat
 from remat.integrations.collector import StepCollector
 from remat.integrations.presets import build_model, load_config, materialise
+
+PER_BLOCK_COMPILABLE = ("keep", "full", "selective")
+"""What an eager plan for ``--compile`` may use when it cannot be measured compiled: offload
+splits a compiled graph at its hooks, and ``attention``/``mlp`` patch a sub-module, which
+recompiles for every block compiled alone (``remat.profiling._compiled.SUBMODULE_PATCHED``)."""
 
 
 def main(argv=None):
@@ -145,12 +158,38 @@ def _plan_on_rank0(model, config, args, rank, world, cuda):
         elif args.plan:
             plan = _spec_plan(model, args.plan)
         else:
-            ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-            gpu = args.gpu or (_gpu_name() if cuda else "cpu")
-            plan = remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu)
+            plan = (_compiled_plan(config, args, world, model) if args.compile and cuda else None) or \
+                _fake_plan(model, args, world, cuda)
         box[0] = plan.to_dict()
     dist.broadcast_object_list(box, src=0)
     return remat.Plan.from_dict(box[0], source="the plan broadcast by rank 0")
+
+
+def _compiled_plan(config, args, world, meta_model):
+    """The plan for every block compiled alone (``compile="blocks"``), measured on rank 0's GPU
+    with the unsharded model at random weights; None (and why, on stderr) when it does not fit."""
+    dtype = next(meta_model.parameters()).dtype
+    model = None
+    try:
+        model = build_model(config, device="cuda", dtype=dtype)
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
+        return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", compile="blocks")
+    except torch.cuda.OutOfMemoryError:
+        print("remat: the unsharded model does not fit rank 0's GPU to be measured compiled; planning eager "
+              "among the treatments that compile block by block instead", file=sys.stderr)
+        return None
+    finally:
+        del model
+        torch.cuda.empty_cache()
+
+
+def _fake_plan(model, args, world, cuda):
+    """The eager plan from a fake-tensor profile at ``--gpu``'s rates (this GPU's); with ``--compile``,
+    among the treatments that compile block by block."""
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    gpu = args.gpu or (_gpu_name() if cuda else "cpu")
+    treatments = PER_BLOCK_COMPILABLE if args.compile else None
+    return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
 
 
 def _spec_plan(model, spec):

@@ -267,3 +267,23 @@ def test_trace_events_from_kineto():
            Raw("Memcpy HtoD (Pinned -> Device)", "DeviceType.CUDA", "gpu_memcpy", 1000, 500, 30),
            Raw("cudaLaunchKernel", "DeviceType.CPU", "cuda_runtime", 100, 10, 1234)]
     assert events_from_kineto(raw) == [("Memcpy HtoD (Pinned -> Device)", 1.0, 0.5, 30), (GEMM, 9.0, 2.0, 7)]
+
+
+def test_train_fsdp_compile_plans_among_what_compiles_block_by_block():
+    """``--compile`` without a GPU to measure on: the eager plan uses only treatments that compile
+    block by block (no offload, no attention/mlp); without ``--compile`` the same budget may use them."""
+    import importlib.util
+
+    import torch
+
+    from remat.integrations.presets import build_model, load_config
+    spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
+    train_fsdp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_fsdp)
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.float32)
+    chosen = {}
+    for compile in (False, True):
+        args = types.SimpleNamespace(batch=2, seq=64, budget="5MiB", gpu="h100", compile=compile)
+        chosen[compile] = set(train_fsdp._fake_plan(model, args, 2, cuda=False).blocks.values())
+    assert chosen[True] and chosen[True] <= set(train_fsdp.PER_BLOCK_COMPILABLE), chosen
+    assert chosen[False] - set(train_fsdp.PER_BLOCK_COMPILABLE), chosen  # the budget where eager picks one of them
