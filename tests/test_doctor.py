@@ -304,3 +304,26 @@ def test_cli_plan_made_for_compile(tmp_path, capsys):
     assert status == 0 and "[warning]" in out and "runs uncompiled" in out
     status, out = _cli(["--model", "llama-tiny", "--plan", str(plan), "--compile"], capsys)
     assert status == 0 and "no problems found" in out
+
+
+def test_a_compiled_plan_of_the_other_scope():
+    """Seen compiled, the plan's scope is checked: a whole-model plan (compile=True, or one from before
+    scopes) on per-block compile is a warning (its head runs eager), a per-block plan on a whole
+    compiled model a note; the matching scope, or compiled=True told rather than seen, says nothing."""
+    for notes in ({"compile": True}, {"compile": True, "compile_scope": "model"}):
+        blocks = _planned(_model(), **notes)
+        for layer in blocks.model.layers:
+            layer.compile()
+        findings = doctor(blocks)
+        assert _checks(findings) == ["compile-mismatch"] and findings[0].severity == "warning", notes
+        assert "only modules inside it are compiled" in findings[0].what and "compile='blocks'" in findings[0].fix
+        assert doctor(blocks, compiled=True) == []
+    per_block = _planned(_model(), compile=True, compile_scope="blocks")
+    for layer in per_block.model.layers:
+        layer.compile()
+    assert doctor(per_block) == []
+    whole = _planned(_model(), compile=True, compile_scope="blocks")
+    whole.compile()
+    findings = doctor(whole)
+    assert _checks(findings) == ["compile-mismatch"] and findings[0].severity == "note"
+    assert "whole model is compiled" in findings[0].what

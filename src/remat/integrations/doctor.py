@@ -27,7 +27,9 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
 - ``compile-mismatch``: the applied plan was made for a compiled model (``notes["compile"]``) and
   the model runs uncompiled, or the reverse: the plan's peak and time do not hold (compile changes
   every treatment's memory). "Compiled": a ``torch.compile`` wrapper, ``Module.compile()`` on the
-  model or a block, or ``compiled=True`` for a model compiled after doctor runs.
+  model or a block, or ``compiled=True`` for a model compiled after doctor runs. Seen compiled, also
+  a plan for the whole model compiled (``compile=True``) on a model whose blocks alone are compiled
+  (its head runs eager, above the plan's peak), or a ``compile="blocks"`` plan on a whole compiled model.
 - ``compiled-attention-mask``: the model runs compiled with SDPA and the batch carries an
   ``attention_mask`` of all ones: under compile transformers then builds the full
   ``[batch, 1, seq, seq]`` mask (it cannot read the mask's values without a graph break), and
@@ -104,7 +106,8 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor expects a torch.nn.Module, got {type(model).__name__}")
     from remat.integrations import doctor_runs as runs
-    compiled = runs_compiled(model) if compiled is None else bool(compiled)
+    scope = compile_scope_of(model) if compiled is None else None   # told, not seen: its scope is unknown
+    compiled = bool(scope) if compiled is None else bool(compiled)
     inner = unwrapped(model)   # the step and the profile run the model itself, eagerly
     findings = []
     kwargs = _checkpoint_kwargs(inner, training_args)
@@ -112,7 +115,7 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     findings += _check_reentrant(inner, training_args, kwargs)
     findings += _check_rng(inner, training_args, kwargs)
     findings += _check_head_bypassed(inner)
-    findings += _check_compile(inner, compiled)
+    findings += _check_compile(inner, compiled, scope)
     findings += _check_compiled_mask(inner, batch, compiled)
     if batch is not None and not _on_meta(inner):
         findings += runs.check_step(inner, batch, loss_fn)
@@ -134,8 +137,19 @@ def unwrapped(model: nn.Module) -> nn.Module:
 def runs_compiled(model: nn.Module) -> bool:
     """Whether ``model`` runs compiled: a ``torch.compile`` wrapper, or ``Module.compile()`` called on
     it or any of its modules (per-block compile)."""
-    return unwrapped(model) is not model or any(
-        m.__dict__.get("_compiled_call_impl") is not None for m in model.modules())
+    return compile_scope_of(model) is not None
+
+
+def compile_scope_of(model: nn.Module) -> Optional[str]:
+    """How ``model`` runs compiled, as plans name it: ``"model"`` (a ``torch.compile`` wrapper, or
+    ``Module.compile()`` on the model itself), ``"blocks"`` (``Module.compile()`` on modules inside
+    it only: per-block compile, the rest eager), None (eager)."""
+    inner = unwrapped(model)
+    if inner is not model or inner.__dict__.get("_compiled_call_impl") is not None:
+        return "model"
+    if any(m.__dict__.get("_compiled_call_impl") is not None for m in inner.modules()):
+        return "blocks"
+    return None
 
 
 def applied_plan(model: nn.Module):
@@ -287,13 +301,13 @@ def _check_head_bypassed(model) -> list:
             "remat.integrations.hf.RematCallback, which does this")]
 
 
-def _check_compile(model, compiled: bool) -> list:
+def _check_compile(model, compiled: bool, scope: Optional[str] = None) -> list:
     plan = applied_plan(model)
     if plan is None or "predicted_peak_bytes" not in plan.notes:
         return []   # no plan, or one given by hand (a spec): no prediction to hold or break
     planned = bool(plan.notes.get("compile"))
     if planned == compiled:
-        return []
+        return _check_compile_scope(plan, scope) if planned and scope else []
     why = ("compile changes every treatment's memory and time (the bench model's full keeps 27.6 GiB eager, "
            "15.8 GiB compiled), so the plan's predicted peak {:.2f} GiB and step time do not hold for this step"
            .format(plan.notes["predicted_peak_bytes"] / 2**30))
@@ -312,6 +326,30 @@ def _check_compile(model, compiled: bool) -> list:
         why=why + "; compiled blocks usually keep less, so the plan recomputes more than the budget needs",
         fix="on the GPU, re-plan for compile: remat.plan(model, batch, budget, compile=True) (remat plan "
             "--compile), apply it, then compile")]
+
+
+def _check_compile_scope(plan, scope: str) -> list:
+    """A compiled plan made for the whole model compiled run with only its blocks compiled, or the reverse."""
+    planned = plan.notes.get("compile_scope") or "model"   # plans from before scopes: the whole model
+    if planned == scope:
+        return []
+    if planned == "model":
+        return [Finding(
+            check="compile-mismatch", severity="warning", cost=0.4,
+            what=f"the applied plan ({plan.summary()}) was made for the whole model compiled (remat.plan(..., "
+                 "compile=True)) but only modules inside it are compiled (per-block compile)",
+            why="the embeddings, head and loss then run eager and keep more than the compiled graph the plan counted: "
+                "on llama-8b under FSDP2 (4 x H200) such plans peaked 1.2-2.9 GiB above their prediction, over "
+                "their budgets",
+            fix="re-plan for per-block compile: remat.plan(model, batch, budget, compile='blocks') (remat plan "
+                "--compile blocks), or compile the whole model (model.compile())")]
+    return [Finding(
+        check="compile-mismatch", severity="note", cost=0.1,
+        what=f"the applied plan ({plan.summary()}) was made for each block compiled alone (compile='blocks') but "
+             "the whole model is compiled",
+        why="a compiled head keeps less than the eager one the plan counted, and compile='blocks' leaves out the "
+            "attention and mlp treatments: the plan holds its budget but may recompute more than it needs",
+        fix="re-plan for the whole model compiled: remat.plan(model, batch, budget, compile=True)")]
 
 
 def _check_compiled_mask(model, batch, compiled: bool) -> list:
