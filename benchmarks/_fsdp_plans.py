@@ -10,15 +10,15 @@ bench broadcasts so that every rank applies the same plans.
 
 With ``compile=True`` it also profiles the model as the ``+compile`` rows run it, every block
 compiled alone after its checkpointing and before ``fully_shard`` (torchtitan's order) and the
-root (embeddings, head, loss) eager: ``remat.profile(..., compile="blocks")``, each block class
-x treatment compiled alone, the head eager, calibrated on a step with every block compiled.
-The compiled rows are planned from that profile with ``remat.plan``'s compile margin. (Planned
-from a ``compile=True`` profile -- the whole model compiled, the head too -- the plans peaked
-1.2-2.9 GiB over their prediction on 4 x H200, llama-8b: the eager root's plain head keeps
-more than the compiled one; ``h200x4_fsdp_bench_compile.jsonl``.) Their budgets are torch's full checkpointing's predicted
-peak (the level at which the issue compares tokens/s) and the three ``full..keep`` fractions
-of the compiled profile. Compiled profiles need the model on a GPU: ``compile`` on the CPU or
-with a fake-tensor profile raises SystemExit.
+root (embeddings, head, loss) eager: ``remat.profile(..., compile="blocks")``, each block class x
+treatment compiled alone, the head eager, calibrated on a step with every block compiled. The
+compiled rows are planned from that profile with ``remat.plan``'s compile margin. (Planned from a
+``compile=True`` profile -- the whole model compiled, the head too -- the plans peaked 1.2-2.9 GiB
+over their prediction on 4 x H200, llama-8b: the eager root's plain head keeps more than the
+compiled one; ``h200x4_fsdp_bench_compile.jsonl``.) Their budgets are torch's full checkpointing's
+predicted peak (the level at which the issue compares tokens/s) and the three ``full..keep``
+fractions of the compiled profile. Compiled profiles need the model on a GPU: ``compile`` on the
+CPU or with a fake-tensor profile raises SystemExit.
 
 The default budgets (:func:`default_budgets`), lowest first: one where the solver offloads
 (:func:`offload_budget`), then 15%, 50% and 85% of the way from the all-``full`` plan's
@@ -165,7 +165,8 @@ def default_budgets(sharded, treatments) -> list:
 
 
 def fraction_budgets(sharded) -> list:
-    """15%, 50% and 85% of the way from the all-``full`` plan's predicted peak (chunked head) to the all-``keep`` one."""
+    """15%, 50% and 85% of the way from the all-``full`` plan's predicted peak (chunked head) to
+    the all-``keep`` one."""
     from remat.planning.simulator import simulate
     low = simulate(sharded, "full", head="chunked").peak_bytes
     high = simulate(sharded, "keep", head="chunked").peak_bytes

@@ -23,7 +23,7 @@ and each rank its own batch (default llama-1b, bf16, 2 x 4096 tokens per rank), 
   fixes them. The anchors' predictions are ``remat.plan``'s too, for the same world, with one
   treatment allowed (``keep`` for eager, ``full`` for hf_full) and the plain head.
 
-Protocol (as ``benchmarks/fsdp_bench.py``, whose helpers it uses): a step is
+Protocol (as ``benchmarks/fsdp_bench.py``, through ``benchmarks/_rows.py``): a step is
 ``zero_grad(set_to_none=True)``, forward with ``labels``, ``backward()`` (DDP's all-reduces
 end inside it); no optimizer. ``--warmup`` steps (DDP rebuilds its buckets after the first),
 then ``--steps`` timed ones (rank 0's time; the all-reduces keep the ranks in step), then one
@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
 from _fsdp_plans import gpu_rates, rank_ids  # noqa: E402
-from fsdp_bench import TRACE_PER_RANK, _prepare, _settle, _step, _timed, finished, measured_row  # noqa: E402
+from _rows import TRACE_PER_RANK, finished, measured_row, prepare, settle, step_fn, timed  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -254,13 +254,13 @@ def _ddp(model, device):
 
 def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     cuda = device.type == "cuda"
-    before = _settle(cuda)
+    before = settle(cuda)
     model = build_model(config, device="meta", dtype=dtype)
-    _prepare(name, plan, model)  # hf_full: HF checkpointing; a plan: remat.apply; eager: nothing
+    prepare(name, plan, model)  # hf_full: HF checkpointing; a plan: remat.apply; eager: nothing
     materialise(model, device, seed=0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
     ddp = _ddp(model, device)
-    step = _step(ddp, ids)
-    times, step_peaks, loss = _timed(step, args, cuda)
+    step = step_fn(ddp, ids)
+    times, step_peaks, loss = timed(step, args, cuda)
     peaks, befores = [None] * world, [None] * world
     dist.all_gather_object(peaks, max(step_peaks) if cuda else None)
     dist.all_gather_object(befores, before)
@@ -297,7 +297,7 @@ def _grad_check(args, planned, config, device, world) -> dict:
     batch, seq = _grad_shape(args)
     generator = torch.Generator().manual_seed(4321 + rank)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
-    _settle(cuda)
+    settle(cuda)
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -305,7 +305,7 @@ def _grad_check(args, planned, config, device, world) -> dict:
         remat.apply(model, plan)
         materialise(model, device, seed=0)
         ddp = _ddp(model, device)
-        loss = _step(ddp, ids)()
+        loss = step_fn(ddp, ids)()
         dist.all_reduce(loss)
         gathered = [torch.empty_like(ids) for _ in range(world)]
         dist.all_gather(gathered, ids)
@@ -318,7 +318,7 @@ def _grad_check(args, planned, config, device, world) -> dict:
         del ddp, model
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        _settle(cuda)  # the other ranks wait here while rank 0 runs the reference
+        settle(cuda)  # the other ranks wait here while rank 0 runs the reference
     return result or {}
 
 
@@ -332,7 +332,7 @@ def _compare(model, config, whole, device) -> dict:
         for (name, p), (ref_name, q) in zip(named, ref.named_parameters(), strict=True):
             assert name == ref_name and p.shape == q.shape, (name, ref_name)
             q.copy_(p)
-    ref_loss = _step(ref, whole)()
+    ref_loss = step_fn(ref, whole)()
     diffs = {}
     for (name, p), (_, q) in zip(named, ref.named_parameters()):
         scale = float(q.grad.abs().max())

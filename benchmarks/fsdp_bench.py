@@ -98,7 +98,6 @@ GPU unless the unsharded model does not fit there (then with fake tensors and th
 """
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys
@@ -110,20 +109,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _fsdp_plans import COMPILED_ANCHORS, EAGER_ANCHORS, OVERHEADS, plan_rank0, rank_ids  # noqa: E402
+from _rows import (TRACE_PER_RANK, compiled_row, finished, measured_row, prepare, settle, step_fn,  # noqa: E402
+                   timed)
 from _trace import format_breakdown, trace_step  # noqa: E402
 
-import remat  # noqa: E402
-from remat.integrations.collector import EVERY, StepCollector  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
 from remat.planning.sharding import FSDP2_OVERHEADS  # noqa: E402
-from remat.prove.bench import environment, timed_steps  # noqa: E402
+from remat.prove.bench import environment  # noqa: E402
 from remat.prove.collectives import CollectiveCounter  # noqa: E402
 from remat.units import format_size  # noqa: E402
-
-# what every rank reports of its own traced step (rank 0's whole breakdown is in the record)
-TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl_exposed_s", "gpu_idle_s")
-
 
 def parse_args(argv=None):
     p = distributed_parser(__doc__)
@@ -165,7 +160,8 @@ def main(argv=None):
     from remat.profiling._calibrate import bus_rate
     bus = bus_rate() if cuda else None  # a collective: every rank, before rank 0 plans alone
     if args.compile and not cuda:
-        raise SystemExit("--compile runs on CUDA only: the compiled rows are planned from a profile measured on the GPU")
+        raise SystemExit("--compile runs on CUDA only: the compiled rows are planned from a profile measured on "
+                         "the GPU")
     box = [plan_rank0(args, config, dtype, world, cuda, bus, compile=args.compile) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     planned = box[0]
@@ -191,7 +187,7 @@ def main(argv=None):
                 print(_line(records[-1]), flush=True)
             continue
         predicted = planned["anchors"].get(name) or planned["predicted"][name]
-        record = dict(shared, strategy=name, kind="remat" if plan else "anchor", compiled=_compiled(name),
+        record = dict(shared, strategy=name, kind="remat" if plan else "anchor", compiled=compiled_row(name),
                       predicted_peak_bytes=predicted["peak"], predicted_step_s=predicted["step_s"],
                       predicted_compute_s=predicted["compute_s"], predicted_comm_s=predicted["comm_s"],
                       predicted_exposed_comm_s=predicted["exposed_comm_s"],
@@ -208,37 +204,6 @@ def main(argv=None):
     return finished(records, os.path.join(args.out, "fsdp_bench.jsonl"))
 
 
-
-
-def finished(records: list, path: str) -> list:
-    """Rank 0 appends ``records`` to ``path`` (JSON lines); every rank leaves the process group."""
-    if dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-    dist.destroy_process_group()
-    return records
-
-
-def measured_row(record: dict, predicted_peak: int, device, measure) -> dict:
-    """``record`` updated with ``measure()``'s result; skipped with the reason when the predicted
-    peak exceeds 97% of the GPU (an out-of-memory on one rank would leave the others waiting in a
-    collective); a raise is recorded as the row's error (every rank runs the same code, so every
-    rank raises alike and the next row runs)."""
-    cuda = device.type == "cuda"
-    limit = torch.cuda.get_device_properties(device).total_memory if cuda else None
-    if limit and predicted_peak > 0.97 * limit:
-        record["skipped"] = f"predicted peak {format_size(predicted_peak)} > 97% of this GPU's {format_size(limit)}"
-        return record
-    try:
-        record.update(measure())
-    except Exception as e:  # noqa: BLE001 - a crash is a result
-        record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return record
 
 
 def plan_only(args) -> dict:
@@ -260,74 +225,23 @@ def plan_only(args) -> dict:
     return planned
 
 
-def _compiled(name: str) -> bool:
-    """Whether row ``name`` compiles its blocks (``eager+compile``, ``remat+compile@20GiB``)."""
-    return "+compile" in name
-
-
-def _prepare(name, plan, model):
-    """Make ``model`` (on meta) the strategy ``name``; returns the modules to shard, in order,
-    each compiled for a ``+compile`` row."""
-    layers = list(remat.discover(model).block_names)
-    blocks = _checkpointed(name.replace("+compile", ""), plan, model, layers)
-    if _compiled(name):
-        for block in blocks:
-            block.compile()
-    return blocks
-
-
-def _checkpointed(name, plan, model, layers):
-    """``model`` with strategy ``name``'s checkpointing (eager: none); returns its layers."""
-    if name == "torch_ac":
-        from functools import partial
-
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-        layer_types = tuple({type(model.get_submodule(n)) for n in layers})
-        apply_activation_checkpointing(
-            model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: isinstance(m, layer_types))
-        return [model.get_submodule(n) for n in layers]  # the wrappers now sit at the layers' names
-    if name == "hf_full":
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif plan is not None:
-        remat.apply(model, plan)
-    return [model.get_submodule(n) for n in layers]
-
-
-def _settle(cuda) -> int:
-    """Free what earlier rows left (cycles, cached blocks, collectives in flight); this rank's
-    allocated bytes after that (0 on the CPU)."""
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    if cuda:
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated()
-    return 0
-
-
 def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     cuda = device.type == "cuda"
-    before = _settle(cuda)
-    if _compiled(name):  # each compiled row traces its own blocks: no guards or limits spent by earlier rows
+    before = settle(cuda)
+    if compiled_row(name):  # each compiled row traces its own blocks: no guards or limits spent by earlier rows
         torch._dynamo.reset()
     mesh = init_device_mesh(device.type, (world,))
     model = build_model(config, device="meta", dtype=dtype)
     reshard = not args.no_reshard
-    for block in _prepare(name, plan, model):
+    for block in prepare(name, plan, model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)  # FSDP2 never reshards the root after forward
     materialise(model, device, seed=dist.get_rank())
 
-    step = _step(model, ids)
-    times, step_peaks, loss = _timed(step, args, cuda)
+    step = step_fn(model, ids)
+    times, step_peaks, loss = timed(step, args, cuda)
     peaks, befores = [None] * world, [None] * world
     dist.all_gather_object(peaks, max(step_peaks) if cuda else None)
     dist.all_gather_object(befores, before)
@@ -354,37 +268,6 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     return result
 
 
-def _step(model, ids):
-    """The protocol's step on ``model`` (FSDP2-wrapped or not): returns the detached loss."""
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach()
-    return step
-
-
-def _timed(step, args, cuda):
-    """``--warmup`` steps, then ``--steps`` timed ones: (seconds of each, each one's peak
-    allocated bytes (None on the CPU), the last loss). With ``--gc manual`` Python's garbage
-    collector runs before them and not during them: a collection on one rank in the middle of
-    a step holds every other rank at the next collective."""
-    collector = StepCollector(EVERY if args.gc == "manual" else 0)   # what examples/train_fsdp.py runs
-    collector.start()
-    try:
-        timed_steps(step, args.warmup, cuda=cuda)
-        times, step_peaks, loss = [], [], None
-        for _ in range(args.steps):  # the peak of each step, so that one odd step shows
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            seconds, loss = timed_steps(step, 1, cuda=cuda)
-            times += seconds
-            step_peaks.append(torch.cuda.max_memory_allocated() if cuda else None)
-    finally:
-        collector.stop()
-    return times, step_peaks, loss
-
-
 def _single_rows(args, planned, config, dtype, device, ids, shared) -> list:
     """``--single``: rank 0 alone runs the unsharded model, without FSDP and without a process
     group's collectives, on its own batch (``single:eager``, ``single:hf_full``), where its
@@ -407,7 +290,7 @@ def _single_rows(args, planned, config, dtype, device, ids, shared) -> list:
                 record.update(_measure_single(name.split(":")[1], config, dtype, device, ids, args))
             except Exception as e:  # noqa: BLE001 - recorded; the other ranks are waiting at the barrier
                 record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        _settle(cuda)  # rank 0 has freed its model (or its error's); the others waited here
+        settle(cuda)  # rank 0 has freed its model (or its error's); the others waited here
         records.append(record)
         if rank == 0:
             print(_line(record), flush=True)
@@ -422,11 +305,11 @@ def _measure_single(name, config, dtype, device, ids, args) -> dict:
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated() if cuda else 0
     model = build_model(config, device="meta", dtype=dtype)
-    _prepare(name, None, model)
+    prepare(name, None, model)
     materialise(model, device, seed=0)
-    step = _step(model, ids)
+    step = step_fn(model, ids)
     try:
-        times, step_peaks, loss = _timed(step, args, cuda)
+        times, step_peaks, loss = timed(step, args, cuda)
         median = statistics.median(times)
         result = dict(step_s=median, step_s_min=min(times), step_s_max=max(times),
                       tokens_per_s_per_gpu=ids.numel() / median, loss=float(loss),

@@ -3,10 +3,10 @@
 The user's flow is ``plan = remat.plan(model, batch, budget, compile=True); remat.apply(model,
 plan); model.compile()``, or, under FSDP2 as torchtitan trains, each block compiled alone
 before ``fully_shard`` while the root (embeddings, head, loss) runs eager:
-``remat.plan(..., compile="blocks")`` (:data:`SCOPES`). Compile changes every treatment's memory (the bench model's ``full``
-keeps 27.59 GiB eager, 15.79 GiB compiled: AOTAutograd's partitioner saves other tensors than
-eager autograd, and inductor fuses the pointwise ops whose outputs eager keeps) and its time,
-so a compiled plan must be profiled compiled. How:
+``remat.plan(..., compile="blocks")`` (:data:`SCOPES`). Compile changes every treatment's
+memory (the bench model's ``full`` keeps 27.59 GiB eager, 15.79 GiB compiled: AOTAutograd's
+partitioner saves other tensors than eager autograd, and inductor fuses the pointwise ops whose
+outputs eager keeps) and its time, so a compiled plan must be profiled compiled. How:
 
 - A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
   ``torch.compile(block, dynamic=False)`` with a fresh dynamo cache, once per class × treatment)
@@ -62,6 +62,8 @@ from remat.planning.costs import Profile
 
 BACKEND = "inductor"
 SCOPES = ("model", "blocks")
+"""What a compiled plan is made for: ``model`` (``compile=True``), ``model.compile()`` or
+``torch.compile(model)``; ``blocks``, each block compiled alone, the root eager (FSDP2's usual way)."""
 SUBMODULE_PATCHED = ("attention", "mlp")
 """Treatments that patch a sub-module's ``forward`` (the block's attention or MLP), left out of
 ``compile="blocks"`` plans: dynamo guards on the identity of a sub-module's instance ``forward``,
@@ -71,10 +73,8 @@ blocks compiled each alone gave 8 graphs and the limit's warning; ``full`` and `
 patched on the block itself, gave 1; 4 x H200, llama-8b, a 22x selective 10x mlp plan ran 2
 blocks eager, 0.19 GiB over its prediction). A whole compiled model is one frame and has no such
 limit."""
-PER_BLOCK_RECOMPILES = (f"patches a sub-module's forward: compiled block by block, each treated block is a new "
-                        f"dynamo guard and past the recompile limit the rest of them run eager")
-"""What a compiled plan is made for: ``model`` (``compile=True``), ``model.compile()`` or
-``torch.compile(model)``; ``blocks``, each block compiled alone, the root eager (FSDP2's usual way)."""
+PER_BLOCK_RECOMPILES = ("patches a sub-module's forward: compiled block by block, each treated block is a new "
+                        "dynamo guard and past the recompile limit the rest of them run eager")
 REGION_CHECKPOINTS = ("full", "mlp", "attention")
 """Treatments that checkpoint a region whose input the compiled graph saves; their memory is
 calibrated by the ``full`` step (``selective``, op-level, measured within 3 MiB a block)."""

@@ -21,7 +21,8 @@ head's runs eager, as the root runs when only the blocks are compiled); see
 :mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
 than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
 warned), and so are ``attention`` and ``mlp`` for ``compile="blocks"`` (noted; see
-:data:`remat.profiling._compiled.SUBMODULE_PATCHED`); dynamo's cache is reset afterwards, so the user's own compile starts empty.
+:data:`remat.profiling._compiled.SUBMODULE_PATCHED`); dynamo's cache is reset afterwards, so
+the user's own compile starts empty.
 
 Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
 costs; a head mode the model refuses is noted and left out, and a model whose embeddings
