@@ -19,7 +19,9 @@ combines the records (:func:`remat.prove.report.combine_runs`):
 
 Writes into ``--out``: ``run<i>/`` (each run's bench.jsonl, bench.md, bench.png, stderr.log),
 ``frontier.json`` (the combined records, the violations, the runs' exit codes),
-``frontier.md`` and ``frontier.png``. ``--combine DIR...`` only combines runs already made.
+``frontier.md`` and ``frontier.png``. ``--combine DIR...`` only combines runs already made; a
+``DIR`` written ``A+B`` is one run made in parts (a run cut short by a GPU session's end, finished
+in another process: :func:`load_parts`).
 
 Usage (GPU machine, repository root):
     PYTHONPATH=src python3 benchmarks/frontier.py --runs 3 --out "$OUT/frontier" -- \\
@@ -49,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=3, help="fresh-process runs of the whole bench (default 3)")
     p.add_argument("--out", default=os.environ.get("OUT", "frontier"), help="output folder")
     p.add_argument("--combine", nargs="+", metavar="DIR",
-                   help="combine these runs' folders (each holding bench.jsonl) instead of running")
+                   help="combine these runs' folders (each holding bench.jsonl) instead of running; "
+                        "A+B: one run made in two processes")
     p.add_argument("--timeout", type=float, default=None, help="seconds each run may take (default: no limit)")
     args, rest = p.parse_known_args(argv)
     if rest and rest[0] == "--":
@@ -107,6 +110,37 @@ def load_run(folder: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def load_parts(spec: str) -> list:
+    """A run's records from ``spec``: a folder, or ``A+B+...``, one run made in parts (separate
+    processes; each record's ratio is to its own part's eager). A strategy in several parts is
+    counted once, at its worst: a failure in any part, else the lowest ratio to eager."""
+    if os.path.isdir(spec) or "+" not in spec:
+        return load_run(spec)
+    merged = {}
+    for part in spec.split("+"):
+        if not os.path.isdir(part):
+            raise SystemExit(f"--combine {spec}: {part} is not a folder (A+B joins two run folders)")
+        for record in load_run(part):
+            have = merged.get(record["strategy"])
+            if have is None or _worse(record, have):
+                merged[record["strategy"]] = record
+    return list(merged.values())
+
+
+def _run_name(spec: str) -> str:
+    """``run3`` for a run's folder, ``run3+run4`` for one made in parts."""
+    if os.path.isdir(spec) or "+" not in spec:
+        return os.path.basename(spec)
+    return "+".join(os.path.basename(part) for part in spec.split("+"))
+
+
+def _worse(record: dict, than: dict) -> bool:
+    if (record.get("status") == "ok") != (than.get("status") == "ok"):
+        return record.get("status") != "ok"
+    key = "vs_eager" if "vs_eager" in record and "vs_eager" in than else "tokens_per_s"
+    return record.get(key, 0) < than.get(key, 0)
+
+
 def combine(results: list, out: str, targets=None) -> dict:
     """Combine [(folder, exit code, records)] into frontier.json / .md / .png in ``out``."""
     from remat.prove import report
@@ -121,7 +155,7 @@ def combine(results: list, out: str, targets=None) -> dict:
              f"{first.get('model')} batch {first.get('batch')} x {first.get('seq')} {first.get('dtype')}, "
              f"{first.get('gpu') or first.get('device')}, torch {first.get('torch')}, transformers "
              f"{first.get('transformers')}, remat {first.get('remat')}; runs: "
-             + ", ".join(f"{os.path.basename(folder)} exit {code}" for folder, code, _ in results), "",
+             + ", ".join(f"{_run_name(folder)} exit {code}" for folder, code, _ in results), "",
              "### Per budget", "", report.frontier_table(combined, applicable or None, STOCK_MARGIN),
              f"### Monotone in the budget (tolerance {TOLERANCE:.0%})", ""]
     if violations:
@@ -149,7 +183,7 @@ def combine(results: list, out: str, targets=None) -> dict:
 def main(argv=None) -> int:
     args, bench_args = parse_args(argv)
     if args.combine:
-        results = [(folder, "existing", load_run(folder)) for folder in args.combine]
+        results = [(folder, "existing", load_parts(folder)) for folder in args.combine]
     else:
         results = run_all(args.runs, bench_args, args.out, timeout=args.timeout)
     summary = combine(results, args.out)

@@ -321,3 +321,24 @@ def test_stock_compiled_rows_run_without_remats_mask_skip_and_the_mask_skip_row_
     assert records["compile_1"]["mask_skip"] is False
     assert records["compile_1+mask_skip"]["mask_skip"] is True
     assert "mask_skip" not in records["remat:keep"]  # an eager row: the skip acts only under compile
+
+
+def test_frontier_combines_a_run_made_in_parts(tmp_path):
+    """``--combine A+B``: one run whose budgets were measured in two processes (the first cut short);
+    a strategy measured in both parts counts once, at its worst."""
+    frontier = _frontier_module()
+    whole = _one_run()
+    first = [r for r in whole if r["strategy"] != "remat+compile@25GiB"]     # cut before the last plan
+    second = [dict(r, vs_eager=r["vs_eager"] - 0.02) if r["strategy"] == "compile_0.5" else r
+              for r in whole if r["kind"] == "anchor" or r["strategy"] == "remat+compile@25GiB"]
+    for name, records in (("run3", first), ("run4", second), ("run1", whole)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    parts = frontier.load_parts(f"{tmp_path / 'run3'}+{tmp_path / 'run4'}")
+    assert sorted(r["strategy"] for r in parts) == sorted(r["strategy"] for r in whole)
+    assert {r["strategy"]: r for r in parts}["compile_0.5"]["vs_eager"] == pytest.approx(0.95)   # the worse part's
+    combined = {r["strategy"]: r for r in report.combine_runs([load for load in (whole, parts)])}
+    assert combined["remat+compile@25GiB"]["status"] == "ok" and combined["remat+compile@25GiB"]["n_runs"] == 2
+    assert frontier.load_parts(str(tmp_path / "run1")) == whole
+    with pytest.raises(SystemExit, match="not a folder"):
+        frontier.load_parts(f"{tmp_path / 'run3'}+{tmp_path / 'nowhere'}")
