@@ -8,7 +8,8 @@ part), and times the protocol's step (:func:`step_fn`: ``zero_grad``, forward wi
 steps with ``--gc manual``). Between rows :func:`settle` frees what the last one left and lines
 the ranks up. :func:`measured_row` skips a row whose predicted peak would not fit the GPU (an
 out-of-memory on one rank would hang the others in a collective) and records an error every
-rank raises alike; :func:`finished` writes rank 0's records and leaves the process group.
+rank raises alike; :func:`kept` writes each record as its row ends (rank 0), :func:`finished`
+leaves the process group.
 """
 import gc
 import json
@@ -26,13 +27,20 @@ from remat.units import format_size
 TRACE_PER_RANK = ("wall_s", "gpu_span_s", "compute_busy_s", "nccl_busy_s", "nccl_exposed_s", "gpu_idle_s")
 
 
-def finished(records: list, path: str) -> list:
-    """Rank 0 appends ``records`` to ``path`` (JSON lines); every rank leaves the process group."""
+def kept(records: list, record: dict, path: str, line) -> None:
+    """``record`` added to ``records``; rank 0 appends it to ``path`` (JSON lines) at once, so a
+    run cut short (a time limit, a hang in a later row) keeps the rows it finished, and prints
+    ``line(record)``."""
+    records.append(record)
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record) + "\n")
+        print(line(record), flush=True)
+
+
+def finished(records: list) -> list:
+    """Every rank leaves the process group; returns ``records``."""
     dist.destroy_process_group()
     return records
 

@@ -56,7 +56,7 @@ far more than 1e-4. TF32 is switched off for the check (it would round matmul in
 bits). The record (``"strategy": "grad_check"``) carries the plan, both losses, the largest
 difference and every parameter's.
 
-Rank 0 writes one JSON line per row to ``--out/ddp_bench.jsonl`` and prints a table.
+Rank 0 appends one JSON line per row to ``--out/ddp_bench.jsonl`` as each row ends, and prints it.
 
 Limits: DDP's own arguments are not varied (buckets, ``static_graph``,
 ``gradient_as_bucket_view``); the predictions are whatever ``remat.plan(..., ddp_world=)``
@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
 from _fsdp_plans import gpu_rates, rank_ids  # noqa: E402
-from _rows import TRACE_PER_RANK, finished, measured_row, prepare, settle, step_fn, timed  # noqa: E402
+from _rows import TRACE_PER_RANK, finished, kept, measured_row, prepare, settle, step_fn, timed  # noqa: E402
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -136,7 +136,7 @@ def main(argv=None):
     ids = rank_ids(config, args.batch, args.seq, device, rank)
     shared = dict(environment(device), model=args.model, batch_per_rank=args.batch, seq=args.seq, world=world,
                   dtype=str(dtype).replace("torch.", ""), profile=planned["profile"], parallel="ddp", gc=args.gc)
-    records = []
+    records, path = [], os.path.join(args.out, "ddp_bench.jsonl")
     for name, plan in rows:
         if isinstance(plan, dict):  # a budget no plan fits
             record = dict(shared, strategy=name, kind="remat", budget_bytes=plan["budget"], skipped=plan["error"])
@@ -151,19 +151,15 @@ def main(argv=None):
                               offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
             measured_row(record, notes["predicted_peak_bytes"], device,
                          lambda: _measure(name, plan, config, dtype, device, ids, world, args))
-        records.append(record)
-        if rank == 0:
-            print(_line(record), flush=True)
+        kept(records, record, path, _line)
     if not args.no_grad_check:
         record = dict(shared, strategy="grad_check", kind="grad_check")
         try:
             record.update(_grad_check(args, planned, grad_config, device, world))
         except Exception as e:  # noqa: BLE001
             record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        records.append(record)
-        if rank == 0:
-            print(_line(record), flush=True)
-    return finished(records, os.path.join(args.out, "ddp_bench.jsonl"))
+        kept(records, record, path, _line)
+    return finished(records)
 
 
 def _grad_config(args):

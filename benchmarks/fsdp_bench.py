@@ -43,8 +43,8 @@ Protocol (as ``remat bench``): a step is ``zero_grad(set_to_none=True)``, forwar
 collector runs before them and is off while they run, as torchtitan and torchtnt train, since a
 collection on one rank stalls the others at the next collective), then one more step under
 :class:`remat.prove.collectives.CollectiveCounter` for the all-gathers, reduce-scatters and
-all-reduces per step. Rank 0 writes one JSON line per strategy to ``--out/fsdp_bench.jsonl``:
-predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
+all-reduces per step. Rank 0 appends one JSON line per strategy to ``--out/fsdp_bench.jsonl`` as
+each row ends: predicted and measured peak (the largest rank's ``torch.cuda.max_memory_allocated`` and every
 rank's), step time (median, min, max), tokens/s per GPU, collectives per step, the loss, the
 GPU and versions. Predicted step times include FSDP2's collectives: the bus rate is timed on
 the process group before planning (:func:`remat.profiling._calibrate.bus_rate`, every rank; the
@@ -109,8 +109,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _fsdp_plans import COMPILED_ANCHORS, EAGER_ANCHORS, OVERHEADS, plan_rank0, rank_ids  # noqa: E402
-from _rows import (TRACE_PER_RANK, compiled_row, finished, measured_row, prepare, settle, step_fn,  # noqa: E402
-                   timed)
+from _rows import (TRACE_PER_RANK, compiled_row, finished, kept, measured_row, prepare, settle,  # noqa: E402
+                   step_fn, timed)
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -178,13 +178,12 @@ def main(argv=None):
                   profile_calibration=planned["calibration"], gc=args.gc,  # the measured profile's in-step calibration
                   compile_calibration=planned.get("compile_calibration"),
                   overheads=dataclasses.asdict(FSDP2_OVERHEADS))  # what benchmarks/fit_overheads.py refits
-    records = _single_rows(args, planned, config, dtype, device, ids, shared) if args.single else []
+    path = os.path.join(args.out, "fsdp_bench.jsonl")
+    records = _single_rows(args, planned, config, dtype, device, ids, shared, path) if args.single else []
     for name, plan in rows:
         if isinstance(plan, dict):  # a budget that no plan fits (offload, say, on the CPU)
-            records.append(dict(shared, strategy=name, kind="remat", budget_bytes=plan["budget"],
-                                budget_rule=plan["rule"], skipped=plan["error"]))
-            if rank == 0:
-                print(_line(records[-1]), flush=True)
+            kept(records, dict(shared, strategy=name, kind="remat", budget_bytes=plan["budget"],
+                               budget_rule=plan["rule"], skipped=plan["error"]), path, _line)
             continue
         predicted = planned["anchors"].get(name) or planned["predicted"][name]
         record = dict(shared, strategy=name, kind="remat" if plan else "anchor", compiled=compiled_row(name),
@@ -198,10 +197,8 @@ def main(argv=None):
                           offloads=any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values()))
         measured_row(record, predicted["peak"], device,
                      lambda: _measure(name, plan, config, dtype, device, ids, world, args))
-        records.append(record)
-        if rank == 0:
-            print(_line(record), flush=True)
-    return finished(records, os.path.join(args.out, "fsdp_bench.jsonl"))
+        kept(records, record, path, _line)
+    return finished(records)
 
 
 
@@ -268,7 +265,7 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     return result
 
 
-def _single_rows(args, planned, config, dtype, device, ids, shared) -> list:
+def _single_rows(args, planned, config, dtype, device, ids, shared, path) -> list:
     """``--single``: rank 0 alone runs the unsharded model, without FSDP and without a process
     group's collectives, on its own batch (``single:eager``, ``single:hf_full``), where its
     predicted peak fits this GPU; the other ranks wait at a barrier. Every rank returns the
@@ -291,9 +288,7 @@ def _single_rows(args, planned, config, dtype, device, ids, shared) -> list:
             except Exception as e:  # noqa: BLE001 - recorded; the other ranks are waiting at the barrier
                 record["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         settle(cuda)  # rank 0 has freed its model (or its error's); the others waited here
-        records.append(record)
-        if rank == 0:
-            print(_line(record), flush=True)
+        kept(records, record, path, _line)
     return records
 
 
