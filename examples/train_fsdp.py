@@ -52,11 +52,13 @@ import torch.distributed as dist
 import remat
 from remat.integrations.collector import StepCollector
 from remat.integrations.presets import build_model, load_config, materialise
+from remat.planning.costs import MEASURED_TREATMENTS
+from remat.profiling._compiled import SUBMODULE_PATCHED
 
-PER_BLOCK_COMPILABLE = ("keep", "full", "selective")
-"""What an eager plan for ``--compile`` may use when it cannot be measured compiled: offload
-splits a compiled graph at its hooks, and ``attention``/``mlp`` patch a sub-module, which
-recompiles for every block compiled alone (``remat.profiling._compiled.SUBMODULE_PATCHED``)."""
+PER_BLOCK_COMPILABLE = tuple(t for t in MEASURED_TREATMENTS if t not in SUBMODULE_PATCHED)
+"""What an eager plan for ``--compile`` may use when it cannot be measured compiled (keep, full,
+selective): the measured treatments, so no offload (it splits a compiled graph at its hooks),
+less ``attention``/``mlp``, which patch a sub-module and recompile for every block compiled alone."""
 
 
 def main(argv=None):
@@ -158,17 +160,17 @@ def _plan_on_rank0(model, config, args, rank, world, cuda):
         elif args.plan:
             plan = _spec_plan(model, args.plan)
         else:
-            plan = (_compiled_plan(config, args, world, model) if args.compile and cuda else None) or \
+            dtype = next(model.parameters()).dtype
+            plan = (_compiled_plan(config, args, world, dtype) if args.compile and cuda else None) or \
                 _fake_plan(model, args, world, cuda)
         box[0] = plan.to_dict()
     dist.broadcast_object_list(box, src=0)
     return remat.Plan.from_dict(box[0], source="the plan broadcast by rank 0")
 
 
-def _compiled_plan(config, args, world, meta_model):
+def _compiled_plan(config, args, world, dtype):
     """The plan for every block compiled alone (``compile="blocks"``), measured on rank 0's GPU
     with the unsharded model at random weights; None (and why, on stderr) when it does not fit."""
-    dtype = next(meta_model.parameters()).dtype
     model = None
     try:
         model = build_model(config, device="cuda", dtype=dtype)

@@ -285,5 +285,6 @@ def test_train_fsdp_compile_plans_among_what_compiles_block_by_block():
     for compile in (False, True):
         args = types.SimpleNamespace(batch=2, seq=64, budget="5MiB", gpu="h100", compile=compile)
         chosen[compile] = set(train_fsdp._fake_plan(model, args, 2, cuda=False).blocks.values())
+    assert set(train_fsdp.PER_BLOCK_COMPILABLE) == {"keep", "full", "selective"}
     assert chosen[True] and chosen[True] <= set(train_fsdp.PER_BLOCK_COMPILABLE), chosen
     assert chosen[False] - set(train_fsdp.PER_BLOCK_COMPILABLE), chosen  # the budget where eager picks one of them

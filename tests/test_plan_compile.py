@@ -246,12 +246,15 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
         assert ("compile:mlp" in body.notes) == per_block
 
 
-def test_compiled_blocks_compiles_each_block_alone_and_restores_them():
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
     """:func:`compiled_blocks`: inside, each block's call is compiled (the root is not) and the loss
-    is eager's; outside, every block is as it was."""
+    is eager's; outside, every block is as it was. With ``use_cache`` on, as ``from_pretrained``
+    gives a model (the blocks then get the cache object), and off, as trainers set it."""
     from remat.profiling._compiled import compiled_blocks
     from remat.treat.discovery import discover
     model = _tiny().train()
+    model.config.use_cache = use_cache
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     named = discover(model).blocks(model)
     eager_loss = model(input_ids=ids, labels=ids).loss

@@ -134,12 +134,6 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def runs_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` runs compiled: a ``torch.compile`` wrapper, or ``Module.compile()`` called on
-    it or any of its modules (per-block compile)."""
-    return compile_scope_of(model) is not None
-
-
 def compile_scope_of(model: nn.Module) -> Optional[str]:
     """How ``model`` runs compiled, as plans name it: ``"model"`` (a ``torch.compile`` wrapper, or
     ``Module.compile()`` on the model itself), ``"blocks"`` (``Module.compile()`` on modules inside
