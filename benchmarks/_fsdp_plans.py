@@ -89,7 +89,7 @@ def plan_rank0(args, config, dtype, world, cuda, bus=None, *, gpu=None, offload=
     out["single"] = {f"single:{name}": predicted(simulate(prof, spec, head="plain"))
                      for name, spec in EAGER_ANCHORS if name != "torch_ac"}
     if compiled is not None:
-        plain = [t for t in compiled.treatments(0) if t in treatments]  # no offload, nor what recompiles per block
+        plain = [t for t in compiled.treatments(0) if t in treatments]  # no offload under compile
         _solved(out, "remat+compile", compiled, given or compiled_budgets(compiled, sharded), plain)
         out["anchors"].update({name: predicted(simulate(compiled, spec, head="plain"))
                                for name, spec in COMPILED_ANCHORS})

@@ -22,8 +22,8 @@ How, on every rank:
    plans with ``compile="blocks"`` (each block class x treatment measured compiled, the
    embeddings and head eager; see ``remat.profiling._compiled``). Where the unsharded model
    does not fit rank 0's GPU (or on the CPU) it plans eager with fake tensors among the
-   treatments that compile block by block (``keep``, ``full``, ``selective``: no offload,
-   which splits a compiled graph, nor ``attention``/``mlp``, which recompile per block): an eager
+   treatments that compile block by block (the measured ones: no offload, which splits a
+   compiled graph at its hooks): an eager
    plan's memory is an over-estimate under compile, its step time an under-estimate of the gain.
 4. ``to_empty`` on the device and the model's own weight init (each rank initialises only its
    shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
@@ -53,12 +53,6 @@ import remat
 from remat.integrations.collector import StepCollector
 from remat.integrations.presets import build_model, load_config, materialise
 from remat.planning.costs import MEASURED_TREATMENTS
-from remat.profiling._compiled import SUBMODULE_PATCHED
-
-PER_BLOCK_COMPILABLE = tuple(t for t in MEASURED_TREATMENTS if t not in SUBMODULE_PATCHED)
-"""What an eager plan for ``--compile`` may use when it cannot be measured compiled (keep, full,
-selective): the measured treatments, so no offload (it splits a compiled graph at its hooks),
-less ``attention``/``mlp``, which patch a sub-module and recompile for every block compiled alone."""
 
 
 def main(argv=None):
@@ -190,7 +184,7 @@ def _fake_plan(model, args, world, cuda):
     among the treatments that compile block by block."""
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     gpu = args.gpu or (_gpu_name() if cuda else "cpu")
-    treatments = PER_BLOCK_COMPILABLE if args.compile else None
+    treatments = MEASURED_TREATMENTS if args.compile else None  # no offload: it splits a compiled graph
     return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
 
 

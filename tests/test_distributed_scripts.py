@@ -269,22 +269,29 @@ def test_trace_events_from_kineto():
     assert events_from_kineto(raw) == [("Memcpy HtoD (Pinned -> Device)", 1.0, 0.5, 30), (GEMM, 9.0, 2.0, 7)]
 
 
-def test_train_fsdp_compile_plans_among_what_compiles_block_by_block():
-    """``--compile`` without a GPU to measure on: the eager plan uses only treatments that compile
-    block by block (no offload, no attention/mlp); without ``--compile`` the same budget may use them."""
+def test_train_fsdp_compile_plans_among_what_compiles_block_by_block(monkeypatch):
+    """``--compile`` without a GPU to measure on: the eager plan is asked among the treatments that
+    compile block by block (the measured ones: no offload, attention and mlp included); without
+    ``--compile`` among all of them."""
     import importlib.util
 
     import torch
 
     from remat.integrations.presets import build_model, load_config
+    from remat.planning.costs import MEASURED_TREATMENTS
     spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
     train_fsdp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_fsdp)
     model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.float32)
-    chosen = {}
+    real_plan, asked, chosen = train_fsdp.remat.plan, [], {}
+
+    def plan(*args, treatments=None, **kwargs):
+        asked.append(treatments)
+        return real_plan(*args, treatments=treatments, **kwargs)
+    monkeypatch.setattr(train_fsdp.remat, "plan", plan)
     for compile in (False, True):
         args = types.SimpleNamespace(batch=2, seq=64, budget="5MiB", gpu="h100", compile=compile)
         chosen[compile] = set(train_fsdp._fake_plan(model, args, 2, cuda=False).blocks.values())
-    assert set(train_fsdp.PER_BLOCK_COMPILABLE) == {"keep", "full", "selective"}
-    assert chosen[True] and chosen[True] <= set(train_fsdp.PER_BLOCK_COMPILABLE), chosen
-    assert chosen[False] - set(train_fsdp.PER_BLOCK_COMPILABLE), chosen  # the budget where eager picks one of them
+    assert asked == [None, MEASURED_TREATMENTS]
+    assert chosen[True] and chosen[True] <= set(MEASURED_TREATMENTS), chosen
+    assert "mlp" in chosen[True], chosen  # the treatment that used to be left out, chosen at this budget

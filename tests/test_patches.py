@@ -195,13 +195,53 @@ def test_treated_model_saves_loads_and_trains_like_eager(spec, recwarn):
     assert patches.patches(loaded) == [] and "forward" not in loaded.model.layers[0].__dict__
 
 
-@pytest.mark.parametrize("spec", ["full", "offload", "full+offload"])
+@pytest.mark.parametrize("spec", ["full", "offload", "full+offload", "mlp", "attention"])
 def test_deepcopy_and_pickle_of_a_treated_model(spec, recwarn):
     model, make_inputs = _llama(use_cache=False)
     remat.apply(model, spec)
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert all(p.module is m for m in copied.modules() for p in m.__dict__.get("_remat_patches", ()))
+        # a sub-module's bound forward (mlp, attention) is bound to the copy's own patch
+        assert all(m.forward.__self__ is p for m in copied.modules() for p in m.__dict__.get("_remat_patches", ())
+                   if p.attribute == "forward" and isinstance(m.forward, types.MethodType))
         assert_same_step(treated=copied, reference=model, make_inputs=make_inputs)
+
+
+# ------------------------------------------------------------------ compiled block by block
+
+@pytest.mark.parametrize("spec", ["mlp", "attention", "full"])
+def test_blocks_compiled_each_alone_share_their_graphs(spec, recwarn):
+    """FSDP2's per-block compile (``block.compile()`` on every block): the blocks of one class share
+    their compiled graphs, as many with four blocks compiled as with one (torch 2.6 breaks the graph
+    inside a sub-module's checkpoint: more than one graph, but the same count). A sub-module's
+    patched forward (``mlp``, ``attention``) installed as a partial was a new dynamo guard per block
+    (past ``recompile_limit`` the rest ran eager). Loss and gradients stay eager's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ids = torch.randint(0, 64, (2, 12))
+    graphs = {}
+    for compiled in (1, 4):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).train()
+        reference = copy.deepcopy(model)
+        remat.apply(model, spec)
+        graphs[compiled] = []
+
+        def counting_backend(graph_module, example_inputs):
+            graphs[compiled].append(graph_module)
+            return graph_module.forward
+        torch._dynamo.reset()
+        try:
+            for block in model.model.layers[:compiled]:
+                block.compile(backend=counting_backend)
+            for m in (model, reference):
+                m(input_ids=ids, labels=ids).loss.backward()
+        finally:
+            torch._dynamo.reset()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert graphs[1] and len(graphs[4]) == len(graphs[1]), {k: len(v) for k, v in graphs.items()}
 
 
 # ------------------------------------------------------------------ what users' tools read

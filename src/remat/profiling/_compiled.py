@@ -64,17 +64,6 @@ BACKEND = "inductor"
 SCOPES = ("model", "blocks")
 """What a compiled plan is made for: ``model`` (``compile=True``), ``model.compile()`` or
 ``torch.compile(model)``; ``blocks``, each block compiled alone, the root eager (FSDP2's usual way)."""
-SUBMODULE_PATCHED = ("attention", "mlp")
-"""Treatments that patch a sub-module's ``forward`` (the block's attention or MLP), left out of
-``compile="blocks"`` plans: dynamo guards on the identity of a sub-module's instance ``forward``,
-so every treated block of a class is a new guard on the one compiled code object, and after
-``torch._dynamo.config.recompile_limit`` (8) blocks the rest run eager (measured: 12 ``mlp``
-blocks compiled each alone gave 8 graphs and the limit's warning; ``full`` and ``selective``,
-patched on the block itself, gave 1; 4 x H200, llama-8b, a 22x selective 10x mlp plan ran 2
-blocks eager, 0.19 GiB over its prediction). A whole compiled model is one frame and has no such
-limit."""
-PER_BLOCK_RECOMPILES = ("patches a sub-module's forward: compiled block by block, each treated block is a new "
-                        "dynamo guard and past the recompile limit the rest of them run eager")
 REGION_CHECKPOINTS = ("full", "mlp", "attention")
 """Treatments that checkpoint a region whose input the compiled graph saves; their memory is
 calibrated by the ``full`` step (``selective``, op-level, measured within 3 MiB a block)."""

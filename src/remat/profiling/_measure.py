@@ -20,9 +20,7 @@ block's compiled call and with the model compiled around the stubs (``compile="b
 head's runs eager, as the root runs when only the blocks are compiled); see
 :mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
 than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
-warned), and so are ``attention`` and ``mlp`` for ``compile="blocks"`` (noted; see
-:data:`remat.profiling._compiled.SUBMODULE_PATCHED`); dynamo's cache is reset afterwards, so
-the user's own compile starts empty.
+warned); dynamo's cache is reset afterwards, so the user's own compile starts empty.
 
 Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
 costs; a head mode the model refuses is noted and left out, and a model whose embeddings
@@ -41,7 +39,6 @@ from remat.profiling._blocks import _block_cost
 from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
 from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, ProfileBody
-from remat.profiling._compiled import PER_BLOCK_RECOMPILES, SUBMODULE_PATCHED
 
 
 class MissingLoss(TypeError):
@@ -80,9 +77,6 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         args, kwargs = capture.inputs[index]
         costs = {}
         for treatment in MEASURED_TREATMENTS:
-            if backend is not None and scope == "blocks" and treatment in SUBMODULE_PATCHED:
-                skipped[f"compile:{treatment}"] = PER_BLOCK_RECOMPILES
-                continue
             say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment}"
                 + ("" if backend is None else " (compiling it: tens of seconds on a large block)"))
             try:

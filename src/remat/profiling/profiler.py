@@ -119,9 +119,8 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     raises ValueError rather than returning eager numbers as compiled ones. Dynamo's caches are
     reset when it is done (anything else compiled in the process recompiles on its next call).
     ``compile="blocks"``: each block compiled alone and the rest eager, as FSDP2 trains compiled
-    (``block.compile()`` on every block before ``fully_shard``), without the ``attention`` and
-    ``mlp`` treatments (they recompile per block there: :data:`remat.profiling._compiled.SUBMODULE_PATCHED`);
-    ``notes["compile_scope"]`` says which (``model`` for ``compile=True``).
+    (``block.compile()`` on every block before ``fully_shard``); ``notes["compile_scope"]`` says
+    which (``model`` for ``compile=True``).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")

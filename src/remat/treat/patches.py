@@ -18,11 +18,21 @@ and one uninstall path.
 
 Installed methods are ``functools.partial(_dispatch, patch)`` objects (:class:`_Method`) whose function is a
 module-level function and whose patch refers to the module. That is what makes a treated
-model pickle, ``torch.save``/``torch.load`` and ``copy.deepcopy`` (a bound method made with
-``types.MethodType`` pickles as ``getattr(module, name)``, which fails on load; a copied
-partial refers to the copied module). The patched function is called as
-``function(patch, *args, **kwargs)``; ``patch.call_previous(*args, **kwargs)`` runs what was
-there before (the class's method, or the instance attribute remat replaced).
+model pickle, ``torch.save``/``torch.load`` and ``copy.deepcopy`` (a method bound to the
+module pickles as ``getattr(module, name)``, which fails on load; a copied partial refers to
+the copied module). The patched function is called as ``function(patch, *args, **kwargs)``;
+``patch.call_previous(*args, **kwargs)`` runs what was there before (the class's method, or
+the instance attribute remat replaced).
+
+``install(..., bound=True)`` installs the patch's own bound method :meth:`Patch.run` instead,
+for a sub-module's ``forward`` that runs inside a compiled frame shared by many modules (a
+block's attention or MLP, each block compiled alone): dynamo guards a sub-module's instance
+``forward`` by identity, so every block's partial was a new guard on the one compiled code and
+past ``recompile_limit`` (8) blocks the rest ran eager; a bound method it guards by its
+function's code, the same for every patch. It pickles as ``getattr(patch, "run")``, which
+works on load, and deep-copies to the copied patch. Its signature is ``(*args, **kwargs)``:
+keep the partial where callers read the signature (a model's own ``forward``: the Trainer
+filters dataset columns by it).
 
 :func:`suspended` takes every remat patch off a model and puts the same patches back
 afterwards (the planner profiles a model that already has a plan, and must leave it as
@@ -75,6 +85,10 @@ class Patch:
             return self.previous(*args, **kwargs)
         return getattr(type(self.module), self.attribute)(self.module, *args, **kwargs)
 
+    def run(self, *args, **kwargs):
+        """The installed method of ``install(..., bound=True)``."""
+        return _dispatch(self, *args, **kwargs)
+
     def __setstate__(self, state):
         # loaded (pickle, deepcopy): later installs must still sort after this one
         self.__dict__.update(state)
@@ -100,12 +114,15 @@ def _dispatch(patch: Patch, *args, **kwargs):
     return patch.function(patch, *args, **kwargs)
 
 
-def install(module: nn.Module, attribute: str, function: Callable, *, tag: str, state=None) -> Patch:
+def install(module: nn.Module, attribute: str, function: Callable, *, tag: str, state=None,
+            bound: bool = False) -> Patch:
     """Replace method ``attribute`` of this one module by ``function(patch, *args, **kwargs)``.
 
-    ``function`` must be a module-level function (it is pickled by name)."""
+    ``function`` must be a module-level function (it is pickled by name). ``bound``: install
+    ``patch.run`` (traced by dynamo without an identity guard, signature not kept) instead of
+    the signature-keeping partial."""
     patch = Patch(module, attribute, tag, function, None, module.__dict__.get(attribute, _MISSING), state)
-    patch.value = _Method(_dispatch, patch)
+    patch.value = patch.run if bound else _Method(_dispatch, patch)
     return _put(patch)
 
 

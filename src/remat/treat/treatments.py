@@ -23,7 +23,8 @@ Treatments:
 - ``selective``: the same checkpoint with an op-level policy: outputs of matmuls and
   attention kernels are saved, everything else (norms, activations, elementwise) is
   recomputed. No matmul runs twice (the policy and its in-place guard: :mod:`remat.treat.selective`).
-- ``attention`` / ``mlp``: ``full`` applied to that sub-module only.
+- ``attention`` / ``mlp``: ``full`` applied to that sub-module only (its ``forward`` patched as
+  a bound method, so blocks compiled each alone share one compiled graph: :mod:`remat.treat.patches`).
 - ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
   checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
 - ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
@@ -108,7 +109,8 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
         state = TreatmentState("full", None, key)
     for target in targets:
         stats = tuple(m for m in target.modules() if _has_running_stats(m))
-        patches.install(target, "forward", _treated_forward, tag=_TAG,
+        # a sub-module's forward as a bound method: blocks compiled each alone share one guard
+        patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
                         state=TreatmentState(state.treatment, state.engine, state.key, stats, *segment))
     patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
 
