@@ -103,6 +103,20 @@ def _checkpointed(name, plan, model, layers):
     return [model.get_submodule(n) for n in layers]
 
 
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+"""Caching-allocator events that synchronise the host with the GPU (``cudaMalloc``/``cudaFree``, a
+retry that frees the cache to allocate again): a rank that meets one mid-step stalls, and every
+other rank waits for it at the next collective."""
+
+
+def allocator_events(cuda) -> dict:
+    """This rank's :data:`ALLOCATOR_EVENTS` since :func:`timed`'s warm-up ended ({} on the CPU)."""
+    if not cuda:
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ALLOCATOR_EVENTS}
+
+
 def settle(cuda) -> int:
     """Free what earlier rows left (cycles, cached blocks, collectives in flight); this rank's
     allocated bytes after that (0 on the CPU)."""
@@ -130,11 +144,14 @@ def timed(step, args, cuda):
     """``--warmup`` steps, then ``--steps`` timed ones: (seconds of each, each one's peak
     allocated bytes (None on the CPU), the last loss). With ``--gc manual`` Python's garbage
     collector runs before them and not during them: a collection on one rank in the middle of
-    a step holds every other rank at the next collective."""
+    a step holds every other rank at the next collective. The allocator's event counts start
+    at zero after the warm-up: :func:`allocator_events` right after this reads the timed steps'."""
     collector = StepCollector(EVERY if args.gc == "manual" else 0)   # what examples/train_fsdp.py runs
     collector.start()
     try:
         timed_steps(step, args.warmup, cuda=cuda)
+        if cuda:
+            torch.cuda.reset_accumulated_memory_stats()
         times, step_peaks, loss = [], [], None
         for _ in range(args.steps):  # the peak of each step, so that one odd step shows
             if cuda:

@@ -89,7 +89,9 @@ builds its model: what earlier rows left) and ``step_peaks_bytes`` (rank 0's pea
 step, reset before each). ``peak_bytes`` is the largest rank's peak less what that rank had
 allocated before the row, so memory an earlier row left behind is never charged to this one
 (``peak_bytes_raw`` keeps the allocator's number). A row alone (``--strategies torch_ac``) is
-the check that a row's peak does not depend on the rows before it.
+the check that a row's peak does not depend on the rows before it. ``allocator_per_rank``: each
+rank's caching-allocator events in the timed steps (``cudaMalloc``/``cudaFree`` calls and retries,
+each a host stall that holds the other ranks at the next collective; ``_rows.ALLOCATOR_EVENTS``).
 
 A strategy whose predicted peak exceeds the GPU is skipped with the reason
 (an out-of-memory on one rank would leave the others waiting in a collective); one that raises
@@ -109,8 +111,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _fsdp_plans import COMPILED_ANCHORS, EAGER_ANCHORS, OVERHEADS, plan_rank0, rank_ids  # noqa: E402
-from _rows import (TRACE_PER_RANK, compiled_row, finished, kept, measured_row, prepare, settle,  # noqa: E402
-                   step_fn, timed)
+from _rows import (TRACE_PER_RANK, allocator_events, compiled_row, finished, kept, measured_row,  # noqa: E402
+                   prepare, settle, step_fn, timed)
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -239,9 +241,10 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
 
     step = step_fn(model, ids)
     times, step_peaks, loss = timed(step, args, cuda)
-    peaks, befores = [None] * world, [None] * world
+    peaks, befores, events = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(peaks, max(step_peaks) if cuda else None)
     dist.all_gather_object(befores, before)
+    dist.all_gather_object(events, allocator_events(cuda))
     with CollectiveCounter() as counter:
         step()
     dist.all_reduce(loss)
@@ -252,7 +255,7 @@ def _measure(name, plan, config, dtype, device, ids, world, args) -> dict:
     if cuda:
         own = [p - b for p, b in zip(peaks, befores)]
         result.update(peak_bytes=max(own), peak_bytes_per_rank=own, peak_bytes_raw=max(peaks),
-                      allocated_before_bytes=befores, step_peaks_bytes=step_peaks)
+                      allocated_before_bytes=befores, step_peaks_bytes=step_peaks, allocator_per_rank=events)
     if args.trace:  # after the timed and the counted steps: the profiler slows a step
         summary = trace_step(step, cuda=cuda)
         per_rank = [None] * world
