@@ -258,6 +258,47 @@ def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
     model.blocks[0](x).sum().backward()
 
 
+def test_selective_guard_watches_the_first_forward_of_each_call_structure(monkeypatch):
+    """The in-place guard's per-op dispatch runs on a block's first forward of each call structure
+    (arguments, keywords, which are None) and is skipped after one passes; a forward it refused
+    is watched again, and gradients are the same with and without it."""
+    from remat.treat import selective
+    watched = []
+
+    class CountingGuard(selective._KeptOutputGuard):
+        def __enter__(self):
+            watched.append(self)
+            return super().__enter__()
+    monkeypatch.setattr(selective, "_KeptOutputGuard", CountingGuard)
+    model, make_inputs = FAMILIES["llama"]()
+    reference = copy.deepcopy(model)
+    remat.apply(model, "selective")
+    blocks = len(model.model.layers)
+    for step in range(2):
+        assert_same_step(treated=model, reference=reference, make_inputs=make_inputs)
+        assert len(watched) == blocks, step  # each block once, on the first step only
+    padded = torch.ones(2, 11, dtype=torch.long)
+    padded[0, :2] = 0  # a padding mask reaches the blocks: another call structure, watched again
+    model(**make_inputs(), attention_mask=padded)
+    assert len(watched) == 2 * blocks
+
+    class Mutating(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            scores = torch.matmul(self.proj(x), self.proj.weight)
+            scores += 1.0
+            return scores.softmax(-1)
+    bad = torch.nn.Module()
+    bad.blocks = torch.nn.ModuleList([Mutating()])
+    remat.apply(bad, "selective", blocks="blocks")
+    for _ in range(2):  # refused, and so still watched
+        with pytest.raises(ValueError, match="modifies in place"):
+            bad.blocks[0](torch.randn(2, 3, 8, requires_grad=True)).sum().backward()
+
+
 def test_a_forward_that_raises_leaves_no_checkpoint_state_entered():
     """Torch < 2.7 leaves a checkpoint's saved-tensor hooks and ``context_fn`` modes entered when
     the forward raises, for as long as the traceback lives (here ``info`` keeps it): remat closes

@@ -28,6 +28,7 @@ should not wait on it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -99,7 +100,8 @@ def _hf_native(every_n_layers: int = 1, offload: bool = False):
 
 def _hf_sac(model, batch):
     from remat.treat.selective import selective_context
-    _enable_hf(model, {"use_reentrant": False, "context_fn": selective_context})
+    # torch's selective-checkpoint modes as a user sets them, without remat's in-place guard
+    _enable_hf(model, {"use_reentrant": False, "context_fn": functools.partial(selective_context, guard=False)})
     return model, contextlib.nullcontext, None
 
 

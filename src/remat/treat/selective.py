@@ -4,17 +4,21 @@ refuses a block the policy would give wrong gradients.
 How: :func:`selective_context` is the ``context_fn`` of the block's non-reentrant checkpoint
 (:mod:`remat.treat.treatments`): torch's selective-checkpoint modes save the outputs of the ops
 in :func:`saved_ops` (matmuls and attention kernels) and recompute everything else in
-backward, so no matmul runs twice. In eager mode the forward also runs under
+backward, so no matmul runs twice. In eager mode a block's first forward of each call
+structure (:func:`remat.treat.treatments._call_structure`) also runs under
 :class:`_KeptOutputGuard`, which raises where an op writes in place into a kept output: torch's
 own check misses a mutation made through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors
 returns one), and the recompute would apply it twice and silently change the gradients
-(transformers < 5 T5 does ``scores += position_bias``). Under ``torch.compile`` torch wants its
-own two modes untouched, so the guard is left out there.
+(transformers < 5 T5 does ``scores += position_bias``). Such a write is in the block's code, so
+later forwards of the same structure skip the guard's per-op dispatch. Under ``torch.compile``
+torch wants its own two modes untouched, so the guard is left out there.
 
 Cost: every op of a selective block's forward and recompute passes through torch's caching mode
-in Python (and, eager, through the guard): host time, and garbage that makes Python's collector
-run more often. Under several ranks a collection mid-step holds the others at the next
-collective (``benchmarks/results/issue12``): keep the collector out of the steps there.
+in Python: host time (a tiny Llama block's forward and backward on a CPU, where the host is all
+of it: several times ``keep``'s, the guard about a quarter of that), and garbage that makes Python's collector run more often.
+Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
+others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
+steps there.
 """
 from __future__ import annotations
 
@@ -37,18 +41,18 @@ def saved_ops() -> frozenset:
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
-def selective_context():
+def selective_context(guard: bool = True):
     """Context pair for ``checkpoint(context_fn=...)``: save matmul/attention outputs.
 
-    In eager mode the forward also runs under :class:`_KeptOutputGuard`, which refuses a
-    block that modifies a kept output in place: torch's own check misses a mutation made
-    through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors returns one), and the
+    With ``guard``, in eager mode, the forward also runs under :class:`_KeptOutputGuard`, which
+    refuses a block that modifies a kept output in place: torch's own check misses a mutation
+    made through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors returns one), and the
     recompute would then apply the mutation twice and silently change the gradients
     (transformers < 5 T5 does ``scores += position_bias``).
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     forward, recompute = create_selective_checkpoint_contexts(list(saved_ops()))
-    if _tracing():
+    if not guard or _tracing():
         return forward, recompute
     return _Both(forward, _KeptOutputGuard()), recompute
 
