@@ -42,6 +42,21 @@ recompute included (65 all-gathers, 33 reduce-scatters per step for every treatm
 32-layer model, ``benchmarks/results/issue12``). How the collectives overlap compute is the
 simulator's (:mod:`remat.planning.simulator`).
 
+Host: under FSDP2 a block's phase waits for its host where the host's seconds to issue it are
+too large a share of its GPU seconds. Without FSDP the host runs far ahead of the GPU and a
+block's host time hides (the profile's chains measure the block as the step queues it); FSDP2's
+hooks add host work to every block (its all-gather, reshard and reduce-scatter bookkeeping, in
+Python) and keep the host at most a block or two ahead, so a treatment whose host time is
+dense, ``selective`` in eager mode (torch's selective-checkpoint modes dispatch every op of its
+forward and recompute in Python), starves its GPU. Measured on one H100 at world 1
+(``benchmarks/host_probe.py``, llama-8b blocks, ``benchmarks/results/issue12/host_probe.md``): a
+phase runs for ``max(gpu_s, host_s / share)``, with the profile's ``host_fwd_s``/``host_bwd_s``
+and :data:`HOST_SHARE` fitted there. At world 4
+the ranks' hosts also stall each other at every collective, which this does not model: a plan
+of 29 ``selective`` blocks measured 0.702 s against 0.552 predicted without this term (4 x H100).
+A compiled block's host time is small; a profile without host times (fake tensors, the CPU)
+charges nothing.
+
 Same plan on every rank: plan on rank 0 and broadcast ``plan.to_dict()``
 (``torch.distributed.broadcast_object_list``; ``examples/train_fsdp.py`` and
 ``benchmarks/fsdp_bench.py`` do). A fake-tensor profile is deterministic (FLOP counts and
@@ -128,6 +143,22 @@ rows' measured steps had beyond everything else, 0.03 s a step over 97 collectiv
 the compute stream in the phase that issues the collective."""
 
 
+HOST_SHARE = (0.5, 0.75)
+"""The largest share of a block phase's GPU seconds (forward, backward) its host seconds may take
+before the phase waits for its host under FSDP2: the phase takes ``host_s / share`` then. Fitted
+on one H100 (``benchmarks/results/issue12/host_probe.md``): ``selective``'s forward, whose profile
+reads 3.06 ms of host for 3.79 ms of GPU a llama-8b block, took 1.6-2.6 ms a block more under
+FSDP2 than the other treatments (0.5: 6.1 ms); its backward, 6.41 of 9.01 ms, took no more (0.75
+leaves it at its GPU time); every other phase reads at most 0.41 and waits for nothing."""
+
+
+def host_bound(cost, share: tuple = HOST_SHARE):
+    """``cost`` (a :class:`~remat.planning.costs.BlockCost`) with each phase at least its host
+    seconds over ``share``: what it takes under FSDP2."""
+    return replace(cost, fwd_s=max(cost.fwd_s, cost.host_fwd_s / share[0]),
+                   bwd_s=max(cost.bwd_s, cost.host_bwd_s / share[1]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Overheads:
     """What a collective costs the compute stream beyond the link's time (see the module doc).
@@ -200,7 +231,8 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     scatter_buffers = int(2 * max(class_param_bytes) * reduce)  # two blocks' copy-in buffers in flight
 
     def sharded(cost, params):
-        cost = replace(cost, bwd_end=int(cost.bwd_end - params * kept), bwd_peak=cost.bwd_peak + scatter_buffers)
+        cost = replace(host_bound(cost), bwd_end=int(cost.bwd_end - params * kept),
+                       bwd_peak=cost.bwd_peak + scatter_buffers)
         if reshard_after_forward:
             return cost
         return replace(cost, kept=cost.kept + params, fwd_peak=cost.fwd_peak + params,

@@ -162,7 +162,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         if state.running_stats:
             forward = _stats_once(forward, state.running_stats)
         return segments.call(state.segment, state.position, forward, args, kwargs)
-    structure = _call_structure(args, kwargs)
+    # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
+    # reading the set of structures seen would make dynamo guard on it)
+    structure = (_call_structure(args, kwargs) if state.treatment == "selective"
+                 and not torch.compiler.is_compiling() else None)
     function, args = _positional(forward, args, kwargs)
     if state.running_stats:
         function = _stats_once(function, state.running_stats)
@@ -171,9 +174,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     if state.treatment == "selective":
         # the in-place guard watches a block's first forward of each call structure: its per-op
         # dispatch is a quarter of selective's host time, and what it catches is in the code path
-        guard = structure not in state.guarded
+        guard = structure is not None and structure not in state.guarded
         out = _checkpoint(function, args, context_fn=functools.partial(selective_context, guard=guard))
-        state.guarded.add(structure)
+        if guard:
+            state.guarded.add(structure)
         return out
     if state.treatment == "offload":
         with state.engine.saved_tensors(state.key):
