@@ -11,13 +11,11 @@ the GPU takes for them (CUDA events). With ``--fsdp`` every block and the root a
 reduce-scatter bookkeeping) add their host time as they do at any world size; the collectives
 themselves are no-ops at world 1.
 
-Then (``--profile``) remat's own profile of the same model: each block's GPU and host seconds
-per treatment as the planner reads them (``host_fwd_s``, ``host_bwd_s``), the numbers
-:data:`remat.planning.sharding.HOST_SHARE` is fitted against: a phase under FSDP2 is predicted to
-take ``max(fwd_s, host_fwd_s / share)``.
+What it showed (``benchmarks/results/issue12/host_probe.md``) is why eager ``selective`` is not
+planned under FSDP2 (:data:`remat.planning.sharding.EAGER_SELECTIVE_UNDER_FSDP2`).
 
 Usage (a GPU machine): ``python benchmarks/host_probe.py --model llama-8b --layers 8 --fsdp
---profile --out $OUT``. One JSON line per treatment and mode, medians of ``--steps`` steps; the
+--out $OUT``. One JSON line per treatment and mode, medians of ``--steps`` steps; the
 host share is ``host_s / gpu_s`` per phase (near 1 or above: that phase waits for its host).
 """
 import argparse
@@ -55,7 +53,6 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--treatments", default=",".join(TREATMENTS))
     p.add_argument("--fsdp", action="store_true", help="also each treatment under fully_shard at world 1")
-    p.add_argument("--profile", action="store_true", help="also remat's profile of the model: per-block seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
 
@@ -125,27 +122,6 @@ def main(argv=None):
                       f"gpu {row['gpu_forward_s'] * 1e3:6.1f} ms ({row['host_share_forward']:.2f})  backward host "
                       f"{row['host_backward_s'] * 1e3:6.1f} ms gpu {row['gpu_backward_s'] * 1e3:6.1f} ms "
                       f"({row['host_share_backward']:.2f})", flush=True)
-        if args.profile:
-            for row in profiled(config, args):
-                f.write(json.dumps(row) + "\n")
-                print(f"profile {row['treatment']:10s} forward host {row['host_fwd_s'] * 1e3:5.2f} ms gpu "
-                      f"{row['fwd_s'] * 1e3:5.2f} ms  backward host {row['host_bwd_s'] * 1e3:5.2f} ms gpu "
-                      f"{row['bwd_s'] * 1e3:5.2f} ms  (a block)", flush=True)
-
-
-def profiled(config, args):
-    """Per treatment, one block's seconds from ``remat.profile`` of the model on this GPU."""
-    model = build_model(config, device="meta", dtype=torch.bfloat16)
-    materialise(model, torch.device("cuda"), seed=0)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
-    prof = remat.profile(model, ids)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [dict(source="profile", treatment=t, model=args.model, seq=args.seq, batch=args.batch,
-                 gpu=torch.cuda.get_device_name(), **{k: getattr(c, k) for k in ("fwd_s", "bwd_s", "host_fwd_s",
-                                                                                   "host_bwd_s")})
-            for t, c in prof.classes[0].items()]
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ How, on every rank:
    plans with ``compile="blocks"`` (each block class x treatment measured compiled, the
    embeddings and head eager; see ``remat.profiling._compiled``). Where the unsharded model
    does not fit rank 0's GPU (or on the CPU) it plans eager with fake tensors among the
-   treatments that compile block by block (the measured ones: no offload, which splits a
-   compiled graph at its hooks): an eager
+   treatments that compile block by block (the measured ones but ``selective``, which an eager
+   FSDP2 profile leaves out, and no offload, which splits a compiled graph at its hooks): an eager
    plan's memory is an over-estimate under compile, its step time an under-estimate of the gain.
 4. ``to_empty`` on the device and the model's own weight init (each rank initialises only its
    shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
@@ -184,7 +184,8 @@ def _fake_plan(model, args, world, cuda):
     among the treatments that compile block by block."""
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     gpu = args.gpu or (_gpu_name() if cuda else "cpu")
-    treatments = MEASURED_TREATMENTS if args.compile else None  # no offload: it splits a compiled graph
+    # no offload (it splits a compiled graph); an eager profile sharded for FSDP2 has no selective
+    treatments = [t for t in MEASURED_TREATMENTS if t != "selective"] if args.compile else None
     return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
 
 

@@ -215,26 +215,24 @@ def test_the_solver_minimises_the_step_with_exposed_communication():
     assert plan.notes["exposed_comm_s"] > 0 and plan.notes["fsdp_world"] == 8
 
 
-def test_a_phase_whose_host_time_is_too_large_waits_for_its_host_under_fsdp2():
-    """Under FSDP2 a block phase takes ``max(gpu_s, host_s / share)`` (:data:`HOST_SHARE`): a
-    treatment whose host time is dense (eager ``selective``) is charged its host's pace, one whose
-    host runs well ahead is not; one GPU, world 1 and a profile without host times are untouched."""
-    from remat.planning.sharding import HOST_SHARE, host_bound
+def test_eager_selective_is_not_planned_under_fsdp2_and_says_why():
+    """Under FSDP2 (world > 1) eager ``selective`` waits for its host (the sharding module's doc):
+    the sharded profile leaves it out with the reason in its notes, a plan asked to use it says
+    why, and a compiled profile, one GPU and world 1 keep it."""
+    from remat.planning.sharding import EAGER_SELECTIVE_UNDER_FSDP2
+    from remat.planning.solver import solve
     prof = _profile()
-    keep, full = prof.cost(0, "keep"), prof.cost(0, "full")
-    dense = dataclasses.replace(full, host_fwd_s=2 * full.fwd_s, host_bwd_s=0.1 * full.bwd_s)
-    light = dataclasses.replace(keep, host_fwd_s=0.2 * keep.fwd_s, host_bwd_s=0.2 * keep.bwd_s)
-    assert host_bound(light) == light and host_bound(full) == full  # no host time: nothing charged
-    waited = host_bound(dense)
-    assert waited.fwd_s == pytest.approx(dense.host_fwd_s / HOST_SHARE[0]) and waited.bwd_s == dense.bwd_s
-    timed = dataclasses.replace(prof, classes=({"keep": light, "full": dense},))
-    assert shard(timed, 1, (P,)) is timed
-    sharded = shard(timed, 2, (P,))
-    assert sharded.cost(0, "full").fwd_s == pytest.approx(waited.fwd_s)
-    assert sharded.cost(0, "keep").fwd_s == light.fwd_s and sharded.cost(0, "keep").bwd_s == light.bwd_s
-    assert simulate(sharded, "full").step_s - simulate(shard(prof, 2, (P,)), "full").step_s == pytest.approx(
-        BLOCKS * (waited.fwd_s - full.fwd_s), rel=1e-6)
-    assert simulate(timed, "full").step_s == simulate(prof, "full").step_s  # one GPU: the host runs ahead
+    prof = dataclasses.replace(prof, classes=({**prof.classes[0], "selective": prof.cost(0, "full")},))
+    sharded = shard(prof, 2, (P,))
+    assert "selective" not in sharded.treatments(0) and sharded.notes["selective"] == EAGER_SELECTIVE_UNDER_FSDP2
+    assert set(sharded.treatments(0)) == {"keep", "full"}
+    with pytest.raises(ValueError, match="not planned under FSDP2"):
+        solve(sharded, 10 ** 12, treatments=["selective", "keep"])
+    with pytest.raises(ValueError, match="not planned under FSDP2"):  # a given plan simulated sharded
+        simulate(sharded, "selective")
+    compiled = shard(dataclasses.replace(prof, notes={"compile": True}), 2, (P,))
+    assert "selective" in compiled.treatments(0) and "selective" not in compiled.notes
+    assert shard(prof, 1, (P,)) is prof and "selective" in prof.treatments(0)
 
 
 # ---- the overheads beside the link (copies, launches, contention)

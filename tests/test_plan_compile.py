@@ -176,7 +176,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
         for _ in range(count * (rounds + 1)):
             _blocks._block_run(block, args, kwargs, _NullMeter(), set(), track=False, call=call)
         chained.append(call)
-        return 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0
     monkeypatch.setattr(_blocks, "_block_seconds", cpu_seconds)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
     said = []

@@ -137,12 +137,6 @@ class BlockCost:
     """Saved bytes the offload engine would move (storages of at least its minimum size, no parameters)."""
     offload_bytes: int = 0
     """Bytes this treatment moves to the host and back (0 unless it offloads)."""
-    host_fwd_s: float = 0.0
-    """Seconds the host takes to issue its forward (0: not measured, as on the CPU); under FSDP2
-    a forward whose host time is too large a share of ``fwd_s`` waits for its host
-    (:func:`remat.planning.sharding.shard`)."""
-    host_bwd_s: float = 0.0
-    """The same for its backward."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,8 +233,9 @@ class Profile:
     def cost(self, index: int, treatment: str) -> BlockCost:
         costs = self.classes[self.block_class[index]]
         if treatment not in costs:
+            why = f": {self.notes[treatment]}" if isinstance(self.notes.get(treatment), str) else ""
             raise ValueError(f"treatment {treatment!r} is not available for block {self.block_names[index]} "
-                             f"(profiled: {', '.join(costs)})")
+                             f"(profiled: {', '.join(costs)}){why}")
         return costs[treatment]
 
     def treatments(self, index: int = 0) -> tuple:

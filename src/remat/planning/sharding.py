@@ -42,20 +42,19 @@ recompute included (65 all-gathers, 33 reduce-scatters per step for every treatm
 32-layer model, ``benchmarks/results/issue12``). How the collectives overlap compute is the
 simulator's (:mod:`remat.planning.simulator`).
 
-Host: under FSDP2 a block's phase waits for its host where the host's seconds to issue it are
-too large a share of its GPU seconds. Without FSDP the host runs far ahead of the GPU and a
-block's host time hides (the profile's chains measure the block as the step queues it); FSDP2's
-hooks add host work to every block (its all-gather, reshard and reduce-scatter bookkeeping, in
-Python) and keep the host at most a block or two ahead, so a treatment whose host time is
-dense, ``selective`` in eager mode (torch's selective-checkpoint modes dispatch every op of its
-forward and recompute in Python), starves its GPU. Measured on one H100 at world 1
-(``benchmarks/host_probe.py``, llama-8b blocks, ``benchmarks/results/issue12/host_probe.md``): a
-phase runs for ``max(gpu_s, host_s / share)``, with the profile's ``host_fwd_s``/``host_bwd_s``
-and :data:`HOST_SHARE` fitted there. At world 4
-the ranks' hosts also stall each other at every collective, which this does not model: a plan
-of 29 ``selective`` blocks measured 0.702 s against 0.552 predicted without this term (4 x H100).
-A compiled block's host time is small; a profile without host times (fake tensors, the CPU)
-charges nothing.
+Eager ``selective`` is left out (:data:`EAGER_SELECTIVE_UNDER_FSDP2`, in ``notes["selective"]``):
+under FSDP2 its GPU waits for its host, which no per-block GPU time shows. torch's
+selective-checkpoint modes dispatch every op of its forward and recompute in Python (its host
+took 0.72-0.81 of its forward's GPU time where the other treatments took 0.24-0.45, one H100,
+``benchmarks/host_probe.py``), and FSDP2's hooks add host work to every block and keep the host
+at most a block or two ahead: at world 1 its forward ran 1.6-2.6 ms a llama-8b block longer than
+the others', and at world 4 selective-heavy plans ran 10-28% over their predicted step (4 x H100
+and 4 x H200) while plans of the other treatments at the same budgets ran within +3.3% and
+faster. A host-time term fitted at world 1 (phase = max(GPU, host / share), host times from the
+profile's chains) was tried and dropped: rank 0's host times in a torchrun profile read twice
+those of a lone process and the term over-predicted the same plans by 14-26%
+(``benchmarks/results/issue12``). Compiled, ``selective`` costs its host nothing special and
+stays; on one GPU the host runs far ahead and it stays too.
 
 Same plan on every rank: plan on rank 0 and broadcast ``plan.to_dict()``
 (``torch.distributed.broadcast_object_list``; ``examples/train_fsdp.py`` and
@@ -143,20 +142,10 @@ rows' measured steps had beyond everything else, 0.03 s a step over 97 collectiv
 the compute stream in the phase that issues the collective."""
 
 
-HOST_SHARE = (0.5, 0.75)
-"""The largest share of a block phase's GPU seconds (forward, backward) its host seconds may take
-before the phase waits for its host under FSDP2: the phase takes ``host_s / share`` then. Fitted
-on one H100 (``benchmarks/results/issue12/host_probe.md``): ``selective``'s forward, whose profile
-reads 3.06 ms of host for 3.79 ms of GPU a llama-8b block, took 1.6-2.6 ms a block more under
-FSDP2 than the other treatments (0.5: 6.1 ms); its backward, 6.41 of 9.01 ms, took no more (0.75
-leaves it at its GPU time); every other phase reads at most 0.41 and waits for nothing."""
-
-
-def host_bound(cost, share: tuple = HOST_SHARE):
-    """``cost`` (a :class:`~remat.planning.costs.BlockCost`) with each phase at least its host
-    seconds over ``share``: what it takes under FSDP2."""
-    return replace(cost, fwd_s=max(cost.fwd_s, cost.host_fwd_s / share[0]),
-                   bwd_s=max(cost.bwd_s, cost.host_bwd_s / share[1]))
+EAGER_SELECTIVE_UNDER_FSDP2 = (
+    "eager selective is not planned under FSDP2 (world > 1): its per-op dispatch in Python keeps the GPU waiting for "
+    "its host once FSDP2's hooks hold the host a block or two ahead (4 x H100 and 4 x H200: selective-heavy plans ran "
+    "10-28% over their predicted step, plans without it within +3.3% and faster); compiled it is planned")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,14 +220,15 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     scatter_buffers = int(2 * max(class_param_bytes) * reduce)  # two blocks' copy-in buffers in flight
 
     def sharded(cost, params):
-        cost = replace(host_bound(cost), bwd_end=int(cost.bwd_end - params * kept),
-                       bwd_peak=cost.bwd_peak + scatter_buffers)
+        cost = replace(cost, bwd_end=int(cost.bwd_end - params * kept), bwd_peak=cost.bwd_peak + scatter_buffers)
         if reshard_after_forward:
             return cost
         return replace(cost, kept=cost.kept + params, fwd_peak=cost.fwd_peak + params,
                        bwd_peak=cost.bwd_peak + params)
 
-    classes = tuple({t: sharded(cost, class_param_bytes[c]) for t, cost in costs.items()}
+    eager = not profile.notes.get("compile")
+    classes = tuple({t: sharded(cost, class_param_bytes[c]) for t, cost in costs.items()
+                     if not (eager and t == "selective")}
                     for c, costs in enumerate(profile.classes))
     heads = tuple(replace(h, pre_bwd_peak=h.pre_bwd_peak + scatter_buffers) for h in profile.heads)
     gathers = tuple(int(class_param_bytes[c] * gather) for c in profile.block_class)
@@ -260,8 +250,10 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
                        root_bwd_copy_bytes=root_gather + root_reduce,
                        root_fwd_launches=int(root_gather > 0), root_bwd_launches=int(root_reduce > 0),
                        **overheads.fields(profile.rates.hbm_Bps))
-    return replace(profile, static_bytes=int(static), classes=classes, heads=heads, comm=comm,
-                   notes=dict(profile.notes, fsdp_world=world, reshard_after_forward=bool(reshard_after_forward)))
+    notes = dict(profile.notes, fsdp_world=world, reshard_after_forward=bool(reshard_after_forward))
+    if eager and any("selective" in costs for costs in profile.classes):
+        notes["selective"] = EAGER_SELECTIVE_UNDER_FSDP2
+    return replace(profile, static_bytes=int(static), classes=classes, heads=heads, comm=comm, notes=notes)
 
 
 class Link:

@@ -168,7 +168,8 @@ def _options(profile, treatments) -> list:
     if treatments is not None:
         unknown = [t for t in treatments if t not in available]
         if unknown:
-            raise ValueError(f"treatments {unknown} are not in the profile (profiled: {', '.join(available)})")
+            why = "".join(f"; {t}: {profile.notes[t]}" for t in unknown if isinstance(profile.notes.get(t), str))
+            raise ValueError(f"treatments {unknown} are not in the profile (profiled: {', '.join(available)}){why}")
         available = tuple(t for t in available if t in treatments)
     return list(available)
 

@@ -8,8 +8,7 @@ backward; backward peak and gradients left). Saved-tensor hooks on the warm-up r
 which storages it saves: whether it keeps its input, and the bytes the offload engine would
 move (``offloadable``: saved storages of at least ``min_bytes``, parameters excluded). On a
 GPU the seconds come from :func:`_block_seconds` instead: several forwards in a row, then
-their backwards, as a step queues them; the host's seconds to issue each (``host_fwd_s``,
-``host_bwd_s``) come from the same chains. Compiled (``backend`` given), every run goes through
+their backwards, as a step queues them. Compiled (``backend`` given), every run goes through
 the block's compiled call (:mod:`remat.profiling._compiled`), compiled by a first run that
 is not measured.
 
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 from torch.utils.checkpoint import CheckpointError
@@ -85,10 +83,9 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
             # as many forwards in a row as half the free memory holds, up to repeats + 1
             free, _ = torch.cuda.mem_get_info()
             count = int(max(1, min(repeats + 1, 0.5 * free // max(marks[0][1], marks[2][1], 1))))
-            fwd_s, bwd_s, host_fwd_s, host_bwd_s = _block_seconds(block, args, kwargs, count, call=call,
-                                                                  rounds=ROUNDS)
+            fwd_s, bwd_s = _block_seconds(block, args, kwargs, count, call=call, rounds=ROUNDS)
         else:
-            fwd_s, bwd_s, host_fwd_s, host_bwd_s = marks[0][2], marks[2][2], 0.0, 0.0
+            fwd_s, bwd_s = marks[0][2], marks[2][2]
     finally:
         remove_treatment(block)
         block.zero_grad(set_to_none=True)
@@ -96,7 +93,7 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
     offloadable = sum(size for key, size in saved.items() if key not in params and size >= min_bytes)
     return BlockCost(fwd_peak=fwd_peak, kept=kept, out_alive=with_out - kept, out_bytes=out_bytes,
                      saves_input=input_saved, bwd_peak=bwd_peak, bwd_end=bwd_end, fwd_s=fwd_s, bwd_s=bwd_s,
-                     offloadable=offloadable, host_fwd_s=host_fwd_s, host_bwd_s=host_bwd_s)
+                     offloadable=offloadable)
 
 
 def _block_run(block, args, kwargs, meter, params, track=True, call=None):
@@ -147,9 +144,9 @@ ROUNDS = 3
 
 
 def _block_seconds(block, args, kwargs, count: int, call=None, rounds: int = 1) -> tuple:
-    """Effective forward and backward seconds of ``block`` on a GPU, and the host's seconds to
-    issue each: ``count`` forwards in a row, then their backwards in reverse, as a step runs
-    them; the median of every reading but each chain's first, over ``rounds`` timed chains.
+    """Effective forward and backward seconds of ``block`` on a GPU: ``count`` forwards in a
+    row, then their backwards in reverse, as a step runs them; the median of every reading
+    but each chain's first, over ``rounds`` timed chains.
 
     A first, untimed chain makes the caching allocator hold ``count`` runs' memory (a warm step
     allocates nothing; a cold ``cudaMalloc`` costs the host ~1 ms a block, which a first-time
@@ -159,41 +156,36 @@ def _block_seconds(block, args, kwargs, count: int, call=None, rounds: int = 1) 
     steady runs, and a step's median is too).
     """
     _block_chain(block, args, kwargs, count, call)
-    readings = ([], [], [], [])  # forward, backward, host forward, host backward
+    fwd, bwd = [], []
     with _gc_paused():
         for _ in range(max(1, rounds)):
-            for column, values in zip(readings, _block_chain(block, args, kwargs, count, call)):
-                column += values[1:] or values
-    return tuple(statistics.median(column) for column in readings)
+            f, b = _block_chain(block, args, kwargs, count, call)
+            fwd += f[1:] or f
+            bwd += b[1:] or b
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
-    """Per-run forward and backward seconds of one chain, on the GPU and on the host (see
-    :func:`_block_seconds`). The host's clock reads when each call has returned: what issuing it
-    cost the host, as long as the GPU's queue has room."""
+    """Per-run forward and backward seconds of one chain (see :func:`_block_seconds`)."""
     call = block if call is None else call
     hidden = _hidden_of(args, kwargs)
     xs = [hidden.detach().clone().requires_grad_(True) for _ in range(count)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * count + 1)]
     sinks = []
     torch.cuda.synchronize()
-    clock = [time.perf_counter()]
     events[0].record()
     for j, x in enumerate(xs):
         a, kw = _with_hidden(args, kwargs, x)
         out = call(*a, **kw)
         sinks.append(_Sink.apply(out if isinstance(out, torch.Tensor) else out[0]))
         del out
-        clock.append(time.perf_counter())
         events[j + 1].record()
     for m, j in enumerate(reversed(range(count))):
         block.zero_grad(set_to_none=True)  # each backward makes fresh gradients, as in a step
         sinks[j].backward()
         sinks[j] = None
-        clock.append(time.perf_counter())
         events[count + m + 1].record()
     torch.cuda.synchronize()
     block.zero_grad(set_to_none=True)
     seconds = [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(2 * count)]
-    host = [clock[k + 1] - clock[k] for k in range(2 * count)]
-    return seconds[:count], seconds[count:], host[:count], host[count:]
+    return seconds[:count], seconds[count:]
