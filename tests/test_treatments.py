@@ -258,6 +258,19 @@ def test_selective_refuses_in_place_change_of_a_kept_matmul_output():
     model.blocks[0](x).sum().backward()
 
 
+class _AddsToKeptScores(torch.nn.Module):
+    """Adds in place to a matmul output that ``selective`` keeps: refused by its guard, inside the checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = torch.matmul(self.proj(x), self.proj.weight)
+        scores += 1.0
+        return scores.softmax(-1)
+
+
 def test_selective_guard_watches_the_first_forward_of_each_call_structure(monkeypatch):
     """The in-place guard's per-op dispatch runs on a block's first forward of each call structure
     (arguments, keywords, which are None) and is skipped after one passes; a forward it refused
@@ -282,17 +295,8 @@ def test_selective_guard_watches_the_first_forward_of_each_call_structure(monkey
     model(**make_inputs(), attention_mask=padded)
     assert len(watched) == 2 * blocks
 
-    class Mutating(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            scores = torch.matmul(self.proj(x), self.proj.weight)
-            scores += 1.0
-            return scores.softmax(-1)
     bad = torch.nn.Module()
-    bad.blocks = torch.nn.ModuleList([Mutating()])
+    bad.blocks = torch.nn.ModuleList([_AddsToKeptScores()])
     remat.apply(bad, "selective", blocks="blocks")
     for _ in range(2):  # refused, and so still watched
         with pytest.raises(ValueError, match="modifies in place"):
@@ -304,19 +308,8 @@ def test_a_forward_that_raises_leaves_no_checkpoint_state_entered():
     the forward raises, for as long as the traceback lives (here ``info`` keeps it): remat closes
     them, so the process goes on as before (a later model's step is exact, no mode is left)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            scores = torch.matmul(self.proj(x), self.proj.weight)
-            scores += 1.0                      # refused by selective's guard, inside the checkpoint
-            return scores.softmax(-1)
-
     model = torch.nn.Module()
-    model.blocks = torch.nn.ModuleList([Block(), Block()])
+    model.blocks = torch.nn.ModuleList([_AddsToKeptScores(), _AddsToKeptScores()])
     remat.apply(model, "selective", blocks="blocks")
     with pytest.raises(ValueError, match="modifies in place") as info:
         model.blocks[0](torch.randn(2, 3, 8, requires_grad=True)).sum().backward()
