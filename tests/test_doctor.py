@@ -15,7 +15,7 @@ from remat.integrations.doctor import Finding, doctor
 
 pytest.importorskip("transformers")
 from test_integrations_hf import VOCAB, tiny_llama, with_lora  # noqa: E402
-from versions import TRANSFORMERS_4  # noqa: E402
+from versions import TORCH, TRANSFORMERS_4  # noqa: E402
 
 # the tiny Llama at 2 x 16 tokens, no optimizer state: keeping everything peaks at ~316 kB
 # and the smallest plan at ~265 kB, so this budget needs some checkpointing
@@ -327,3 +327,30 @@ def test_a_compiled_plan_of_the_other_scope():
     findings = doctor(whole)
     assert _checks(findings) == ["compile-mismatch"] and findings[0].severity == "note"
     assert "whole model is compiled" in findings[0].what
+
+
+@pytest.mark.skipif(TORCH < (2, 7), reason="FSDP2 on the CPU needs torch >= 2.7 (torch 2.6's FSDP2 calls "
+                                           "Stream.record_event, which its CPU stream lacks)")
+def test_eager_selective_under_fsdp2_is_flagged(tmp_path):
+    """``fsdp-eager-selective``: blocks treated ``selective`` in a model FSDP2 shards, run eager
+    (the planner leaves them out there); not for ``mlp``, not when the model runs compiled, not
+    without FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    selective = _model()
+    remat.apply(selective, "selective")
+    assert "fsdp-eager-selective" not in _checks(doctor(selective))      # one GPU: the host runs ahead
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for spec in ("selective", "mlp"):
+            model = _model()
+            remat.apply(model, spec)
+            for block in model.model.layers:
+                fully_shard(block)
+            fully_shard(model)
+            found = [f for f in doctor(model) if f.check == "fsdp-eager-selective"]
+            assert len(found) == (spec == "selective"), spec
+            assert all(f"{len(model.model.layers)} block(s)" in f.what for f in found)
+            assert not [f for f in doctor(model, compiled=True) if f.check == "fsdp-eager-selective"]
+    finally:
+        dist.destroy_process_group()

@@ -30,6 +30,9 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
   model or a block, or ``compiled=True`` for a model compiled after doctor runs. Seen compiled, also
   a plan for the whole model compiled (``compile=True``) on a model whose blocks alone are compiled
   (its head runs eager, above the plan's peak), or a ``compile="blocks"`` plan on a whole compiled model.
+- ``fsdp-eager-selective``: blocks treated ``selective`` in a model that FSDP2 shards (``fully_shard``
+  applied), running eager: torch's selective modes keep the host busy enough that the GPU waits for
+  it (the planner leaves eager ``selective`` out under FSDP2: :mod:`remat.planning.sharding`).
 - ``compiled-attention-mask``: the model runs compiled with SDPA and the batch carries an
   ``attention_mask`` of all ones: under compile transformers then builds the full
   ``[batch, 1, seq, seq]`` mask (it cannot read the mask's values without a graph break), and
@@ -58,11 +61,14 @@ only the measurement (``run_step``) runs it compiled, as it trains.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from remat.treat.treatments import treatment_of
 
 SEVERITIES = ("error", "warning", "note")
 
@@ -116,6 +122,7 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     findings += _check_rng(inner, training_args, kwargs)
     findings += _check_head_bypassed(inner)
     findings += _check_compile(inner, compiled, scope)
+    findings += _check_fsdp_selective(inner, compiled)
     findings += _check_compiled_mask(inner, batch, compiled)
     if batch is not None and not _on_meta(inner):
         findings += runs.check_step(inner, batch, loss_fn)
@@ -320,6 +327,22 @@ def _check_compile(model, compiled: bool, scope: Optional[str] = None) -> list:
         why=why + "; compiled blocks usually keep less, so the plan recomputes more than the budget needs",
         fix="on the GPU, re-plan for compile: remat.plan(model, batch, budget, compile=True) (remat plan "
             "--compile), apply it, then compile")]
+
+
+def _check_fsdp_selective(model, compiled: bool) -> list:
+    """Blocks treated ``selective`` in a model FSDP2 shards, running eager: the GPU waits for its host."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded = fsdp is not None and any(isinstance(m, getattr(fsdp, "FSDPModule", ())) for m in model.modules())
+    selective = sum(treatment_of(m) == "selective" for m in model.modules())
+    if compiled or not sharded or not selective:
+        return []
+    from remat.planning.sharding import EAGER_SELECTIVE_UNDER_FSDP2
+    return [Finding(
+        check="fsdp-eager-selective", severity="warning", cost=0.15,
+        what=f"{selective} block(s) are treated 'selective' in a model FSDP2 shards, running eager",
+        why=EAGER_SELECTIVE_UNDER_FSDP2,
+        fix="re-plan with remat.plan(..., fsdp_world=N) (remat plan --fsdp N), which leaves eager selective out; "
+            "or use 'mlp' or 'full' for those blocks; or compile each block (block.compile()) before fully_shard")]
 
 
 def _check_compile_scope(plan, scope: str) -> list:

@@ -49,7 +49,7 @@ took 0.72-0.81 of its forward's GPU time where the other treatments took 0.24-0.
 ``benchmarks/host_probe.py``), and FSDP2's hooks add host work to every block and keep the host
 at most a block or two ahead: at world 1 its forward ran 1.6-2.6 ms a llama-8b block longer than
 the others', and at world 4 selective-heavy plans ran 10-28% over their predicted step (4 x H100
-and 4 x H200) while plans of the other treatments at the same budgets ran within +3.3% and
+and 4 x H200) while plans of the other treatments at the same budgets ran within +3.9% and
 faster. A host-time term fitted at world 1 (phase = max(GPU, host / share), host times from the
 profile's chains) was tried and dropped: rank 0's host times in a torchrun profile read twice
 those of a lone process and the term over-predicted the same plans by 14-26%
@@ -145,7 +145,7 @@ the compute stream in the phase that issues the collective."""
 EAGER_SELECTIVE_UNDER_FSDP2 = (
     "eager selective is not planned under FSDP2 (world > 1): its per-op dispatch in Python keeps the GPU waiting for "
     "its host once FSDP2's hooks hold the host a block or two ahead (4 x H100 and 4 x H200: selective-heavy plans ran "
-    "10-28% over their predicted step, plans without it within +3.3% and faster); compiled it is planned")
+    "10-28% over their predicted step, plans without it within +3.9% and faster); compiled it is planned")
 
 
 @dataclass(frozen=True, kw_only=True)
