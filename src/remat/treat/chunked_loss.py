@@ -404,12 +404,12 @@ def _out_of_memory(error) -> bool:
 
 
 def _scaled(pieces, scale, dtype):
-    """The weight gradient, one tensor in ``dtype``, from its row blocks times ``scale``
-    (one block's temporary at a time: never a second full-size copy)."""
+    """The weight gradient, one tensor in ``dtype``, from its row blocks times ``scale``, each
+    block written straight into its rows (one pass, no temporary)."""
     rows = sum(p.shape[0] for p in pieces)
     out = torch.empty(rows, pieces[0].shape[1], dtype=dtype, device=pieces[0].device)
     start = 0
     for piece in pieces:
-        out[start:start + piece.shape[0]] = piece * scale
+        torch.mul(piece, scale, out=out[start:start + piece.shape[0]])
         start += piece.shape[0]
     return out
