@@ -330,7 +330,8 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload):
     """The DP (one loop, two objectives) against every plan, in the DP's own terms: minimising
     the peak it returns the least bound up to its rounding (``scale / resolution`` per block);
     minimising time within a budget, the fastest plan whose bound fits, up to the same slack."""
-    from remat.planning.solver import _dp, _evaluate, _head_seconds, _MinPeak, _MinTime
+    from remat.planning.dp import MinPeak, MinTime, dp, head_seconds
+    from remat.planning.solver import _evaluate
     prof = bench3
     options = [t for t in prof.treatments(0) if offload or t not in OFFLOADING_TREATMENTS]
     blocks = len(prof.block_names)
@@ -340,12 +341,12 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload):
                   for c in itertools.product(options, repeat=blocks)]
         least = min(b for _, b, _ in scored)
         scale = max(b for _, b, _ in scored)
-        peak, chosen = _dp(prof, options, head, _MinPeak(), scale, resolution)
+        peak, chosen = dp(prof, options, head, MinPeak(), scale, resolution)
         assert least <= peak <= least + blocks * scale / resolution + 1
         assert _evaluate(prof, chosen, head, options)[1] <= peak
         for budget in sorted({int(least) - 1, int(least + blocks * scale / resolution) + 1,
                               int((least + scale) / 2), int(scale)}):
-            found = _dp(prof, options, head, _MinTime(budget), budget, resolution)
+            found = dp(prof, options, head, MinTime(budget), budget, resolution)
             slack = blocks * budget / resolution
             best = min((s for s, b, _ in scored if b <= budget), default=None)
             best_with_slack = min((s for s, b, _ in scored if b <= budget - slack), default=None)
@@ -354,9 +355,9 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload):
                 continue
             seconds, chosen = found
             assert _evaluate(prof, chosen, head, options)[1] <= budget
-            assert seconds + _head_seconds(prof, head) >= best * (1 - 1e-12)
+            assert seconds + head_seconds(prof, head) >= best * (1 - 1e-12)
             if best_with_slack is not None:
-                assert seconds + _head_seconds(prof, head) <= best_with_slack * (1 + 1e-12)
+                assert seconds + head_seconds(prof, head) <= best_with_slack * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("dtype, adamw_bytes", [("float32", 8), ("bfloat16", 4)])

@@ -16,7 +16,8 @@ from remat.planning.costs import BlockCost, HeadCost, Profile, rates_for
 from remat.planning.offload_model import EngineModel
 from remat.planning.plans import OFFLOADING_TREATMENTS
 from remat.planning.simulator import simulate
-from remat.planning.solver import OFFLOAD_MARGIN, NoPlanFits, _dp, _MinTime, plan_seconds, solve
+from remat.planning.dp import MinTime, dp
+from remat.planning.solver import OFFLOAD_MARGIN, NoPlanFits, plan_seconds, solve
 
 MiB = 2**20
 
@@ -48,7 +49,7 @@ def test_uniform_plan_that_fits_by_less_than_the_rounding_is_found(treatments):
     head = prof.heads[0]
     budget = simulate(prof, "full").bound_bytes
     # what the test is about: the DP alone, rounding up, cannot take ``full`` everywhere
-    assert _dp(prof, ["keep", "full"], head, _MinTime(budget), budget, 4000) is None
+    assert dp(prof, ["keep", "full"], head, MinTime(budget), budget, 4000) is None
     plan = solve(prof, budget, treatments=treatments)
     assert set(plan.blocks.values()) == {"full"}
     assert plan.notes["predicted_bound_bytes"] == budget

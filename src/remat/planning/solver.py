@@ -43,11 +43,10 @@ resolution; mixed plans that fit by less than the rounding can still be missed.
 :func:`_smallest` takes the same candidates, so the budget an error names is never above the
 least a uniform plan needs.
 
-One DP, two objectives (:class:`_MinTime`, :class:`_MinPeak`): the states, transitions and
-memory terms are shared; an objective says what a state's value is (the least time so far,
-or the largest phase so far) and which transitions a budget cuts. Cost: blocks x
-treatments x 2 x treatments x resolution, vectorised with numpy; one DP per head option,
-and one more per offload window (without offload, with ``full+offload`` only, with both).
+One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
+least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;
+one DP per head option, and one more per offload window (without offload, with
+``full+offload`` only, with both).
 
 Safety margin: the memory model is exact for every treatment, but the offload engine's
 bytes depend on when copies land. For plans that offload the solver uses the engine's
@@ -65,9 +64,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
-
-from remat.planning.memory import BlockTerms, LiveBytes, block_terms, freed_input, input_bytes
+from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_seconds
+from remat.planning.memory import BlockTerms, LiveBytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.sharding import comm_notes
@@ -206,10 +204,10 @@ def _evaluate(profile, treatments, head, options=None):
     ``options``: the treatments the DP chose from (they set the engine's window); default: the plan's.
     """
     options = list(options or sorted(set(treatments), key=list(profile.treatments(0)).index))
-    tab = _Tables(profile, options, head)
+    tab = Tables(profile, options, head)
     index = [options.index(t) for t in treatments]
     live = LiveBytes(profile.static_bytes, head)
-    seconds, flag, peak = _head_seconds(profile, head), False, live.embeddings_forward().peak
+    seconds, flag, peak = head_seconds(profile, head), False, live.embeddings_forward().peak
     terms, backward_engine = [], []
     for i, t in enumerate(index):
         p = index[i - 1] if i else 0
@@ -230,171 +228,22 @@ def _evaluate(profile, treatments, head, options=None):
     return float(seconds), float(peak)
 
 
-def _head_seconds(profile, head) -> float:
-    seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s + profile.step_overhead_s
-    return seconds + (profile.comm.fixed_exposed_s(head) if profile.comm is not None else 0.0)
-
-
-def _states(window, largest, prev_off, f_of, prefetch_blocks):
-    pairs = [engine_bounds(window, largest, o, bool(f), prefetch_blocks) for o, f in zip(prev_off, f_of)]
-    return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
-
-
-class _Tables:
-    """Per block, per (previous, current) treatment: the numbers the DP's constraints and time need."""
-
-    def __init__(self, profile, options, head):
-        rates = profile.rates
-        L, T = len(profile.block_names), len(options)
-        h = profile.hidden_bytes
-        sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
-        self.window, self.largest = profile.engine.window(sizes), max(sizes)
-        self.prefetch = profile.engine.prefetch_blocks
-        self.d = np.zeros((L, T, T))        # kept bytes added by block i (BlockTerms.kept)
-        self.fwd = np.zeros((L, T, T))      # forward peak above kept(0..i-1), without the engine's bytes
-        self.bwd = np.zeros((L, T, T))      # backward peak above kept(0..i-1) + later blocks' leftovers
-        self.time = np.zeros((L, T, T))
-        self.off = np.zeros((L, T))         # bytes block i hands to the engine
-        self.left = np.zeros(L)             # block i's leftover after its backward (the largest over treatments)
-        for i in range(L):
-            costs = [profile.cost(i, t) for t in options]
-            self.off[i] = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for c, t in zip(costs, options)]
-            prev_costs = [profile.cost(i - 1, t) for t in options] if i else [None] * T
-            for p, previous in enumerate(prev_costs):
-                prev_off = self.off[i - 1, p] if i else 0.0
-                for t, c in enumerate(costs):
-                    terms = block_terms(c, freed_input(previous, h), input_bytes(previous, h), self.off[i, t])
-                    self.d[i, p, t], self.fwd[i, p, t], self.bwd[i, p, t] = terms.kept, terms.forward, terms.backward
-                    seconds = c.fwd_s + c.bwd_s
-                    if profile.comm is not None:  # FSDP2: what this block's compute cannot hide
-                        seconds += profile.comm.block_exposed_s(i, c.fwd_s, c.bwd_s)
-                    if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
-                        seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
-                        seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
-                    if i == L - 1 and self.off[i, t]:
-                        seconds += (max(0.0, self.off[i, t] / rates.d2h_Bps - head.head_fwd_s)
-                                    + self.off[i, t] / rates.h2d_Bps)
-                    self.time[i, p, t] = seconds
-            # what a block leaves depends on the block before it (the input it frees) and on its
-            # own treatment; the DP, which has not chosen them yet, takes the largest
-            self.left[i] = max(block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
-                               for previous in prev_costs for c in costs)
-        self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
-        running = 0.0
-        for i in reversed(range(L)):
-            self.after[i] = running
-            running += self.left[i]
-        live = LiveBytes(profile.static_bytes, head)
-        # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward
-        self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak)
-
-
-class _MinTime:
-    """The least step time within ``budget``: a state's value is the time so far, and a
-    transition whose phase would pass the budget is cut."""
-
-    def __init__(self, budget):
-        self.budget = budget
-
-    def start(self, first_phase):
-        return 0.0 if first_phase <= self.budget else np.inf
-
-    def step(self, value, levels, phase, seconds):
-        ok = levels[None, :] <= (self.budget - phase)[:, None]
-        return np.where(ok, value + seconds[:, None], np.inf)
-
-    def finish(self, value, levels, phase):
-        return np.where(levels[None, :] <= (self.budget - phase)[:, None], value, np.inf)
-
-
-class _MinPeak:
-    """The least peak: a state's value is the largest phase bound so far."""
-
-    def start(self, first_phase):
-        return first_phase
-
-    def step(self, value, levels, phase, seconds):
-        return np.maximum(value, levels[None, :] + phase[:, None])
-
-    def finish(self, value, levels, phase):
-        return np.maximum(value, levels[None, :] + phase[:, None])
-
-
-def _dp(profile, options, head, objective, scale, resolution):
-    """(objective's value, treatments) of the best plan using ``options`` with ``head``, or None.
-
-    States are (previous treatment p, flag F: any block before p offloaded), flattened as
-    ``2 * p + F``; each holds the objective's best value per kept-bytes level, levels being
-    multiples of ``scale / resolution`` (kept bytes rounded up).
-    """
-    L, T = len(profile.block_names), len(options)
-    tab = _Tables(profile, options, head)
-    live = LiveBytes(profile.static_bytes, head)
-    q = max(scale / resolution, 1.0)
-    N = resolution + 2
-    levels = np.arange(N) * q                          # upper bound of kept bytes per state
-    S = 2 * T
-    p_of, f_of = np.arange(S) // 2, np.arange(S) % 2
-    value = np.full((S, N), np.inf)
-    value[0, 0] = objective.start(tab.ends)            # block 0: no previous block, nothing offloaded
-    back = np.zeros((L, S, N), dtype=np.int64)          # previous state * N + previous level
-    cols = np.arange(N)
-    for i in range(L):
-        reached = np.flatnonzero(np.isfinite(value).any(axis=1))  # states some plan reaches
-        prev_off = tab.off[i - 1, p_of[reached]] if i else np.zeros(reached.size)
-        res_f, res_b = _states(tab.window, tab.largest, prev_off, f_of[reached], tab.prefetch)
-        flag = f_of[reached].astype(bool) | (prev_off > 0)     # the next state's flag
-        groups = [(f, np.flatnonzero(flag == f)) for f in (0, 1)]
-        new = np.full((S, N), np.inf)
-        for t in range(T):
-            p = p_of[reached]
-            phase = np.maximum(live.forward_base() + tab.fwd[i, p, t] + res_f,
-                               live.backward_base() + tab.after[i] + tab.bwd[i, p, t] + res_b)
-            candidate = objective.step(value[reached], levels, phase, tab.time[i, p, t])
-            step = np.ceil(np.maximum(tab.d[i, p, t], 0.0) / q).astype(np.int64)
-            shifted = np.full(candidate.shape, np.inf)  # a state's values moved up by its kept bytes
-            for row, k in enumerate(step):
-                if k < N:
-                    shifted[row, k:] = candidate[row, :N - k]
-            for f, rows in groups:
-                if rows.size == 0:
-                    continue
-                sub = shifted[rows]
-                k = np.argmin(sub, axis=0) if rows.size > 1 else np.zeros(N, dtype=np.int64)
-                state = 2 * t + f
-                new[state] = sub[k, cols]
-                back[i, state] = reached[rows[k]] * N + np.clip(cols - step[rows[k]], 0, N - 1)
-        value = new
-    resident, _ = _states(tab.window, tab.largest, tab.off[L - 1, p_of], f_of, tab.prefetch)
-    total = objective.finish(value, levels, live.head_peak() + resident)
-    if not np.isfinite(total).any():
-        return None
-    state, n = np.unravel_index(np.argmin(total), total.shape)
-    best = float(total[state, n])
-    chosen = []
-    for i in reversed(range(L)):
-        chosen.append(options[state // 2])
-        state, n = divmod(int(back[i, state, n]), N)
-    chosen.reverse()
-    return best, chosen
-
-
 def _fastest(profile, options, head, budget, resolution):
     """(step seconds, treatments) of the fastest plan within ``budget`` for ``head``, or None."""
-    found = _dp(profile, options, head, _MinTime(budget), budget, resolution)
+    found = dp(profile, options, head, MinTime(budget), budget, resolution)
     if found is None:
         return None
     seconds, chosen = found
     if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes > budget:
         return None  # never: the DP bounds every phase from above (kept for safety)
-    return seconds + _head_seconds(profile, head), chosen
+    return seconds + head_seconds(profile, head), chosen
 
 
 def _smallest(profile, options, head_options, resolution, margin, exact):
     """The smallest budget that :func:`solve` accepts, and its plan.
 
     The least that a uniform plan needs (``exact``, from :func:`_uniform`) is an upper
-    bound, which :func:`_best` accepts exactly. The DP with :class:`_MinPeak` (a state's
+    bound, which :func:`_best` accepts exactly. The DP with :class:`~remat.planning.dp.MinPeak` (a state's
     value is the largest phase bound so far instead of the time), once per head option and
     for plans with and without offload (those need ``1 / (1 - margin)`` of their peak), may
     find less; :func:`solve`'s own search then confirms it, its rounding (relative to the
@@ -409,7 +258,7 @@ def _smallest(profile, options, head_options, resolution, margin, exact):
     need = high
     for allowed, m in groups:
         for head in head_options:
-            found = _dp(profile, allowed, head, _MinPeak(), high, resolution)
+            found = dp(profile, allowed, head, MinPeak(), high, resolution)
             if found is not None:
                 need = min(need, int(found[0] / (1 - m)) + 1)
     for _ in range(200):
