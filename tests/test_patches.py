@@ -209,39 +209,55 @@ def test_deepcopy_and_pickle_of_a_treated_model(spec, recwarn):
 
 # ------------------------------------------------------------------ compiled block by block
 
-@pytest.mark.parametrize("spec", ["mlp", "attention", "full"])
-def test_blocks_compiled_each_alone_share_their_graphs(spec, recwarn):
-    """FSDP2's per-block compile (``block.compile()`` on every block): the blocks of one class share
-    their compiled graphs, as many with four blocks compiled as with one (torch 2.6 breaks the graph
-    inside a sub-module's checkpoint: more than one graph, but the same count). A sub-module's
-    patched forward (``mlp``, ``attention``) installed as a partial was a new dynamo guard per block
-    (past ``recompile_limit`` the rest ran eager). Loss and gradients stay eager's."""
+def _graphs_compiling_blocks(spec, use_cache, compiled):
+    """Graphs dynamo makes for one training step of a tiny Llama (config defaults but ``use_cache``)
+    whose first ``compiled`` blocks are each ``block.compile()``-d, treated with ``spec`` (None:
+    untouched); and its parameters' gradients beside an eager copy's."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    ids = torch.randint(0, 64, (2, 12))
-    graphs = {}
-    for compiled in (1, 4):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).train()
-        reference = copy.deepcopy(model)
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=use_cache)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    if spec is not None:
         remat.apply(model, spec)
-        graphs[compiled] = []
+    graphs = []
 
-        def counting_backend(graph_module, example_inputs):
-            graphs[compiled].append(graph_module)
-            return graph_module.forward
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    try:
+        for block in model.model.layers[:compiled]:
+            block.compile(backend=counting_backend)
+        for m in (model, reference):
+            m(input_ids=ids, labels=ids).loss.backward()
+    finally:
         torch._dynamo.reset()
-        try:
-            for block in model.model.layers[:compiled]:
-                block.compile(backend=counting_backend)
-            for m in (model, reference):
-                m(input_ids=ids, labels=ids).loss.backward()
-        finally:
-            torch._dynamo.reset()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert graphs[1] and len(graphs[4]) == len(graphs[1]), {k: len(v) for k, v in graphs.items()}
+    grads = [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), reference.parameters())]
+    return len(graphs), grads
+
+
+@pytest.mark.parametrize("use_cache", [True, False])   # True: the config's default, as from_pretrained gives it
+@pytest.mark.parametrize("spec", ["mlp", "attention", "full"])
+def test_blocks_compiled_each_alone_share_their_graphs(spec, use_cache, recwarn):
+    """FSDP2's per-block compile (``block.compile()`` on every block): remat's treatments add no
+    graph to what the untouched model compiles, and without a KV cache the blocks of one class
+    share theirs (as many graphs with four blocks compiled as with one; torch 2.6 breaks the graph
+    inside a sub-module's checkpoint: more than one graph, the same count). A sub-module's patched
+    forward (``mlp``, ``attention``) installed as a partial was a new dynamo guard per block (past
+    ``recompile_limit`` the rest ran eager). With the config's default ``use_cache`` the model's own
+    cache makes every block a new graph, treated or not (``remat doctor``: ``use-cache``). Loss and
+    gradients stay eager's."""
+    treated, grads = _graphs_compiling_blocks(spec, use_cache, 4)
+    untouched, _ = _graphs_compiling_blocks(None, use_cache, 4)
+    assert treated <= untouched, (treated, untouched)
+    for name, grad, expected in grads:
+        torch.testing.assert_close(grad, expected, msg=name)
+    if not use_cache:
+        one, _ = _graphs_compiling_blocks(spec, use_cache, 1)
+        assert one and treated == one, (one, treated)
 
 
 # ------------------------------------------------------------------ what users' tools read

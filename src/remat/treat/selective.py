@@ -14,8 +14,9 @@ later forwards of the same structure skip the guard's per-op dispatch. Under ``t
 torch wants its own two modes untouched, so the guard is left out there.
 
 Cost: every op of a selective block's forward and recompute passes through torch's caching mode
-in Python: host time (a tiny Llama block's forward and backward on a CPU, where the host is all
-of it: several times ``keep``'s, the guard about a quarter of that), and garbage that makes Python's collector run more often.
+in Python: host time (llama-8b blocks on an H100: 0.72 of the forward's GPU time where ``keep``
+takes 0.24; the guard on every forward added 7-15% to it, ``benchmarks/results/issue12/host_probe.md``),
+and garbage that makes Python's collector run more often.
 Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
 others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
 steps there.
