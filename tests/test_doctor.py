@@ -354,3 +354,21 @@ def test_eager_selective_under_fsdp2_is_flagged(tmp_path):
             assert not [f for f in doctor(model, compiled=True) if f.check == "fsdp-eager-selective"]
     finally:
         dist.destroy_process_group()
+
+
+def test_per_block_compile_with_the_cache_on_is_flagged():
+    """``compiled-blocks-cache``: blocks compiled each alone with ``use_cache`` on, as the config's
+    default leaves it (every block a new graph); not with the cache off, nor for a whole compiled
+    model, nor eager."""
+    model = tiny_llama().train()
+    assert model.config.use_cache is True     # the config's default, as from_pretrained gives it
+    assert "compiled-blocks-cache" not in _checks(doctor(model))
+    for block in model.model.layers:
+        block.compile(backend="eager")
+    found = [f for f in doctor(model) if f.check == "compiled-blocks-cache"]
+    assert len(found) == 1 and found[0].severity == "warning" and "use_cache" in found[0].fix
+    model.config.use_cache = False
+    assert "compiled-blocks-cache" not in _checks(doctor(model))
+    whole = tiny_llama().train()
+    whole.compile(backend="eager")
+    assert "compiled-blocks-cache" not in _checks(doctor(whole))
