@@ -3,12 +3,20 @@ it solves and why it is exact for the simulator's bound).
 
 How: :class:`Tables` turns a profile into, per block and per (previous, current) treatment, the
 kept bytes the block adds, its forward and backward peaks above what earlier blocks keep, its
-seconds (FSDP2's exposed collectives and offload copies its neighbours cannot hide included)
-and the bytes it hands the offload engine. :func:`dp` walks the blocks in forward order over
+seconds (FSDP2's exposed collectives and offload copies its neighbours cannot hide included),
+its score (the seconds plus the recompute margin, below) and the bytes it hands the offload
+engine. :func:`dp` walks the blocks in forward order over
 states (previous treatment, whether any earlier block offloaded) x kept-bytes levels (rounded
 *up* to ``scale / resolution``), keeping per state the best value of an objective and a back
 pointer. Two objectives share the states, transitions and memory terms: :class:`MinTime` (the
 least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak).
+
+The recompute margin (``margin``): :class:`MinTime` minimises the score, each block's seconds
+plus, for a treatment other than ``keep``, ``margin`` times the block's ``keep`` seconds. A
+treatment that does more work than keeping (a recompute, an offload's copies) is then chosen
+over ``keep`` only when the memory needs it or its predicted gain passes the profile's noise
+(see :data:`remat.planning.solver.RECOMPUTE_MARGIN`); the plan's reported time is still the
+simulator's.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ def engine_states(window, largest, prev_off, f_of, prefetch_blocks):
 class Tables:
     """Per block, per (previous, current) treatment: the numbers the DP's constraints and time need."""
 
-    def __init__(self, profile, options, head):
+    def __init__(self, profile, options, head, margin: float = 0.0):
         rates = profile.rates
         L, T = len(profile.block_names), len(options)
         h = profile.hidden_bytes
@@ -49,9 +57,13 @@ class Tables:
         self.bwd = np.zeros((L, T, T))      # backward peak above kept(0..i-1) + later blocks' leftovers
         self.time = np.zeros((L, T, T))
         self.off = np.zeros((L, T))         # bytes block i hands to the engine
+        self.tie = np.zeros((L, T))         # the recompute margin's seconds (see the module doc)
         self.left = np.zeros(L)             # block i's leftover after its backward (the largest over treatments)
         for i in range(L):
             costs = [profile.cost(i, t) for t in options]
+            if margin and "keep" in profile.treatments(i):  # whether or not the plan may use keep
+                keep = profile.cost(i, "keep")
+                self.tie[i] = [0.0 if t == "keep" else margin * (keep.fwd_s + keep.bwd_s) for t in options]
             self.off[i] = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for c, t in zip(costs, options)]
             prev_costs = [profile.cost(i - 1, t) for t in options] if i else [None] * T
             for p, previous in enumerate(prev_costs):
@@ -73,6 +85,7 @@ class Tables:
             # own treatment; the DP, which has not chosen them yet, takes the largest
             self.left[i] = max(block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
                                for previous in prev_costs for c in costs)
+        self.score = self.time + self.tie[:, None, :]  # what MinTime minimises
         self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
         running = 0.0
         for i in reversed(range(L)):
@@ -84,8 +97,8 @@ class Tables:
 
 
 class MinTime:
-    """The least step time within ``budget``: a state's value is the time so far, and a
-    transition whose phase would pass the budget is cut."""
+    """The least step score within ``budget`` (the time, with the recompute margin): a state's
+    value is the score so far, and a transition whose phase would pass the budget is cut."""
 
     def __init__(self, budget):
         self.budget = budget
@@ -114,15 +127,16 @@ class MinPeak:
         return np.maximum(value, levels[None, :] + phase[:, None])
 
 
-def dp(profile, options, head, objective, scale, resolution):
+def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0):
     """(objective's value, treatments) of the best plan using ``options`` with ``head``, or None.
+    ``margin``: the recompute margin (see the module doc).
 
     States are (previous treatment p, flag F: any block before p offloaded), flattened as
     ``2 * p + F``; each holds the objective's best value per kept-bytes level, levels being
     multiples of ``scale / resolution`` (kept bytes rounded up).
     """
     L, T = len(profile.block_names), len(options)
-    tab = Tables(profile, options, head)
+    tab = Tables(profile, options, head, margin)
     live = LiveBytes(profile.static_bytes, head)
     q = max(scale / resolution, 1.0)
     N = resolution + 2
@@ -144,7 +158,7 @@ def dp(profile, options, head, objective, scale, resolution):
             p = p_of[reached]
             phase = np.maximum(live.forward_base() + tab.fwd[i, p, t] + res_f,
                                live.backward_base() + tab.after[i] + tab.bwd[i, p, t] + res_b)
-            candidate = objective.step(value[reached], levels, phase, tab.time[i, p, t])
+            candidate = objective.step(value[reached], levels, phase, tab.score[i, p, t])
             step = np.ceil(np.maximum(tab.d[i, p, t], 0.0) / q).astype(np.int64)
             shifted = np.full(candidate.shape, np.inf)  # a state's values moved up by its kept bytes
             for row, k in enumerate(step):
