@@ -16,7 +16,9 @@ plus, for a treatment other than ``keep``, ``margin`` times the block's ``keep``
 treatment that does more work than keeping (a recompute, an offload's copies) is then chosen
 over ``keep`` only when the memory needs it or its predicted gain passes the profile's noise
 (see :data:`remat.planning.solver.RECOMPUTE_MARGIN`); the plan's reported time is still the
-simulator's.
+simulator's. The head is held to the same rule (:func:`head_margin`): a chunked head is charged
+``margin`` of the untouched model's step, so the model's own head is kept unless the chunked
+one gains more or the budget needs it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,18 @@ def head_seconds(profile, head) -> float:
     the root's collectives no compute hides."""
     seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s + profile.step_overhead_s
     return seconds + (profile.comm.fixed_exposed_s(head) if profile.comm is not None else 0.0)
+
+
+def head_margin(profile, head, margin: float) -> float:
+    """The recompute margin's seconds for ``head`` (see the module doc): none for the plain head,
+    ``margin`` of the untouched step (every block ``keep``, the plain head) for another."""
+    if not margin or head.mode == "plain" or "plain" not in {h.mode for h in profile.heads}:
+        return 0.0
+    blocks = range(len(profile.block_names))
+    if not all("keep" in profile.treatments(i) for i in blocks):
+        return 0.0
+    keep = sum(profile.cost(i, "keep").fwd_s + profile.cost(i, "keep").bwd_s for i in blocks)
+    return margin * (keep + head_seconds(profile, profile.head("plain")))
 
 
 def engine_states(window, largest, prev_off, f_of, prefetch_blocks):
