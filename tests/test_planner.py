@@ -434,15 +434,16 @@ def test_recompute_margin_keeps_where_recompute_gains_less_than_the_noise(bench3
 def test_recompute_margin_keeps_the_plain_head_where_chunked_gains_less(bench3):
     """The same rule for the head (issue 11, compiled: chunked(8192) and the plain head predicted
     0.1% apart were chosen one run each): where the plain head fits, the chunked one must gain
-    more than the margin of the untouched step."""
+    more than the margin of the plain head's seconds."""
     from remat.planning.dp import head_margin, head_seconds
     from remat.planning.solver import RECOMPUTE_MARGIN
     plain = bench3.head("plain")
-    step = head_margin(bench3, bench3.head("chunked"), RECOMPUTE_MARGIN) / RECOMPUTE_MARGIN
-    assert step > head_seconds(bench3, plain) > 0 and head_margin(bench3, plain, RECOMPUTE_MARGIN) == 0
+    replaced = head_seconds(bench3, plain)
+    assert head_margin(bench3, bench3.head("chunked"), RECOMPUTE_MARGIN) == pytest.approx(RECOMPUTE_MARGIN * replaced)
+    assert head_margin(bench3, plain, RECOMPUTE_MARGIN) == 0
 
     def chunked_faster_by(fraction):
-        gain = fraction * step
+        gain = fraction * replaced
         heads = tuple(h if h.mode == "plain" else replace(h, head_fwd_s=plain.head_fwd_s - gain / 2,
                                                           head_bwd_s=plain.head_bwd_s - gain / 2,
                                                           pre_fwd_s=plain.pre_fwd_s, pre_bwd_s=plain.pre_bwd_s)

@@ -52,11 +52,13 @@ So the solver minimises a score: each block's seconds plus, for a treatment othe
 ``keep``, :data:`RECOMPUTE_MARGIN` (1%) of that block's ``keep`` seconds. Recompute, offload and
 every other treatment that does more work than keeping is chosen when the budget needs it, or
 when its predicted gain is larger than the margin. The head likewise: the chunked head is
-charged the margin of the untouched model's step (the same bench, another run: chunked(8192)
-and the plain head predicted 0.1% apart, chosen one run each; the plain head measured 0.5-1%
-faster in the whole compiled step). The plan found is then at most about twice the margin of
-the step slower in prediction than the least-time plan, and the same across profiles whose
-noise stays under it. The plan's reported time is the simulator's.
+charged the margin of the plain head's seconds, what it replaces (the same bench, another
+run: chunked(8192) and the plain head predicted 0.1% of the step apart were chosen one run
+each). A first version charged the head 1% of the whole step; it outweighed six blocks' margins,
+and a 32 GiB plan took 6x selective to keep the plain head where 16x keep with the chunked head
+fitted, and ran 1.4% slower (H100). The plan found is at most the margin of the step slower in
+prediction than the least-time plan, and the same across profiles whose noise stays under it.
+The plan's reported time is the simulator's.
 
 One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
 least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;
