@@ -52,7 +52,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
          compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1) -> Plan:
-    """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``.
+    """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
+    (a block left untouched, and the model's own head, unless changing it gains more than 1%
+    of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
     (values do not matter). ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
