@@ -1,7 +1,7 @@
 """A run whose sequence length changes every step: does the chunked head's fused kernel stay on?
 
 The chunked head runs each chunk's softmax and gradient as one compiled kernel
-(:mod:`remat.treat.chunked_loss`). A kernel compiled per shape would recompile at every new
+(:mod:`remat.treat.xent_kernel`). A kernel compiled per shape would recompile at every new
 length (2.4-3.6 s each on an H200) and, at dynamo's recompile limit, fall back to the slower
 eager ops for the rest of the process (issue 11). This script trains the bench model on
 ``--lengths`` sequence lengths spread between ``--min-len`` and ``--max-len`` (20 between 512
@@ -12,8 +12,8 @@ order, twice over:
   cost (``first_pass_overhead_s``); dynamo's own count of compile time
   (``torch._dynamo.utils.compilation_time_metrics``, every frame compiled in the run) is
   recorded beside it (``dynamo_compile_s``), with the number of graphs compiled;
-- the fused path stayed on when no shape fell back to the eager ops (``_EAGER_SHAPES`` of
-  :mod:`remat.treat.chunked_loss` is empty and remat warned nothing);
+- the fused path stayed on when no shape fell back to the eager ops (``EAGER_SHAPES`` of
+  :mod:`remat.treat.xent_kernel` is empty and remat warned nothing);
 - the plan is made for the longest length (``remat.plan(..., heads=["chunked"])``, with
   ``compile=True`` under ``--plan-compile``) and every step's peak is measured: the peak at
   the longest length must be within the plan's budget.
@@ -82,7 +82,7 @@ def compile_metrics() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     import transformers
-    from remat.treat import chunked_loss
+    from remat.treat import xent_kernel
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -139,8 +139,8 @@ def main(argv=None):
     second = {r["seq"]: r["step_s"] for r in record["rows"] if r["pass_"] == 2}
     overhead = sum(max(0.0, first[s] - second[s]) for s in first)
     remat_warnings = [str(w.message) for w in caught if "remat" in str(w.message)]
-    eager_shapes = {str(k): v for k, v in getattr(chunked_loss, "_EAGER_SHAPES", {}).items()}
-    kernel_made = getattr(chunked_loss, "_KERNEL", {}).get("fn") is not None
+    eager_shapes = {str(k): v for k, v in xent_kernel.EAGER_SHAPES.items()}
+    kernel_made = xent_kernel.KERNEL.get("fn") is not None
     longest = max(all_lengths)
     peak_longest = max((r["peak_bytes"] or 0) for r in record["rows"] if r["seq"] == longest) if cuda else None
     record.update(

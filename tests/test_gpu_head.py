@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import remat
-from remat.treat import chunked_loss
+from remat.treat import chunked_loss, xent_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _run(fused: bool, hidden, weight, targets, monkeypatch, chunk=1000):
     with monkeypatch.context() as m:
         if not fused:
-            m.setattr(chunked_loss, "_fused_kernel", lambda device: None)
+            m.setattr(chunked_loss, "fused_kernel", lambda device: None)
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
         loss = chunked_loss.chunked_cross_entropy(h, w, None, targets, chunk_tokens=chunk)
@@ -30,8 +30,8 @@ def test_fused_matches_eager_chunks(dtype, monkeypatch):
     targets = torch.randint(0, 5003, (4099,), device="cuda")
     targets[::7] = -100
     fused = _run(True, hidden, weight, targets, monkeypatch)
-    assert chunked_loss._KERNEL.get("fn") is not None, "torch.compile is not available"
-    assert not chunked_loss._EAGER_SHAPES, f"the fused kernel did not compile: {chunked_loss._EAGER_SHAPES}"
+    assert xent_kernel.KERNEL.get("fn") is not None, "torch.compile is not available"
+    assert not xent_kernel.EAGER_SHAPES, f"the fused kernel did not compile: {xent_kernel.EAGER_SHAPES}"
     eager = _run(False, hidden, weight, targets, monkeypatch)
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
     for a, b in zip(fused[1:], eager[1:]):
@@ -55,7 +55,7 @@ def test_every_sequence_length_reuses_one_compile(monkeypatch):
                 fused = _run(True, hidden, weight, targets, monkeypatch, chunk=512)
         eager = _run(False, hidden, weight, targets, monkeypatch, chunk=512)
         torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
-    assert not chunked_loss._EAGER_SHAPES
+    assert not xent_kernel.EAGER_SHAPES
 
 
 def _tiny_llama(device):

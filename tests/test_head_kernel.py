@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.treat import chunked_loss
-from remat.treat.chunked_loss import _eager_kernel, _kernel_rows, _run_fused, _softmax_xent, chunked_cross_entropy
+from remat.treat import chunked_loss, xent_kernel
+from remat.treat.chunked_loss import chunked_cross_entropy
+from remat.treat.xent_kernel import eager_kernel, kernel_rows, run_fused, softmax_xent
 
 
 def _chunk(rows, vocab=53, dtype=torch.float32, seed=0):
@@ -30,13 +31,13 @@ def test_padded_rows_add_nothing_to_the_kernels_loss_and_gradient(dtype):
     padded_g = torch.cat([z, torch.zeros(91, z.shape[1], dtype=dtype)])
     eager_g = z.clone()
     g = z  # the kernels turn the logits into their gradient in place
-    loss = _softmax_xent(g, y, -100, pre)
-    padded_loss = _softmax_xent(padded_g, F.pad(y, (0, 91), value=-100), -100, pre)
+    loss = softmax_xent(g, y, -100, pre)
+    padded_loss = softmax_xent(padded_g, F.pad(y, (0, 91), value=-100), -100, pre)
     torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=0)
     assert torch.equal(padded_g[:37], g)  # rows are independent: the same ops, the same bits
     assert torch.equal(padded_g[37:], torch.zeros_like(padded_g[37:]))
     assert g.sum(1).abs().max() < 1e-2  # a gradient now (each valid row sums to 0), not logits
-    eager_loss = _eager_kernel(eager_g, y, -100, pre)
+    eager_loss = eager_kernel(eager_g, y, -100, pre)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(g.float(), eager_g.float(), rtol=1e-5, atol=1e-7 if dtype == torch.float32 else 1e-2)
 
@@ -49,7 +50,7 @@ def _loss_and_grads(monkeypatch, kernel, n, chunk, bias=True):
     targets = torch.randint(0, 61, (n,), generator=g)
     targets[::3] = -100
     with monkeypatch.context() as m:
-        m.setattr(chunked_loss, "_fused_kernel", lambda device: kernel)
+        m.setattr(chunked_loss, "fused_kernel", lambda device: kernel)
         loss = chunked_cross_entropy(h, w, b, targets, chunk_tokens=chunk)
     loss.backward()
     return [loss.detach()] + [t.grad for t in (h, w, b) if t is not None]
@@ -62,37 +63,37 @@ def test_chunked_loss_through_the_padded_kernel_path_matches_the_eager_path(monk
 
     def kernel(z, y, ignore_index, pre):  # the fused path's kernel, run uncompiled
         shapes.append(tuple(z.shape))
-        return _softmax_xent(z, y, ignore_index, pre)
+        return softmax_xent(z, y, ignore_index, pre)
 
     padded = _loss_and_grads(monkeypatch, kernel, n, chunk, bias)
     eager = _loss_and_grads(monkeypatch, None, n, chunk, bias)
     for a, b in zip(padded, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)  # n=1: no valid target
-    assert set(shapes) == {(_kernel_rows(n, chunk), 61)}  # one shape, the tail padded to it
+    assert set(shapes) == {(kernel_rows(n, chunk), 61)}  # one shape, the tail padded to it
 
 
 def test_kernel_rows_are_few_shapes():
-    assert {_kernel_rows(n, 2048) for n in range(1, 20000, 7)} == {128, 256, 512, 1024, 2048}
-    assert {_kernel_rows(n, 37) for n in range(1, 500)} == {37}
-    assert _kernel_rows(5, 1000) == 128 and _kernel_rows(129, 1000) == 256 and _kernel_rows(999, 1000) == 1000
+    assert {kernel_rows(n, 2048) for n in range(1, 20000, 7)} == {128, 256, 512, 1024, 2048}
+    assert {kernel_rows(n, 37) for n in range(1, 500)} == {37}
+    assert kernel_rows(5, 1000) == 128 and kernel_rows(129, 1000) == 256 and kernel_rows(999, 1000) == 1000
 
 
 @pytest.fixture
 def kernel_state(monkeypatch):
     """A fresh kernel registry whose compiled function the test supplies."""
-    monkeypatch.setattr(chunked_loss, "_KERNEL", {})
-    monkeypatch.setattr(chunked_loss, "_OUT_SHAPES", {})
-    monkeypatch.setattr(chunked_loss, "_EAGER_SHAPES", {})
-    return chunked_loss
+    monkeypatch.setattr(xent_kernel, "KERNEL", {})
+    monkeypatch.setattr(xent_kernel, "OUT_SHAPES", {})
+    monkeypatch.setattr(xent_kernel, "EAGER_SHAPES", {})
+    return xent_kernel
 
 
 def _backend_failed(inner):
     """A BackendCompilerFailed around ``inner``, whichever constructor this torch has."""
     from torch._dynamo.exc import BackendCompilerFailed
     try:
-        return BackendCompilerFailed(_softmax_xent, inner, None)
+        return BackendCompilerFailed(softmax_xent, inner, None)
     except TypeError:  # torch 2.6: (backend_fn, inner_exception)
-        return BackendCompilerFailed(_softmax_xent, inner)
+        return BackendCompilerFailed(softmax_xent, inner)
 
 
 def _raising(error, calls):
@@ -105,20 +106,20 @@ def _raising(error, calls):
 def test_out_of_memory_inside_the_kernel_propagates(kernel_state):
     z, y = _chunk(8)
     calls = []
-    kernel_state._KERNEL["fn"] = _raising(torch.OutOfMemoryError("CUDA out of memory (test)"), calls)
+    kernel_state.KERNEL["fn"] = _raising(torch.OutOfMemoryError("CUDA out of memory (test)"), calls)
     with pytest.raises(torch.OutOfMemoryError):
-        _run_fused(z, y, -100, torch.tensor(1.0))
+        run_fused(z, y, -100, torch.tensor(1.0))
     # an out-of-memory error that a compile error wraps (autotuning) is not a compile failure
     from torch._dynamo.exc import BackendCompilerFailed
     wrapped = _backend_failed(torch.OutOfMemoryError("CUDA out of memory (test)"))
-    kernel_state._KERNEL["fn"] = _raising(wrapped, calls)
+    kernel_state.KERNEL["fn"] = _raising(wrapped, calls)
     with pytest.raises(BackendCompilerFailed):
-        _run_fused(z, y, -100, torch.tensor(1.0))
+        run_fused(z, y, -100, torch.tensor(1.0))
     # errors unrelated to compiling propagate too
-    kernel_state._KERNEL["fn"] = _raising(RuntimeError("device-side assert triggered (test)"), calls)
+    kernel_state.KERNEL["fn"] = _raising(RuntimeError("device-side assert triggered (test)"), calls)
     with pytest.raises(RuntimeError, match="device-side assert"):
-        _run_fused(z, y, -100, torch.tensor(1.0))
-    assert len(calls) == 3 and not kernel_state._EAGER_SHAPES and not kernel_state._OUT_SHAPES  # nothing switched off
+        run_fused(z, y, -100, torch.tensor(1.0))
+    assert len(calls) == 3 and not kernel_state.EAGER_SHAPES and not kernel_state.OUT_SHAPES  # nothing switched off
 
 
 def _compile_errors():
@@ -143,38 +144,38 @@ def test_a_compile_error_falls_back_for_that_shape_only_with_one_warning(kernel_
         calls.append(("in place", tuple(z.shape)))
         if z.shape[0] == 8:
             raise error
-        return _softmax_xent(z, y, ignore_index, pre)
+        return softmax_xent(z, y, ignore_index, pre)
 
     def out_of_place(z, y, ignore_index, pre):
         calls.append(("out of place", tuple(z.shape)))
         if not out_of_place_compiles:
             raise error
-        return chunked_loss._softmax_xent_out(z, y, ignore_index, pre)
+        return xent_kernel.softmax_xent_out(z, y, ignore_index, pre)
 
-    kernel_state._KERNEL.update(fn=in_place, out=out_of_place)
+    kernel_state.KERNEL.update(fn=in_place, out=out_of_place)
     z, y = _chunk(8)
     pre = torch.tensor(0.25)
     expected_g = z.clone()
-    expected_loss = _eager_kernel(expected_g, y, -100, pre)
+    expected_loss = eager_kernel(expected_g, y, -100, pre)
     g = z.clone()
     with pytest.warns(UserWarning, match=type(error).__name__) as caught:
-        loss = _run_fused(g, y, -100, pre)
+        loss = run_fused(g, y, -100, pre)
     assert len(caught) == (1 if out_of_place_compiles else 2) and "[8, 53]" in str(caught[0].message)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(g, expected_g, rtol=1e-6, atol=1e-7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _run_fused(z.clone(), y, -100, pre)  # the same shape: not tried again, no warning
+        run_fused(z.clone(), y, -100, pre)  # the same shape: not tried again, no warning
         z16, y16 = _chunk(16)
-        _run_fused(z16, y16, -100, pre)      # another shape still uses the in-place kernel
+        run_fused(z16, y16, -100, pre)      # another shape still uses the in-place kernel
     tried_twice = [("out of place", (8, 53))] if out_of_place_compiles else []
     assert calls == [("in place", (8, 53)), ("out of place", (8, 53))] + tried_twice + [("in place", (16, 53))]
-    assert list(kernel_state._OUT_SHAPES) == [((8, 53), torch.float32, "cpu")]
-    assert bool(kernel_state._EAGER_SHAPES) is not out_of_place_compiles
+    assert list(kernel_state.OUT_SHAPES) == [((8, 53), torch.float32, "cpu")]
+    assert bool(kernel_state.EAGER_SHAPES) is not out_of_place_compiles
 
 
 def test_the_fused_kernel_is_for_cuda_only():
-    assert chunked_loss._fused_kernel(torch.device("cpu")) is None
+    assert xent_kernel.fused_kernel(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,7 +241,7 @@ def test_inductor_compiled_kernel_writes_the_same_gradient_in_place(device):
     import math
     import re
     from torch._inductor.utils import run_and_get_code
-    compiled = torch.compile(_softmax_xent, dynamic=False, fullgraph=True)
+    compiled = torch.compile(softmax_xent, dynamic=False, fullgraph=True)
     z, y = _chunk(64, vocab=300, dtype=torch.bfloat16, seed=6)
     z, y = z.to(device), y.to(device)
     pre = torch.tensor(1 / 50.0, device=device)
@@ -250,7 +251,7 @@ def test_inductor_compiled_kernel_writes_the_same_gradient_in_place(device):
     except Exception as error:  # noqa: BLE001 - only inductor's known scheduler KeyError is let through
         if device != "cpu" or "KeyError" not in str(error):
             raise
-        loss, g = torch.compile(chunked_loss._softmax_xent_out, dynamic=False, fullgraph=True)(ours, y, -100, pre)
+        loss, g = torch.compile(xent_kernel.softmax_xent_out, dynamic=False, fullgraph=True)(ours, y, -100, pre)
         ours.copy_(g)
         code = None
     if code is not None:
@@ -259,7 +260,7 @@ def test_inductor_compiled_kernel_writes_the_same_gradient_in_place(device):
         shapes = re.findall(r"empty_strided\w*\(\(([\d, ]*)\)", "\n".join(code))
         sizes = [math.prod(int(v) for v in shape.split(",") if v.strip()) for shape in shapes]
         assert sizes and max(sizes) < 64 * 300, shapes
-    expected = _eager_kernel(eager, y, -100, pre)
+    expected = eager_kernel(eager, y, -100, pre)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(ours.float(), eager.float(), rtol=0, atol=2 ** -9)
 
@@ -270,9 +271,9 @@ def test_eager_path_works_on_blocks_of_rows_in_place(monkeypatch):
     z, y = _chunk(37, dtype=torch.bfloat16, seed=7)
     pre = torch.tensor(1 / 29.0)
     whole = z.clone()
-    expected = _eager_kernel(whole, y, -100, pre)
-    monkeypatch.setattr(chunked_loss, "_EAGER_BLOCK_BYTES", 3 * 4 * z.shape[1])
+    expected = eager_kernel(whole, y, -100, pre)
+    monkeypatch.setattr(xent_kernel, "EAGER_BLOCK_BYTES", 3 * 4 * z.shape[1])
     blocks = z.clone()
-    loss = _eager_kernel(blocks, y, -100, pre)
+    loss = eager_kernel(blocks, y, -100, pre)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     assert torch.equal(blocks, whole) and not torch.equal(blocks, z)

@@ -33,16 +33,10 @@ ignored rows' gradients are zeros (an SFT batch whose completion mask is empty m
 turn the weights into NaN at the next optimizer step). Where N = 0 but some target is
 valid, the plain path's gradient is infinite and ours is zero.
 
-On CUDA, with no transform, each chunk's softmax and gradient run as one compiled
-kernel (:func:`_softmax_xent`, ``torch.compile(dynamic=False, fullgraph=True)``). It is
-kept shape-stable: the last chunk's logits are padded to the chunk size (padded rows
-have ignored targets, so they add zero to the loss and the gradients), and a batch
-shorter than one chunk is padded to the next power of two (at least 128, at most the
-chunk), so one compile serves every sequence length of a run and a handful serve short
-batches. Only compile errors (dynamo/inductor failures, a missing Triton, the recompile
-limit) fall back, for that shape only, with one warning that says why: to the same kernel
-writing its gradient out of place (torch 2.6's inductor cannot compile the in-place one),
-then to the eager path; anything else, an out-of-memory error included, propagates.
+On CUDA, with no transform, each chunk's loss and gradient are one compiled, shape-stable
+kernel that writes the gradient into the logits' buffer; elsewhere the same arithmetic runs as
+eager ops, a block of rows at a time (:mod:`remat.treat.xent_kernel`, which also says what
+falls back, and when).
 
 Limits: rounding follows the plain path (logits in the compute dtype, then ``.float()``);
 fp16 gradients are scaled by 1/N only in backward, so they do not underflow under a
@@ -51,23 +45,21 @@ integration runs it outside the user's compiled graph).
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
+from remat.treat.xent_kernel import ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses
+
 _GiB = 2 ** 30
-_ROUND = 128            # chunk sizes are multiples of this (tensor-core friendly)
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
 _DEFAULT_LOGIT_BYTES = _GiB  # default chunk: its fp32 logits take about this much
 _PIECE_BYTES = 2 ** 27  # the fp32 weight-gradient accumulator is kept in row blocks of about this size
-_EAGER_BLOCK_BYTES = 2 ** 27  # the eager path's fp32 copy of the logits, a block of rows at a time
 
 
 def default_chunk_tokens(vocab: int) -> int:
     """The chunk whose fp32 logits take about 1 GiB: 2048 tokens at a 128k vocabulary."""
     rows = _DEFAULT_LOGIT_BYTES // (4 * max(int(vocab), 1))
-    return int(min(_MAX_CHUNK, max(_ROUND, rows // _ROUND * _ROUND)))
+    return int(min(_MAX_CHUNK, max(ROUND, rows // ROUND * ROUND)))
 
 
 def chunked_cross_entropy(hidden, weight, bias, targets, *, chunk_tokens=None, ignore_index=-100,
@@ -114,8 +106,8 @@ class _ChunkedLoss(torch.autograd.Function):
         inv = torch.where(divisor != 0, 1.0 / divisor, torch.zeros_like(divisor))
         # fp16 cannot hold (softmax - onehot) / N for large N: scale by 1/N in backward there.
         pre, post = (torch.ones_like(inv), inv) if cd == torch.float16 else (inv, torch.ones_like(inv))
-        kernel = _fused_kernel(hidden.device) if transform is None and want else None
-        rows = _kernel_rows(n, chunk) if kernel is not None else None
+        kernel = fused_kernel(hidden.device) if transform is None and want else None
+        rows = kernel_rows(n, chunk) if kernel is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(cd), weight.to(cd)
             b = None if bias is None else bias.to(cd)
@@ -127,21 +119,21 @@ class _ChunkedLoss(torch.autograd.Function):
                 hc, yc = h[s:s + chunk], targets[s:s + chunk]
                 m = hc.shape[0]
                 if kernel is not None:
-                    g = _padded_logits(hc, w, b, rows)  # the kernel turns the logits into their gradient
+                    g = padded_logits(hc, w, b, rows)  # the kernel turns the logits into their gradient
                     total += kernel(g, F.pad(yc, (0, rows - m), value=ignore_index), ignore_index, pre)
                     g = g[:m]  # the padded rows' gradient is zero
                 elif transform is None and want:
                     g = F.linear(hc, w, b)  # in place again, a block of rows in fp32 at a time
-                    total += _eager_kernel(g, yc, ignore_index, pre)
+                    total += eager_kernel(g, yc, ignore_index, pre)
                 elif transform is None:
-                    total += _rows(F.linear(hc, w, b).float(), yc, ignore_index, pre, False)
+                    total += row_losses(F.linear(hc, w, b).float(), yc, ignore_index, pre, False)
                     g = None
                 else:
                     # through the model's own ops, so rounding and derivative are its own
                     z = F.linear(hc, w, b).requires_grad_(want)
                     with torch.enable_grad():
                         x = transform(z).float()
-                    total += _rows(x.detach(), yc, ignore_index, pre, want)
+                    total += row_losses(x.detach(), yc, ignore_index, pre, want)
                     g = torch.autograd.grad(x, z, x.detach())[0] if want else None
                     del x, z
                 if want_h:
@@ -232,175 +224,6 @@ def _fp32_out(device) -> bool:
                 works = False
         _FP32_OUT[device.type] = works
     return _FP32_OUT[device.type]
-
-
-def _rows(x, y, ignore_index, pre, want):
-    """Summed loss of one chunk; if ``want``, ``x`` becomes ``(softmax - onehot) * pre``
-    in place (rows of ignored targets zero)."""
-    valid = y != ignore_index
-    safe = torch.where(valid, y, torch.zeros_like(y))
-    picked = x.gather(1, safe[:, None]).squeeze(1)
-    m = x.amax(1, keepdim=True)
-    x.sub_(m).exp_()
-    s = x.sum(1, keepdim=True)
-    lse = (m + s.log()).squeeze(1)
-    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-    if want:  # one pass: softmax and the 1/N scale together, then the one-hot at the targets
-        weight = valid.to(x.dtype) * pre
-        x.mul_(weight[:, None] / s)
-        x.scatter_add_(1, safe[:, None], -weight[:, None])
-    return loss
-
-
-# ---------------------------------------------------------------- the fused chunk kernel
-
-def _softmax_xent(z, y, ignore_index: int, pre):
-    """The loss of one chunk; ``z`` (the logits) becomes ``(softmax - onehot) * pre`` in
-    place, so one chunk-sized buffer serves both. One function for ``torch.compile`` to
-    fuse: it reads the chunk's logits three times and writes the gradient once, where the
-    eager ops of :func:`_rows` materialise the fp32 logits and pass over them about ten
-    times (measured: the head's elementwise work is the difference between the chunked and
-    the plain head's speed).
-
-    The gradient is one pointwise expression of the logits and per-row values (the target
-    column's ``p_t * w - w`` chosen by comparing column indices: the same fp32 operations
-    as the eager path, rounded once), so inductor stores it straight into the logits'
-    buffer; a scatter afterwards would make it materialise a chunk-sized temporary first."""
-    loss, g = _xent_gradient(z, y, ignore_index, pre)
-    z.copy_(g)  # one pointwise pass: inductor writes it into z
-    return loss
-
-
-def _softmax_xent_out(z, y, ignore_index: int, pre):
-    """:func:`_softmax_xent` returning the gradient as a new tensor: for an inductor that
-    fails to compile the in-place store (torch 2.6: a ``KeyError`` in its scheduler). It needs
-    one more chunk-sized buffer."""
-    loss, g = _xent_gradient(z, y, ignore_index, pre)
-    return loss, g.to(z.dtype)
-
-
-def _xent_gradient(z, y, ignore_index: int, pre):
-    """The chunk's summed loss and ``(softmax - onehot) * pre`` (fp32, as one expression)."""
-    x = z.float()
-    valid = y != ignore_index
-    safe = torch.where(valid, y, torch.zeros_like(y))
-    m = x.amax(1, keepdim=True)
-    s = torch.exp(x - m).sum(1, keepdim=True)
-    picked = x.gather(1, safe[:, None])
-    lse = (m + s.log()).squeeze(1)
-    loss = torch.where(valid, lse - picked.squeeze(1), torch.zeros_like(lse)).sum()
-    weight = (valid.to(torch.float32) * pre)[:, None]
-    scale = weight / s
-    p = torch.exp(x - m) * scale
-    at_target = torch.arange(z.shape[1], device=z.device)[None, :] == safe[:, None]
-    return loss, torch.where(at_target, p - weight, p)
-
-
-def _eager_kernel(z, y, ignore_index: int, pre):
-    """What the fused kernel computes, by the eager ops: the CPU's path, the fallback where
-    the kernel does not compile, and what a fake-tensor profile measures. It works on a
-    block of rows at a time, so beside the logits it needs one block's fp32 copy
-    (``_EAGER_BLOCK_BYTES``, 256 rows at a 128k vocabulary): the chunk's memory is about the
-    fused kernel's, which keeps nothing chunk-sized beside the logits."""
-    rows = max(1, _EAGER_BLOCK_BYTES // (4 * max(z.shape[1], 1)))
-    loss = torch.zeros((), dtype=torch.float32, device=z.device)
-    for r in range(0, z.shape[0], rows):
-        x = z[r:r + rows].float()
-        loss += _rows(x, y[r:r + rows], ignore_index, pre, True)
-        z[r:r + rows] = x
-    return loss
-
-
-def _kernel_rows(n: int, chunk: int) -> int:
-    """Rows of every logits block the kernel sees: the chunk, or for a batch shorter than
-    one chunk the next power of two (at least ``_ROUND``), so few shapes ever compile."""
-    if n >= chunk:
-        return chunk
-    return min(chunk, max(_ROUND, 1 << (max(n, 1) - 1).bit_length()))
-
-
-def _padded_logits(hc, w, b, rows: int):
-    """``F.linear(hc, w, b)`` with zero rows below it up to ``rows`` (one buffer, no copy)."""
-    m = hc.shape[0]
-    if m == rows:
-        return F.linear(hc, w, b)
-    z = torch.empty(rows, w.shape[0], dtype=hc.dtype, device=hc.device)
-    if b is None:
-        torch.mm(hc, w.t(), out=z[:m])
-    else:
-        torch.addmm(b, hc, w.t(), out=z[:m])
-    z[m:].zero_()
-    return z
-
-
-_KERNEL = {}         # "fn" / "out": the compiled _softmax_xent / _softmax_xent_out, made on first use
-_OUT_SHAPES = {}     # (shape, dtype, device) -> why the in-place kernel is not used for it
-_EAGER_SHAPES = {}   # (shape, dtype, device) -> why no compiled kernel is used for it
-
-
-def _fused_kernel(device):
-    """The fused chunk kernel for ``device`` (CUDA, with a working ``torch.compile``), or
-    None: the eager ops then."""
-    if device.type != "cuda":
-        return None
-    if "fn" not in _KERNEL:
-        import torch._dynamo
-        if not torch._dynamo.is_dynamo_supported():
-            _KERNEL["fn"] = None
-            warnings.warn("remat: torch.compile is not supported here, so the chunked loss uses its "
-                          "eager path (correct, slower)", stacklevel=4)
-        else:
-            _KERNEL["fn"] = torch.compile(_softmax_xent, dynamic=False, fullgraph=True)
-            _KERNEL["out"] = torch.compile(_softmax_xent_out, dynamic=False, fullgraph=True)
-    return None if _KERNEL["fn"] is None else _run_fused
-
-
-def _run_fused(z, y, ignore_index: int, pre):
-    """The compiled in-place kernel; for a shape it cannot compile, the compiled out-of-place
-    one; for a shape neither compiles, the eager ops (each step down warned once a shape)."""
-    key = (tuple(z.shape), z.dtype, str(z.device))
-    if key not in _OUT_SHAPES:
-        try:
-            return _KERNEL["fn"](z, y, ignore_index, pre)
-        except _compile_errors() as error:
-            _OUT_SHAPES[key] = _compile_failure(error, z, "one more chunk-sized buffer than planned (the "
-                                                          "out-of-place kernel)")
-    if key not in _EAGER_SHAPES:
-        try:
-            loss, g = _KERNEL["out"](z, y, ignore_index, pre)
-            z.copy_(g)
-            return loss
-        except _compile_errors() as error:
-            _EAGER_SHAPES[key] = _compile_failure(error, z, "the eager path, which is correct but slower")
-    return _eager_kernel(z, y, ignore_index, pre)
-
-
-def _compile_failure(error, z, instead: str) -> str:
-    """Why a compile failed, warned once; an out-of-memory error inside it propagates."""
-    if _out_of_memory(error):
-        raise error
-    why = f"{type(error).__name__}: {str(error).strip()[:300]}"
-    warnings.warn(f"remat: the fused chunked-loss kernel could not be compiled for {list(z.shape)} {z.dtype} "
-                  f"logits ({why}); chunks of this shape use {instead}", stacklevel=3)
-    return why
-
-
-def _compile_errors() -> tuple:
-    """Exceptions that mean "could not compile": dynamo and inductor failures (a missing or
-    too old Triton arrives as BackendCompilerFailed), the recompile limit, a missing module."""
-    from torch._dynamo import exc
-    return (exc.BackendCompilerFailed, exc.Unsupported, exc.FailOnRecompileLimitHit, ImportError)
-
-
-def _out_of_memory(error) -> bool:
-    # a compile error may wrap an out-of-memory one (autotuning): that is not a compile failure
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
-    return False
 
 
 def _scaled(pieces, scale, dtype):
