@@ -74,7 +74,7 @@ whose numbers are validated, stays the one source of truth.
 Overheads beside the link (:class:`Overheads`, fields of the
 :class:`~remat.planning.comm.Collectives`, charged on the compute stream in the phase where they
 happen by :class:`Link`, the simulator's model of the link; the plan's notes and
-:meth:`~remat.planning.simulator.Simulation.stages` show each). On two H100s, llama-8b at
+:meth:`~remat.planning.simulation.Simulation.stages` show each). On two H100s, llama-8b at
 1 x 4096 tokens a rank, every strategy measured 0.11-0.12 s a step above a time model that
 charged only the link (eager: 0.398 s predicted, 0.509 measured), while the link was busy 0.095 s
 a step, nearly all of it hidden. What the link time leaves out:
@@ -313,7 +313,7 @@ def check_bus(profile: Profile, bus_Bps: Optional[float]) -> float:
 
 
 def comm_notes(profile: Profile, sim) -> dict:
-    """What a plan's notes say of the collectives (``sim``: its :class:`~remat.planning.simulator.Simulation`);
+    """What a plan's notes say of the collectives (``sim``: its :class:`~remat.planning.simulation.Simulation`);
     empty on one GPU. ``compute_s`` is the step less the exposed communication and the overheads."""
     comm = profile.comm
     if comm is None:
