@@ -8,7 +8,7 @@ states ``chunk_tokens`` rows at a time:
     x = transform(z).float()      an optional logit transform (soft-capping, scaling)
     loss += sum over valid rows of logsumexp(x) - x[target]
     g = (softmax(x) - onehot) / N  cast back to the compute dtype, through ``transform``
-    grad_h[c] = g @ W;  grad_W += g^T @ h_c (fp32);  grad_b += sum(g)
+    grad_h[c] = g @ W;  grad_W += g^T @ h_c;  grad_b += sum(g) (fp32)
 
 All gradients are finished inside the forward loop, because the gradient of a
 cross-entropy with respect to its logits is known the moment the loss is. Backward only
@@ -17,13 +17,19 @@ obvious alternative, each chunk's loss under ``torch.utils.checkpoint``, recompu
 chunk's logits in backward: a second [tokens x hidden x vocab] matmul, measured at 0.75x
 (DESIGN.md). Here the head costs the same three matmuls as the plain path. The peak is
 one chunk's logits (the fused kernel turns them into their gradient in place) plus the
-fp32 weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with
-tokens x vocab. The accumulator is kept in row blocks so that, at the end of the forward,
-it becomes the weight's dtype one block at a time (half the bytes until backward, and never
-fp32 and narrow copies of the whole at once); backward only scales it. Where the scale
-(the incoming gradient, e.g. 1 / accumulation steps) is not a power of two this rounds
-twice, to the weight's dtype and after scaling, a difference far below the bf16 inputs'
-own rounding (tests/test_head.py compares with the plain path).
+weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with tokens x vocab.
+
+The weight gradient's sum (:func:`_accumulator`). A bf16 head whose vocabulary is large
+beside the tokens (a 128k-vocabulary LM) sums it in bf16 with the rows of the batch's
+targets summed in fp32 beside it (:class:`_TargetRows`): about the bytes of a bf16 sum
+(Liger's), with the error of an fp32 one, and backward scales it in place and hands it on as
+the weight's gradient. Every other head sums it in fp32 (:class:`_Accumulator`), in row
+blocks that become the weight's dtype one block at a time at the end of the forward (half the
+bytes until backward, never fp32 and narrow copies of the whole at once); backward scales it
+into a new tensor. Where the scale (the incoming gradient, e.g. 1 / accumulation steps) is
+not a power of two either rounds twice, to the weight's dtype and after scaling, a
+difference far below the bf16 inputs' own rounding (tests/test_head.py compares with the
+plain path).
 
 N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
 valid target (every target ignored, or N = 0) the loss is what ``sum / N`` gives, nan
@@ -112,7 +118,7 @@ class _ChunkedLoss(torch.autograd.Function):
             h, w = hidden.to(cd), weight.to(cd)
             b = None if bias is None else bias.to(cd)
             grad_h = torch.empty(n, hsize, dtype=cd, device=h.device) if want_h else None
-            acc_w = _Accumulator(weight.shape, h.device) if want_w else None
+            acc_w = _accumulator(weight, targets, ignore_index, cd, chunk) if want_w else None
             acc_b = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if want_b else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             for s in range(0, n, chunk):
@@ -146,6 +152,7 @@ class _ChunkedLoss(torch.autograd.Function):
             # in the weight's own dtype from here to backward (half the bytes), except fp16,
             # whose unscaled sums may overflow: it waits for the scale in fp32
             grad_w = acc_w.finish(torch.float32 if cd == torch.float16 else weight.dtype) if want_w else None
+        ctx.in_place = isinstance(acc_w, _TargetRows)
         ctx.save_for_backward(grad_h, acc_b, post, *(grad_w or ()))
         return total / divisor
 
@@ -155,9 +162,89 @@ class _ChunkedLoss(torch.autograd.Function):
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         scale = grad_loss.float() * post
         gh = (grad_h * scale).to(h_dtype) if grad_h is not None else None
-        gw = _scaled(grad_w, scale, w_dtype) if grad_w else None
+        if ctx.in_place:  # one tensor in the weight's dtype: scaled where it lies, handed on as it is
+            gw = _scaled_in_place(ctx, grad_w[0], scale)
+        else:
+            gw = _scaled(grad_w, scale, w_dtype) if grad_w else None
         gb = (acc_b * scale).to(b_dtype) if acc_b is not None else None
         return gh, gw, gb, None, None, None, None, None, None
+
+
+def _accumulator(weight, targets, ignore_index, cd, chunk):
+    """The weight gradient's accumulator: :class:`_TargetRows` for a bf16 head where it holds
+    fewer bytes than the fp32 sum, else :class:`_Accumulator`."""
+    vocab, hsize = weight.shape
+    capacity = min(targets.numel(), vocab)
+    if (weight.dtype == cd == torch.bfloat16
+            and capacity * (4 * hsize + 2 * min(chunk, targets.numel())) < 2 * vocab * hsize):
+        return _TargetRows(weight, targets, ignore_index, capacity, chunk)
+    return _Accumulator(weight.shape, weight.device)
+
+
+class _TargetRows:
+    """The weight gradient summed in the weight's dtype (bf16), with the rows of the batch's
+    targets summed in fp32 beside it and written over theirs at the end.
+
+    Why: a bf16 running sum rounds once a chunk, where the plain path's one GEMM rounds once;
+    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048, the
+    0.3-0.5 GiB that kept the chunked head above Liger's peak, which sums in bf16 at 1.33x the
+    plain path's gradient error, issue 11). The rows that carry the gradient's weight are the
+    targets' (each gets ``p - 1`` of its rows' hidden states; every other row only ``p``), and
+    there are at most ``min(tokens, vocab)`` of them: summed in fp32 they keep the plain path's
+    error (a CPU proxy, 8192 tokens at a 32k vocabulary: 1.001-1.004x the fp32 sum's error,
+    where a bf16 sum of 16 chunks had 1.7-2.2x). The fp32 rows and one chunk's gathered target
+    columns are allocated for ``capacity`` rows whatever the batch holds, so the peak does not
+    depend on the batch's values; only the batch's distinct targets are computed (finding them
+    waits for the GPU once a step). On fake tensors (planning without a GPU) the first
+    ``capacity`` rows stand in for them.
+    """
+
+    def __init__(self, weight, targets, ignore_index, capacity, chunk):
+        vocab, hsize = weight.shape
+        self.full = torch.zeros(vocab, hsize, dtype=weight.dtype, device=weight.device)
+        self.exact = torch.zeros(capacity, hsize, dtype=torch.float32, device=weight.device)
+        self.columns = torch.empty(min(chunk, targets.numel()) * capacity, dtype=weight.dtype, device=weight.device)
+        if is_fake(targets):
+            self.rows = torch.arange(capacity, device=targets.device)
+        else:
+            self.rows = torch.unique(targets[targets != ignore_index])
+        self.exact = self.exact[:self.rows.numel()]
+
+    def add(self, g, hc):
+        """``+= g^T @ hc`` for one chunk, in bf16, and the target rows' share in fp32."""
+        self.full.addmm_(g.t(), hc)
+        picked = self.columns[:g.shape[0] * self.rows.numel()].view(g.shape[0], self.rows.numel())
+        torch.index_select(g, 1, self.rows, out=picked)
+        _accumulate(self.exact, picked.t(), hc)
+
+    def finish(self, dtype):
+        """The sum, its target rows replaced by their fp32 sums rounded once."""
+        self.full.index_copy_(0, self.rows, self.exact.to(dtype))
+        self.exact = self.columns = None
+        return [self.full]
+
+
+def is_fake(tensor) -> bool:
+    """Whether ``tensor`` holds no values: a fake tensor (planning without a GPU) or on ``meta``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+
+
+def _scaled_in_place(ctx, grad_w, scale):
+    """``grad_w`` times ``scale``, in place at the first backward: no second weight-sized tensor.
+
+    The gradient handed on is ``grad_w`` itself (autograd's accumulation then takes it as the
+    weight's ``.grad`` without a copy). A second backward through a retained graph must not
+    change it again (``torch.autograd.grad``'s caller may hold the first one): it gets a new
+    tensor, ``grad_w`` times the ratio of the scales (exact for the usual ones, 1 or a power of
+    two). The first multiplication goes through ``.data``, whose in-place ops autograd's
+    version check does not see, so that second backward can still unpack ``grad_w``."""
+    applied = getattr(ctx, "applied", None)
+    if applied is not None:
+        return grad_w * (scale / applied)
+    grad_w.data.mul_(scale)
+    ctx.applied = scale
+    return grad_w
 
 
 class _Accumulator:

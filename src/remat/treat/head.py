@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat.treat import patches
-from remat.treat.chunked_loss import chunked_cross_entropy, compute_dtype_of
+from remat.treat.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
 
 _TAG = "head"
 _PROBE = (-48.0, -6.0, -1.5, -0.25, 0.0, 0.5, 3.0, 40.0)  # exact in fp16/bf16
@@ -221,7 +221,7 @@ def _head_loss(self, state, out, captured, labels, kwargs):
     probe_out = out[0] if is_tuple else out.logits
     key, transform = _logit_transform(self)
     cd = compute_dtype_of(hidden, head.weight)
-    if (cd, key) not in state.verified and not _is_fake(hidden):  # fake tensors hold no values
+    if (cd, key) not in state.verified and not is_fake(hidden):  # fake tensors hold no values
         _verify(self, probe_out, transform, cd, hidden)
         state.verified.add((cd, key))
 
@@ -259,11 +259,6 @@ def _eager(fn, recursive=True):
     if wrapped is None:
         wrapped = _EAGER[fn.__name__] = torch.compiler.disable(fn, recursive=recursive)
     return wrapped
-
-
-def _is_fake(tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
 def _verify(lm, probe_out, transform, cd, hidden):

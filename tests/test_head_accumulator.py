@@ -1,0 +1,163 @@
+"""The chunked head's weight-gradient accumulator for bf16 heads (issue 11), on the CPU.
+
+A bf16 sum with the batch's target rows summed in fp32 beside it (``_TargetRows``): its
+gradient error against an fp64 reference, its memory against the fp32 sum, when it is used,
+and its in-place backward scaling under retained graphs, scaled losses and accumulation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat.prove.memtrack import PeakTracker
+from remat.treat import chunked_loss
+from remat.treat.chunked_loss import _Accumulator, _TargetRows, chunked_cross_entropy
+
+HIDDEN, VOCAB, TOKENS, CHUNK = 64, 16384, 1024, 64   # 16 chunks: a bf16 sum rounds 16 times
+
+
+def _head(seed=0, temperature=1.0, tokens=TOKENS):
+    """bf16 hidden states and head, and targets drawn as natural text draws them (few tokens often)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, HIDDEN, generator=g)
+    w = torch.randn(VOCAB, HIDDEN, generator=g) * temperature / HIDDEN ** 0.5
+    targets = (torch.rand(tokens, generator=g) ** 3 * VOCAB).long().clamp(max=VOCAB - 1)
+    targets[::7] = -100
+    return h.bfloat16(), w.bfloat16(), targets
+
+
+def _weight_grad(h, w, targets, accumulator=None, monkeypatch=None, chunk=CHUNK):
+    w = w.clone().requires_grad_()
+    if accumulator is not None:
+        monkeypatch.setattr(chunked_loss, "_accumulator", accumulator)
+    chunked_cross_entropy(h, w, None, targets, chunk_tokens=chunk).backward()
+    return w.grad
+
+
+def _reference(h, w, targets):
+    """The weight gradient in fp64 from the same bf16 inputs."""
+    valid = targets != -100
+    p = torch.softmax(h.double() @ w.double().T, 1)
+    p[valid.nonzero().squeeze(1), targets[valid]] -= 1
+    p[~valid] = 0
+    return (p / valid.sum()).T @ h.double()
+
+
+def _bf16_sum(weight, targets, ignore_index, cd, chunk):
+    """A plain bf16 running sum, rounded once a chunk (what Liger keeps)."""
+    class Bf16Sum:
+        full = torch.zeros(weight.shape, dtype=weight.dtype)
+
+        def add(self, g, hc):
+            self.full.addmm_(g.t(), hc)
+
+        def finish(self, dtype):
+            return [self.full]
+    return Bf16Sum()
+
+
+def _fp32_sum(weight, targets, ignore_index, cd, chunk):
+    return _Accumulator(weight.shape, weight.device)
+
+
+@pytest.mark.parametrize("temperature, bf16_worse", [(1.0, True), (8.0, False)])
+def test_target_rows_keep_the_fp32_sums_error(monkeypatch, temperature, bf16_worse):
+    """Against fp64: within 1.05x the fp32 sum's error. With a flat softmax a bf16 sum of the
+    same chunks is measurably worse (so the comparison can fail); with a peaked one (8x the
+    logits) the logits' own bf16 rounding dominates every path's error."""
+    h, w, targets = _head(temperature=temperature)
+    truth = _reference(h, w, targets)
+
+    def error(grad):
+        return ((grad.double() - truth).norm() / truth.norm()).item()
+
+    with monkeypatch.context() as m:
+        fp32 = error(_weight_grad(h, w, targets, _fp32_sum, m))
+    with monkeypatch.context() as m:
+        bf16 = error(_weight_grad(h, w, targets, _bf16_sum, m))
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(_TargetRows, "finish", lambda self, dtype, f=_TargetRows.finish: seen.append(1) or f(self, dtype))
+        ours = error(_weight_grad(h, w, targets))
+    assert seen, "the bf16 head did not use the target-rows accumulator"
+    assert ours <= 1.05 * fp32
+    if bf16_worse:
+        assert bf16 >= 1.1 * ours
+
+
+def test_target_rows_equal_the_fp32_sum_where_they_are_summed_in_fp32(monkeypatch):
+    h, w, targets = _head(seed=1)
+    with monkeypatch.context() as m:
+        fp32 = _weight_grad(h, w, targets, _fp32_sum, m)
+    ours = _weight_grad(h, w, targets)
+    rows = torch.unique(targets[targets != -100])
+    torch.testing.assert_close(ours[rows].float(), fp32[rows].float(), rtol=2 ** -8, atol=1e-9)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[rows] = False
+    # the other rows differ by a bf16 rounding a chunk at most
+    torch.testing.assert_close(ours[others].float(), fp32[others].float(), rtol=2 ** -4, atol=1e-6)
+
+
+def test_target_rows_hold_fewer_bytes_than_the_fp32_sum(monkeypatch):
+    """The whole head's peak (forward and backward): the fp32 sum (4 bytes a weight) and its
+    scaled copy in backward give way to a bf16 sum scaled in place, plus fp32 target rows."""
+    h, w, targets = _head(seed=2)
+
+    def peak(accumulator=None):
+        with monkeypatch.context() as m, PeakTracker() as tracker:
+            _weight_grad(h, w, targets, accumulator, m)
+        return tracker.peak
+
+    weight_bytes = VOCAB * HIDDEN * 2
+    saved = peak(_fp32_sum) - peak()
+    # the fp32 rows, one chunk's gathered columns, the rows' bf16 copy, finding the targets
+    target_rows = min(TOKENS, VOCAB) * (HIDDEN * 4 + CHUNK * 2 + HIDDEN * 2) + 16 * TOKENS
+    assert weight_bytes - target_rows <= saved <= weight_bytes
+
+
+def test_small_vocabularies_and_other_dtypes_keep_the_fp32_sum():
+    """Where the target rows would not hold fewer bytes (a vocabulary not much larger than the
+    tokens), and for fp32 or fp16 heads, the fp32 sum stays."""
+    w = torch.zeros(VOCAB, HIDDEN, dtype=torch.bfloat16)
+    targets = torch.zeros(TOKENS, dtype=torch.long)
+    assert isinstance(chunked_loss._accumulator(w, targets, -100, torch.bfloat16, CHUNK), _TargetRows)
+    small = torch.zeros(2 * TOKENS, HIDDEN, dtype=torch.bfloat16)
+    assert isinstance(chunked_loss._accumulator(small, targets, -100, torch.bfloat16, CHUNK), _Accumulator)
+    for dtype in (torch.float32, torch.float16):
+        assert isinstance(chunked_loss._accumulator(w.to(dtype), targets, -100, dtype, CHUNK), _Accumulator)
+    assert isinstance(chunked_loss._accumulator(w, targets, -100, torch.float32, CHUNK), _Accumulator)
+
+
+def test_in_place_scaling_under_retained_graphs_scaled_losses_and_accumulation():
+    """The bf16 sum is scaled where it lies at the first backward and handed on as the weight's
+    gradient: a gradient already handed out is never changed by a later backward."""
+    h, w, targets = _head(seed=3, tokens=256)
+    w = w.requires_grad_()
+    loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK)
+    first = torch.autograd.grad(loss, w, retain_graph=True)[0]
+    kept = first.clone()
+    second = torch.autograd.grad(loss * 0.5, w, retain_graph=True)[0]
+    assert torch.equal(first, kept)
+    torch.testing.assert_close(second, 0.5 * kept, rtol=0, atol=0)  # a power of two: exact
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(w.grad, 2 * kept, rtol=0, atol=0)
+    # micro-steps: the second step's gradient is added to the first's
+    w.grad = None
+    for _ in range(2):
+        (chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK) * 0.25).backward()
+    torch.testing.assert_close(w.grad, 0.5 * kept, rtol=0, atol=0)
+
+
+def test_fake_tensors_plan_for_the_most_target_rows():
+    """Planning without values (fake tensors): the first ``capacity`` rows stand in for the
+    targets, so the memory is the most any batch of that shape needs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        h = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16)
+        w = torch.empty(VOCAB, HIDDEN, dtype=torch.bfloat16)
+        targets = torch.zeros(TOKENS, dtype=torch.long)
+        acc = chunked_loss._accumulator(w, targets, -100, torch.bfloat16, CHUNK)
+        assert isinstance(acc, _TargetRows) and acc.rows.numel() == TOKENS
+        acc.add(torch.empty(CHUNK, VOCAB, dtype=torch.bfloat16), h[:CHUNK])
+        assert acc.finish(torch.bfloat16)[0].shape == (VOCAB, HIDDEN)
