@@ -26,6 +26,10 @@ in another process: :func:`load_parts`).
 Usage (GPU machine, repository root):
     PYTHONPATH=src python3 benchmarks/frontier.py --runs 3 --out "$OUT/frontier" -- \\
         --compile --budgets 10,16,25,32,45GiB --anchors liger,cce
+
+``--timeout``: the first ``--compile`` run on a fresh machine compiles into cold caches and takes
+longer than the next (1 x H100, eager and two compiled budgets: over 235 s, then 130-150 s);
+give it room, or the worst of N counts a timeout as a failure.
 """
 from __future__ import annotations
 
