@@ -111,7 +111,7 @@ def test_target_rows_hold_fewer_bytes_than_the_fp32_sum(monkeypatch):
     weight_bytes = VOCAB * HIDDEN * 2
     saved = peak(_fp32_sum) - peak()
     # the fp32 rows, one chunk's gathered columns, the rows' bf16 copy, finding the targets
-    target_rows = min(TOKENS, VOCAB) * (HIDDEN * 4 + CHUNK * 2 + HIDDEN * 2) + 16 * TOKENS
+    target_rows = min(TOKENS + 1, VOCAB) * (HIDDEN * 4 + CHUNK * 2 + HIDDEN * 2) + 16 * TOKENS
     assert weight_bytes - target_rows <= saved <= weight_bytes
 
 
@@ -158,6 +158,25 @@ def test_fake_tensors_plan_for_the_most_target_rows():
         w = torch.empty(VOCAB, HIDDEN, dtype=torch.bfloat16)
         targets = torch.zeros(TOKENS, dtype=torch.long)
         acc = chunked_loss._accumulator(w, targets, -100, torch.bfloat16, CHUNK)
-        assert isinstance(acc, _TargetRows) and acc.rows.numel() == TOKENS
+        assert isinstance(acc, _TargetRows) and acc.rows.numel() == TOKENS + 1
         acc.add(torch.empty(CHUNK, VOCAB, dtype=torch.bfloat16), h[:CHUNK])
         assert acc.finish(torch.bfloat16)[0].shape == (VOCAB, HIDDEN)
+
+
+def test_a_second_backward_after_a_zero_scale_or_through_copying_hooks():
+    """A first backward whose gradient is 0 leaves nothing to rescale: a second one says so
+    instead of returning nan. Under a saved-tensor hook that unpacks copies (``save_on_cpu``)
+    each backward scales its own copy."""
+    h, w, targets = _head(seed=4, tokens=256)
+    w = w.requires_grad_()
+    loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK)
+    assert not torch.autograd.grad(loss * 0, w, retain_graph=True)[0].any()
+    with pytest.raises(RuntimeError, match="scaled the weight gradient by 0"):
+        torch.autograd.grad(loss, w)
+    expected = torch.autograd.grad(chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK), w)[0]
+    with torch.autograd.graph.save_on_cpu():
+        loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK)
+    halved = torch.autograd.grad(loss * 0.5, w, retain_graph=True)[0]
+    whole = torch.autograd.grad(loss, w)[0]
+    torch.testing.assert_close(halved, 0.5 * expected, rtol=0, atol=0)
+    torch.testing.assert_close(whole, expected, rtol=0, atol=0)

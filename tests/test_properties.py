@@ -135,7 +135,7 @@ def test_larger_budget_never_slower(prof, data, plain):
 
 def given_up(prof):
     """The most seconds the recompute margin may cost: its share of the blocks' keep time and of
-    the plain head's seconds."""
+    the plain head's forward and backward."""
     from remat.planning.dp import head_margin
     keep = sum(prof.cost(i, "keep").fwd_s + prof.cost(i, "keep").bwd_s for i in range(len(prof.block_names)))
     return RECOMPUTE_MARGIN * keep + max(head_margin(prof, h, RECOMPUTE_MARGIN) for h in prof.heads)

@@ -17,8 +17,8 @@ treatment that does more work than keeping (a recompute, an offload's copies) is
 over ``keep`` only when the memory needs it or its predicted gain passes the profile's noise
 (see :data:`remat.planning.solver.RECOMPUTE_MARGIN`); the plan's reported time is still the
 simulator's. The head is held to the same rule (:func:`head_margin`): a chunked head is charged
-``margin`` of the plain head's seconds, so the model's own head is kept unless the chunked one
-gains more or the budget needs it.
+``margin`` of the plain head's forward and backward seconds, so the model's own head is kept
+unless the chunked one gains more or the budget needs it.
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ def head_seconds(profile, head) -> float:
 
 def head_margin(profile, head, margin: float) -> float:
     """The recompute margin's seconds for ``head`` (see the module doc): none for the plain head,
-    ``margin`` of the plain head's seconds (:func:`head_seconds`) for another."""
+    ``margin`` of the plain head's own forward and backward seconds (not the embeddings', the
+    step's overhead or collectives, which the chunked head does not replace) for another."""
     if not margin or head.mode == "plain" or "plain" not in {h.mode for h in profile.heads}:
         return 0.0
-    return margin * head_seconds(profile, profile.head("plain"))
+    plain = profile.head("plain")
+    return margin * (plain.head_fwd_s + plain.head_bwd_s)
 
 
 def engine_states(window, largest, prev_off, f_of, prefetch_blocks):

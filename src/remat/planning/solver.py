@@ -36,8 +36,8 @@ Exact candidates: a budget taken from another tool's peak (HF's full checkpointi
 on every block) is a uniform plan's own peak give or take a few hundred kilobytes, less than
 the DP's rounding (a ViT-L's 24 blocks at 3 GB: 18 MB), so the DP alone returned a slower
 mix. After the DP, every uniform plan (one treatment on every block, per head option) is
-checked with the simulator's bound (and the offload margin), and the fastest of those and the
-DP's plan wins, in the DP's own time (:func:`plan_seconds`). That is treatments x heads
+checked with the simulator's bound (and the offload margin), and the best of those and the
+DP's plan wins, in the DP's own score (:func:`plan_score`). That is treatments x heads
 simulations (under 0.1 s for 80 blocks), where a finer DP costs in proportion to its
 resolution; mixed plans that fit by less than the rounding can still be missed.
 :func:`_smallest` takes the same candidates, so the budget an error names is never above the
@@ -52,7 +52,7 @@ So the solver minimises a score: each block's seconds plus, for a treatment othe
 ``keep``, :data:`RECOMPUTE_MARGIN` (1%) of that block's ``keep`` seconds. Recompute, offload and
 every other treatment that does more work than keeping is chosen when the budget needs it, or
 when its predicted gain is larger than the margin. The head likewise: the chunked head is
-charged the margin of the plain head's seconds, what it replaces (the same bench, another
+charged the margin of the plain head's forward and backward, what it replaces (the same bench, another
 run: chunked(8192) and the plain head predicted 0.1% of the step apart were chosen one run
 each). A first version charged the head 1% of the whole step; it outweighed six blocks' margins,
 and a 32 GiB plan took 6x selective to keep the plain head where 16x keep with the chunked head
@@ -143,7 +143,7 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
     return _plan(profile, chosen, head, budget)
 
 
-def _best(profile, options, head_options, budget, resolution, margin, exact=(), recompute_margin=0.0):
+def _best(profile, options, head_options, budget, resolution, margin, exact, recompute_margin):
     """(score, treatments, head) of the best-scoring plan within ``budget``, or None.
 
     Plans that offload are held to ``budget * (1 - margin)``; each window the engine may
@@ -168,7 +168,7 @@ def _best(profile, options, head_options, budget, resolution, margin, exact=(), 
     return best
 
 
-def _uniform(profile, options, head_options, margin, recompute_margin=0.0) -> list:
+def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
     """(score, smallest budget that fits, treatments, head) of every uniform plan: one
     treatment on every block, for each head option.
 
@@ -263,7 +263,7 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0):
     return float(seconds), float(peak), float(score)
 
 
-def _fastest(profile, options, head, budget, resolution, recompute_margin=0.0):
+def _fastest(profile, options, head, budget, resolution, recompute_margin):
     """(step score, treatments) of the best-scoring plan within ``budget`` for ``head``, or None."""
     found = dp(profile, options, head, MinTime(budget), budget, resolution, recompute_margin)
     if found is None:
@@ -274,7 +274,7 @@ def _fastest(profile, options, head, budget, resolution, recompute_margin=0.0):
     return score + head_seconds(profile, head) + head_margin(profile, head, recompute_margin), chosen
 
 
-def _smallest(profile, options, head_options, resolution, margin, exact, recompute_margin=0.0):
+def _smallest(profile, options, head_options, resolution, margin, exact, recompute_margin):
     """The smallest budget that :func:`solve` accepts, and its plan.
 
     The least that a uniform plan needs (``exact``, from :func:`_uniform`) is an upper

@@ -171,12 +171,17 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def _accumulator(weight, targets, ignore_index, cd, chunk):
-    """The weight gradient's accumulator: :class:`_TargetRows` for a bf16 head where it holds
-    fewer bytes than the fp32 sum, else :class:`_Accumulator`."""
+    """The weight gradient's accumulator: :class:`_TargetRows` for a bf16 head where it holds at
+    most 0.8x the fp32 sum's bytes, else :class:`_Accumulator`.
+
+    Per target row :class:`_TargetRows` holds its fp32 sum, its bf16 copy at the end and one
+    chunk's gathered column (``6 * hidden + 2 * chunk`` bytes) beside the bf16 sum
+    (``2 * hidden`` a vocabulary row) where the fp32 sum holds 4: at 0.8x its row GEMM costs at
+    most a fifth of the weight gradient's."""
     vocab, hsize = weight.shape
-    capacity = min(targets.numel(), vocab)
-    if (weight.dtype == cd == torch.bfloat16
-            and capacity * (4 * hsize + 2 * min(chunk, targets.numel())) < 2 * vocab * hsize):
+    capacity = min(targets.numel() + 1, vocab)
+    per_row = 6 * hsize + 2 * min(chunk, targets.numel())
+    if weight.dtype == cd == torch.bfloat16 and 2 * vocab * hsize + capacity * per_row <= 0.8 * 4 * vocab * hsize:
         return _TargetRows(weight, targets, ignore_index, capacity, chunk)
     return _Accumulator(weight.shape, weight.device)
 
@@ -190,7 +195,8 @@ class _TargetRows:
     0.3-0.5 GiB that kept the chunked head above Liger's peak, which sums in bf16 at 1.33x the
     plain path's gradient error, issue 11). The rows that carry the gradient's weight are the
     targets' (each gets ``p - 1`` of its rows' hidden states; every other row only ``p``), and
-    there are at most ``min(tokens, vocab)`` of them: summed in fp32 they keep the plain path's
+    there are at most ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets,
+    so that finding them reads the GPU once): summed in fp32 they keep the plain path's
     error (a CPU proxy, 8192 tokens at a 32k vocabulary: 1.001-1.004x the fp32 sum's error,
     where a bf16 sum of 16 chunks had 1.7-2.2x). The fp32 rows and one chunk's gathered target
     columns are allocated for ``capacity`` rows whatever the batch holds, so the peak does not
@@ -207,7 +213,7 @@ class _TargetRows:
         if is_fake(targets):
             self.rows = torch.arange(capacity, device=targets.device)
         else:
-            self.rows = torch.unique(targets[targets != ignore_index])
+            self.rows = torch.unique(targets.masked_fill(targets == ignore_index, 0))
         self.exact = self.exact[:self.rows.numel()]
 
     def add(self, g, hc):
@@ -234,17 +240,28 @@ def _scaled_in_place(ctx, grad_w, scale):
     """``grad_w`` times ``scale``, in place at the first backward: no second weight-sized tensor.
 
     The gradient handed on is ``grad_w`` itself (autograd's accumulation then takes it as the
-    weight's ``.grad`` without a copy). A second backward through a retained graph must not
-    change it again (``torch.autograd.grad``'s caller may hold the first one): it gets a new
-    tensor, ``grad_w`` times the ratio of the scales (exact for the usual ones, 1 or a power of
-    two). The first multiplication goes through ``.data``, whose in-place ops autograd's
-    version check does not see, so that second backward can still unpack ``grad_w``."""
-    applied = getattr(ctx, "applied", None)
-    if applied is not None:
-        return grad_w * (scale / applied)
-    grad_w.data.mul_(scale)
-    ctx.applied = scale
-    return grad_w
+    weight's ``.grad`` without a copy). The multiplication goes through ``.data``, whose
+    in-place ops autograd's version check does not see, so that a second backward through a
+    retained graph can still unpack ``grad_w``. That second backward must not change it again
+    (``torch.autograd.grad``'s caller may hold the first gradient): it gets a new tensor. If
+    what it unpacked is the storage scaled before, that is ``grad_w`` times the ratio of the
+    scales (exact for the usual ones, 1 or a power of two), and an error if the first scale
+    was 0 (nothing is left to rescale); a saved-tensor hook that unpacks a copy
+    (``save_on_cpu``) gives the unscaled sum again, scaled anew. A caller that changes the
+    first gradient in place and then runs a second backward meets autograd's in-place error."""
+    scaled = getattr(ctx, "scaled", None)
+    if scaled is None:
+        grad_w.data.mul_(scale)
+        ctx.scaled = (None if is_fake(grad_w) else grad_w.data_ptr(), scale)
+        return grad_w
+    pointer, applied = scaled
+    if pointer is None or grad_w.data_ptr() != pointer:
+        return grad_w * scale
+    if not bool(applied != 0):
+        raise RuntimeError("remat's chunked head: the first backward through this retained graph scaled the "
+                           "weight gradient by 0 in place, so a second backward cannot recover it; give the "
+                           "first backward a non-zero gradient, or run the loss forward again")
+    return grad_w * (scale / applied)
 
 
 class _Accumulator:
