@@ -10,7 +10,9 @@ under each strategy:
 - ``full+chunked``: ``remat.apply(m, "full", head="chunked")`` (default chunk, plus the sizes in
   ``--chunks`` as ``full+chunked:N``);
 - ``chunked``: ``remat.apply(m, "keep", head="chunked")``, the head alone (and ``chunked:N`` for
-  each size in ``--chunks``);
+  each size in ``--chunks``); ``chunked:N@fp32sum``: the same with the weight gradient summed in
+  fp32 as before the target-rows sum (``remat.treat.chunked_loss._TargetRows``), an A/B in one
+  process (restored after the row);
 - ``liger`` / ``cce``: a ``keep`` model whose head and loss are Liger's
   ``LigerFusedLinearCrossEntropyLoss`` / Apple's ``cut_cross_entropy.linear_cross_entropy`` on the
   final hidden states and the LM head's weight (:func:`remat.prove.anchors.fused_loss_forward`;
@@ -54,6 +56,7 @@ import remat
 from remat.api import current_plan
 from remat.prove.anchors import FUSED_LOSSES, fused_loss, fused_loss_forward, fused_loss_unavailable
 from remat.prove.bench import timed_steps
+from remat.treat import chunked_loss
 from remat.treat.chunked_loss import default_chunk_tokens
 from remat.integrations.presets import build_model, load_config
 
@@ -96,9 +99,16 @@ def strategies(chunks):
     for c in chunks:
         todo[f"full+chunked:{c}"] = lambda m, c=c: remat.apply(m, "full", head="chunked", chunk_tokens=c)
         todo[f"chunked:{c}"] = lambda m, c=c: remat.apply(m, "keep", head="chunked", chunk_tokens=c)
+        todo[f"chunked:{c}@fp32sum"] = lambda m, c=c: _fp32_sum(m, c)
     for name in FUSED_LOSSES:
         todo[name] = anchor(name)
     return todo
+
+
+def _fp32_sum(model, chunk):
+    """keep + chunked(chunk) with every head's weight gradient summed in fp32 (main restores the choice)."""
+    chunked_loss._accumulator = lambda weight, *_: chunked_loss._Accumulator(weight.shape, weight.device)
+    remat.apply(model, "keep", head="chunked", chunk_tokens=chunk)
 
 
 def run(name, setup, args, config):
@@ -271,6 +281,7 @@ def main(argv=None):
     rows, acc = [], None
     if "accuracy" in parts:
         acc = accuracy(args, config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    accumulator = chunked_loss._accumulator
     for name in names if "speed" in parts else []:
         try:
             rows.append(run(name, todo[name], args, config))
@@ -278,6 +289,8 @@ def main(argv=None):
             rows.append(dict(strategy=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             gc.collect()
             torch.cuda.empty_cache()
+        finally:
+            chunked_loss._accumulator = accumulator
         print(json.dumps(rows[-1]), flush=True)
     by = {r["strategy"]: r for r in rows if "error" not in r}
     for r in rows:
