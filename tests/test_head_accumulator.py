@@ -180,3 +180,35 @@ def test_a_second_backward_after_a_zero_scale_or_through_copying_hooks():
     whole = torch.autograd.grad(loss, w)[0]
     torch.testing.assert_close(halved, 0.5 * expected, rtol=0, atol=0)
     torch.testing.assert_close(whole, expected, rtol=0, atol=0)
+
+
+def test_a_model_as_loaded_gets_the_target_rows_and_the_plain_paths_error(monkeypatch):
+    """Through a model built from its config's defaults (``use_cache`` on, tied embeddings as in
+    Llama-3.2-1B, a vocabulary large beside the batch) in bf16 under ``remat.apply``: the head
+    takes the target-rows sum, and every gradient, the tied embedding's included, stays within
+    the bf16 test's factor of the plain path's error against fp64."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import remat
+    from test_head import BF16_FACTOR, _labels, _rel, _step
+    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, tie_word_embeddings=True)
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).train()
+    plain, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    remat.apply(model, "keep", head="chunked", chunk_tokens=32)
+    used = []
+    monkeypatch.setattr(_TargetRows, "finish", lambda self, dtype, f=_TargetRows.finish: used.append(1) or f(self, dtype))
+    ids = torch.randint(0, config.vocab_size, (3, 45))
+    ours = _step(model, ids, _labels(ids))
+    assert used, "a bf16 model with a large vocabulary did not use the target-rows sum"
+    ref, truth = _step(plain, ids, _labels(ids)), _step(exact, ids, _labels(ids))
+    assert _rel(ours[0], truth[0]) <= BF16_FACTOR * _rel(ref[0], truth[0]) + 1e-6
+    assert "model.embed_tokens.weight" in truth[1]
+    for name, true_grad in truth[1].items():
+        if "k_proj.bias" not in name:
+            assert _rel(ours[1][name], true_grad) <= BF16_FACTOR * _rel(ref[1][name], true_grad), name
