@@ -27,7 +27,8 @@ one more forward alone (up to the loss: equal to the step's peak where the head'
 Accuracy (``--parts accuracy``): the gradient error of each bf16 head path against an fp32
 reference of the same weights, on the bench model cut to ``--accuracy-layers`` layers (vocab
 128256), one sequence of ``--seq`` tokens with every 7th label ignored: ``plain`` (the model's
-own head), ``chunked`` (remat, keep + chunked head), ``liger``, ``cce``. Error is
+own head), ``chunked`` (remat, keep + chunked head), ``chunked@fp32sum`` (the same, its weight
+gradient summed in fp32), ``liger``, ``cce``. Error is
 ``|g - g_ref| / |g_ref|`` (L2) per parameter of interest (lm_head, embed_tokens, the first
 down_proj) and over all parameters together; the loss's relative error beside it.
 
@@ -106,7 +107,8 @@ def strategies(chunks):
 
 
 def _fp32_sum(model, chunk):
-    """keep + chunked(chunk) with every head's weight gradient summed in fp32 (main restores the choice)."""
+    """keep + chunked(chunk) with every head's weight gradient summed in fp32 (the caller restores
+    ``chunked_loss._accumulator``)."""
     chunked_loss._accumulator = lambda weight, *_: chunked_loss._Accumulator(weight.shape, weight.device)
     remat.apply(model, "keep", head="chunked", chunk_tokens=chunk)
 
@@ -187,7 +189,12 @@ def accuracy(args, config, device):
         remat.apply(m, "keep", head="chunked")
         return m
 
-    paths = {"plain": lambda m: m, "chunked": chunked}
+    def chunked_fp32_sum(m):
+        _fp32_sum(m, None)
+        return m
+
+    accumulator = chunked_loss._accumulator  # chunked@fp32sum replaces it; restored after each path
+    paths = {"plain": lambda m: m, "chunked": chunked, "chunked@fp32sum": chunked_fp32_sum}
     for name in FUSED_LOSSES:
         paths[name] = lambda m, name=name: fused_loss_forward(m, fused_loss(name))
     for name, setup in paths.items():
@@ -212,6 +219,8 @@ def accuracy(args, config, device):
                                       loss_rel_error=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
         except Exception as e:  # a kernel that fails here is a result, not a crash
             out["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            chunked_loss._accumulator = accumulator
         print(json.dumps(dict(accuracy=name, **out["paths"][name])), flush=True)
         del model
         _free(device)
