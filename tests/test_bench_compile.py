@@ -236,10 +236,14 @@ def test_combine_runs_keeps_the_worst_of_n():
     runs = [_one_run(0.0), _one_run(-0.03, plan16="11x selective, 5x full; head chunked"), _one_run(0.01)]
     runs[1][1] = _rec("hf_full", "anchor", 27.6, 0.82, status="oom")
     runs[2][4]["peak_bytes"] = int(15.95 * GiB)  # the largest peak wins, even from a faster run
+    for index, run in enumerate(runs):
+        run[4]["predicted_peak_bytes"] = int((15.0 + index / 10) * GiB)
     combined = {r["strategy"]: r for r in report.combine_runs(runs)}
     plan16 = combined["remat@16GiB"]
     assert plan16["vs_eager"] == pytest.approx(0.92) and plan16["vs_eager_runs"] == pytest.approx([0.95, 0.92, 0.96])
     assert plan16["peak_bytes"] == int(15.95 * GiB) and plan16["n_runs"] == 3 and plan16["runs_ok"] == 3
+    # the predicted peak shown beside it is the same run's (run 3), not the slowest run's (run 2)
+    assert plan16["predicted_peak_bytes"] == int(15.2 * GiB)
     assert plan16["plans_differ"] and not combined["remat@25GiB"]["plans_differ"]
     assert plan16["tokens_per_s"] == min(plan16["tokens_per_s_runs"])
     assert combined["hf_full"]["status"] == "oom" and combined["hf_full"]["reason"].startswith("run 2 of 3")

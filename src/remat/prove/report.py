@@ -122,7 +122,8 @@ def combine_runs(runs: list) -> list:
 
     A strategy that failed in any run (oom, error, skipped, or missing) is that failure in the
     combined record (``reason`` names the run); otherwise the record of its slowest run (by the
-    same-process ratio to eager, else tokens/s), with the largest peak of all runs, the spread
+    same-process ratio to eager, else tokens/s), with the largest peak of all runs (and that
+    run's predicted peak: where plans differ, the pair stays one plan's), the spread
     over all runs and per-run lists (``vs_eager_runs``, ``peak_bytes_runs``, ``plans``) beside
     it. ``plans_differ`` says whether the planner chose different plans across runs."""
     order, by = [], {}
@@ -150,7 +151,8 @@ def combine_runs(runs: list) -> list:
         key = (lambda r: r["vs_eager"]) if all("vs_eager" in r for r in ok) else (lambda r: r["tokens_per_s"])
         worst = min(ok, key=key)
         combined = dict(worst, n_runs=len(runs), runs_ok=len(ok))
-        peak = max(r["peak_bytes"] for r in ok)
+        highest = max(ok, key=lambda r: r["peak_bytes"])
+        peak = highest["peak_bytes"]
         combined.update(peak_bytes=peak, peak_GiB=peak / GiB, step_s_min=min(r["step_s_min"] for r in ok),
                         step_s_max=max(r["step_s_max"] for r in ok),
                         tokens_per_s_runs=[r["tokens_per_s"] for r in ok],
@@ -163,6 +165,8 @@ def combine_runs(runs: list) -> list:
         for k in ("predicted_peak_bytes", "predicted_step_s"):
             if any(k in r for r in ok):
                 combined[f"{k}_runs"] = [r.get(k) for r in ok]
+        if "predicted_peak_bytes" in highest:  # beside the largest peak, that run's own prediction
+            combined["predicted_peak_bytes"] = highest["predicted_peak_bytes"]
         out.append(combined)
     return out
 
