@@ -26,9 +26,11 @@ one more forward alone (up to the loss: equal to the step's peak where the head'
 
 Accuracy (``--parts accuracy``): the gradient error of each bf16 head path against an fp32
 reference of the same weights, on the bench model cut to ``--accuracy-layers`` layers (vocab
-128256), one sequence of ``--seq`` tokens with every 7th label ignored: ``plain`` (the model's
+128256), one sequence of ``--accuracy-seq`` tokens with every 7th label ignored (the chunked paths at
+``--accuracy-chunk``): ``plain`` (the model's
 own head), ``chunked`` (remat, keep + chunked head), ``chunked@fp32sum`` (the same, its weight
-gradient summed in fp32), ``liger``, ``cce``. Error is
+gradient summed in fp32), ``chunked@bf16sum`` (a control: summed in bf16, no target rows),
+``liger``, ``cce``. Error is
 ``|g - g_ref| / |g_ref|`` (L2) per parameter of interest (lm_head, embed_tokens, the first
 down_proj) and over all parameters together; the loss's relative error beside it.
 
@@ -76,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="speed,accuracy", help="speed, accuracy or both (default)")
     p.add_argument("--accuracy-layers", type=int, default=2)
     p.add_argument("--accuracy-seq", type=int, default=4096)
+    p.add_argument("--accuracy-chunk", type=int, default=None,
+                   help="the chunked paths' chunk in the accuracy part (default: remat's default)")
     return p.parse_args(argv)
 
 
@@ -111,6 +115,20 @@ def _fp32_sum(model, chunk):
     ``chunked_loss._accumulator``)."""
     chunked_loss._accumulator = lambda weight, *_: chunked_loss._Accumulator(weight.shape, weight.device)
     remat.apply(model, "keep", head="chunked", chunk_tokens=chunk)
+
+
+class _Bf16Sum:
+    """The control for the accuracy part: the weight gradient summed in bf16 chunk by chunk, no
+    target rows (what a plain bf16 running sum such as Liger's does)."""
+
+    def __init__(self, weight):
+        self.full = torch.zeros_like(weight)
+
+    def add(self, g, hc):
+        self.full.addmm_(g.t(), hc)
+
+    def finish(self, dtype):
+        return [self.full.to(dtype)]
 
 
 def run(name, setup, args, config):
@@ -183,18 +201,24 @@ def accuracy(args, config, device):
     watched = {"lm_head": "lm_head.weight", "embed_tokens": "model.embed_tokens.weight",
                "down_proj": "model.layers.0.mlp.down_proj.weight"}
     out = dict(model=args.model, layers=config.num_hidden_layers, vocab=config.vocab_size, seq=args.accuracy_seq,
+               chunk=args.accuracy_chunk or default_chunk_tokens(config.vocab_size),
                device=str(device), ref_loss=float(ref_loss), paths={})
 
     def chunked(m):
-        remat.apply(m, "keep", head="chunked")
+        remat.apply(m, "keep", head="chunked", chunk_tokens=args.accuracy_chunk)
         return m
 
     def chunked_fp32_sum(m):
-        _fp32_sum(m, None)
+        _fp32_sum(m, args.accuracy_chunk)
         return m
 
-    accumulator = chunked_loss._accumulator  # chunked@fp32sum replaces it; restored after each path
-    paths = {"plain": lambda m: m, "chunked": chunked, "chunked@fp32sum": chunked_fp32_sum}
+    def chunked_bf16_sum(m):
+        chunked_loss._accumulator = lambda weight, *_: _Bf16Sum(weight)
+        return chunked(m)
+
+    accumulator = chunked_loss._accumulator  # the @ paths replace it; restored after each path
+    paths = {"plain": lambda m: m, "chunked": chunked, "chunked@fp32sum": chunked_fp32_sum,
+             "chunked@bf16sum": chunked_bf16_sum}
     for name in FUSED_LOSSES:
         paths[name] = lambda m, name=name: fused_loss_forward(m, fused_loss(name))
     for name, setup in paths.items():
