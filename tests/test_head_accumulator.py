@@ -212,3 +212,21 @@ def test_a_model_as_loaded_gets_the_target_rows_and_the_plain_paths_error(monkey
     for name, true_grad in truth[1].items():
         if "k_proj.bias" not in name:
             assert _rel(ours[1][name], true_grad) <= BF16_FACTOR * _rel(ref[1][name], true_grad), name
+
+
+def test_in_place_scaling_under_compiled_autograd():
+    """Under compiled autograd (``torch._dynamo.compiled_autograd``, which traces the backward
+    graph, the head's ``.data.mul_`` included, through AOT autograd) the weight gradient equals
+    the eager backward's, bit for bit, at scale 1 and at a scaled loss."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    if not hasattr(compiled_autograd, "_enable"):
+        pytest.skip("this torch has no compiled_autograd._enable")
+    h, w, targets = _head(seed=3, tokens=256)
+    eager = _weight_grad(h, w, targets)
+    for scale in (1.0, 0.5):
+        weight = w.clone().requires_grad_()
+        loss = chunked_cross_entropy(h, weight, None, targets, chunk_tokens=CHUNK) * scale
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+        torch.testing.assert_close(weight.grad, eager * scale, rtol=0, atol=0)
