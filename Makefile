@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+# the suite runs in this many processes (pytest-xdist; CI has 2 cores); TEST_WORKERS=0 runs it in one
+TEST_WORKERS ?= 2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +25,6 @@ demo: install
 	$(BIN)/remat bench
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 .PHONY: install demo test
