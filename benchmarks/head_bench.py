@@ -34,6 +34,11 @@ gradient summed in fp32), ``chunked@bf16sum`` (a control: summed in bf16, no tar
 ``|g - g_ref| / |g_ref|`` (L2) per parameter of interest (lm_head, embed_tokens, the first
 down_proj) and over all parameters together; the loss's relative error beside it.
 
+``--trace``: after each row's timed steps, one more step under ``torch.profiler``
+(``benchmarks/_trace.py``): kernel seconds per category (gemm, elementwise, attention, ...),
+GPU idle time in the step and the 15 costliest kernels by name, in the row's ``trace`` (where
+the head's time goes: its gathers, GEMMs and waits beside Liger's). Never a timed step.
+
 Then the issues' criteria with their numbers and pass/fail: ``full+chunked`` peak <= 12 GiB at
 >= 0.97x ``hf_full``; ``chunked`` alone: peak drop against ``none``; ``chunked`` at least as fast
 as ``liger`` and at or below its peak; chunked's gradient error within 1.05x the plain path's.
@@ -64,6 +69,7 @@ from remat.treat.chunked_loss import default_chunk_tokens
 from remat.integrations.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
+from _trace import format_breakdown, trace_step  # benchmarks/_trace.py
 
 GiB = 2 ** 30
 PEAK_LIMIT_GIB = 12.0
@@ -78,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="speed,accuracy", help="speed, accuracy or both (default)")
     p.add_argument("--accuracy-layers", type=int, default=2)
     p.add_argument("--accuracy-seq", type=int, default=4096)
+    p.add_argument("--trace", action="store_true",
+                   help="one more step per row under torch.profiler: its kernel-time breakdown and top kernels")
     p.add_argument("--accuracy-chunk", type=int, default=None,
                    help="the chunked paths' chunk in the accuracy part (default: remat's default)")
     return p.parse_args(argv)
@@ -155,11 +163,15 @@ def run(name, setup, args, config):
     times, loss = timed_steps(step, args.steps)
     peak = torch.cuda.max_memory_allocated()
     forward_peak = _forward_peak(model, forward, ids)
+    trace = trace_step(step, cuda=torch.cuda.is_available(), top=15) if args.trace else None
     med = statistics.median(times)
     row = dict(strategy=name, peak_GiB=peak / GiB, forward_peak_GiB=forward_peak / GiB, static_GiB=static / GiB,
                step_s=med,
                step_s_min=min(times), step_s_max=max(times), tok_s=args.batch * args.seq / med,
                loss=float(loss), model=args.model, batch=args.batch, seq=args.seq)
+    if trace is not None:
+        row.update(trace=trace)
+        print(f"{name}: {format_breakdown(trace)}", flush=True)
     plan = current_plan(model)
     if plan is not None and plan.head == "chunked":
         row.update(chunk_tokens=plan.chunk_tokens or default_chunk_tokens(config.vocab_size))
