@@ -206,6 +206,7 @@ def accuracy(args, config, device):
     reference = build_model(config, device=device, dtype=torch.float32)
     ref_loss = reference(input_ids=ids, labels=labels).loss
     ref_loss.backward()
+    ref_loss = ref_loss.detach()
     ref_grads = {n: p.grad.double() for n, p in reference.named_parameters()}
     state = {k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()}
     del reference
@@ -245,6 +246,7 @@ def accuracy(args, config, device):
         try:
             loss = setup(model)(input_ids=ids, labels=labels).loss
             loss.backward()
+            loss = loss.detach()
             grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
             errors = {short: _rel(grads[full], ref_grads[full]) for short, full in watched.items()
                       if full in grads and full in ref_grads}
