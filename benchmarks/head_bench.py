@@ -52,6 +52,7 @@ the CPU (fp32 vs bf16 on a tiny model: ``--model llama-tiny``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -112,17 +113,34 @@ def strategies(chunks):
     for c in chunks:
         todo[f"full+chunked:{c}"] = lambda m, c=c: remat.apply(m, "full", head="chunked", chunk_tokens=c)
         todo[f"chunked:{c}"] = lambda m, c=c: remat.apply(m, "keep", head="chunked", chunk_tokens=c)
-        todo[f"chunked:{c}@fp32sum"] = lambda m, c=c: _fp32_sum(m, c)
+        todo[f"chunked:{c}@fp32sum"] = _summed_by(_fp32_sum, c)
     for name in FUSED_LOSSES:
         todo[name] = anchor(name)
     return todo
 
 
-def _fp32_sum(model, chunk):
-    """keep + chunked(chunk) with every head's weight gradient summed in fp32 (the caller restores
-    ``chunked_loss._accumulator``)."""
-    chunked_loss._accumulator = lambda weight, *_: chunked_loss._Accumulator(weight.shape, weight.device)
-    remat.apply(model, "keep", head="chunked", chunk_tokens=chunk)
+def _summed_by(make, chunk):
+    """A setup: keep + chunked(chunk) with every head's weight gradient summed by ``make(weight)``
+    instead of remat's choice, for an A/B in one process (:func:`_accumulator_restored` gives the
+    choice back after the row)."""
+    def setup(model):
+        chunked_loss._accumulator = lambda weight, *_: make(weight)
+        remat.apply(model, "keep", head="chunked", chunk_tokens=chunk)
+    return setup
+
+
+@contextlib.contextmanager
+def _accumulator_restored():
+    chosen = chunked_loss._accumulator
+    try:
+        yield
+    finally:
+        chunked_loss._accumulator = chosen
+
+
+def _fp32_sum(weight):
+    """The weight gradient summed in fp32, as before the target-rows sum."""
+    return chunked_loss._Accumulator(weight.shape, weight.device)
 
 
 class _Bf16Sum:
@@ -221,17 +239,12 @@ def accuracy(args, config, device):
         remat.apply(m, "keep", head="chunked", chunk_tokens=args.accuracy_chunk)
         return m
 
-    def chunked_fp32_sum(m):
-        _fp32_sum(m, args.accuracy_chunk)
-        return m
+    def summed_by(make):
+        setup = _summed_by(make, args.accuracy_chunk)
+        return lambda m: setup(m) or m
 
-    def chunked_bf16_sum(m):
-        chunked_loss._accumulator = lambda weight, *_: _Bf16Sum(weight)
-        return chunked(m)
-
-    accumulator = chunked_loss._accumulator  # the @ paths replace it; restored after each path
-    paths = {"plain": lambda m: m, "chunked": chunked, "chunked@fp32sum": chunked_fp32_sum,
-             "chunked@bf16sum": chunked_bf16_sum}
+    paths = {"plain": lambda m: m, "chunked": chunked, "chunked@fp32sum": summed_by(_fp32_sum),
+             "chunked@bf16sum": summed_by(_Bf16Sum)}
     for name in FUSED_LOSSES:
         paths[name] = lambda m, name=name: fused_loss_forward(m, fused_loss(name))
     for name, setup in paths.items():
@@ -243,22 +256,21 @@ def accuracy(args, config, device):
                 continue
         model = build_model(config, device=device, dtype=torch.bfloat16)
         model.load_state_dict(state)
-        try:
-            loss = setup(model)(input_ids=ids, labels=labels).loss
-            loss.backward()
-            loss = loss.detach()
-            grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
-            errors = {short: _rel(grads[full], ref_grads[full]) for short, full in watched.items()
-                      if full in grads and full in ref_grads}
-            num = sum(float((grads[n] - ref_grads[n]).norm() ** 2) for n in grads if n in ref_grads)
-            den = sum(float(ref_grads[n].norm() ** 2) for n in grads if n in ref_grads)
-            errors["all"] = (num / den) ** 0.5 if den else float("nan")
-            out["paths"][name] = dict(grad_rel_error=errors, loss=float(loss),
-                                      loss_rel_error=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
-        except Exception as e:  # a kernel that fails here is a result, not a crash
-            out["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        finally:
-            chunked_loss._accumulator = accumulator
+        with _accumulator_restored():
+            try:
+                loss = setup(model)(input_ids=ids, labels=labels).loss
+                loss.backward()
+                loss = loss.detach()
+                grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+                errors = {short: _rel(grads[full], ref_grads[full]) for short, full in watched.items()
+                          if full in grads and full in ref_grads}
+                num = sum(float((grads[n] - ref_grads[n]).norm() ** 2) for n in grads if n in ref_grads)
+                den = sum(float(ref_grads[n].norm() ** 2) for n in grads if n in ref_grads)
+                errors["all"] = (num / den) ** 0.5 if den else float("nan")
+                out["paths"][name] = dict(grad_rel_error=errors, loss=float(loss),
+                                          loss_rel_error=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
+            except Exception as e:  # a kernel that fails here is a result, not a crash
+                out["paths"][name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         print(json.dumps(dict(accuracy=name, **out["paths"][name])), flush=True)
         del model
         _free(device)
@@ -328,16 +340,14 @@ def main(argv=None):
     rows, acc = [], None
     if "accuracy" in parts:
         acc = accuracy(args, config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    accumulator = chunked_loss._accumulator
     for name in names if "speed" in parts else []:
         try:
-            rows.append(run(name, todo[name], args, config))
+            with _accumulator_restored():
+                rows.append(run(name, todo[name], args, config))
         except Exception as e:  # an OOM or a refusal is itself a result; keep going
             rows.append(dict(strategy=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             gc.collect()
             torch.cuda.empty_cache()
-        finally:
-            chunked_loss._accumulator = accumulator
         print(json.dumps(rows[-1]), flush=True)
     by = {r["strategy"]: r for r in rows if "error" not in r}
     for r in rows:
