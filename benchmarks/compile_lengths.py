@@ -1,8 +1,9 @@
 """A run whose sequence length changes every step: does the chunked head's fused kernel stay on?
 
-The chunked head runs each chunk's softmax and gradient as one compiled kernel
-(:mod:`remat.treat.xent_kernel`). A kernel compiled per shape would recompile at every new
-length (2.4-3.6 s each on an H200) and, at dynamo's recompile limit, fall back to the slower
+The chunked head runs each chunk's softmax and gradient as one fused kernel
+(:mod:`remat.treat.xent_kernel`: a Triton kernel whose grid is the rows, or where it does not
+build one compiled by inductor for a padded, shape-stable chunk). A kernel compiled per shape
+would recompile at every new length (2.4-3.6 s each on an H200) and, at dynamo's recompile limit, fall back to the slower
 eager ops for the rest of the process (issue 11). This script trains the bench model on
 ``--lengths`` sequence lengths spread between ``--min-len`` and ``--max-len`` (20 between 512
 and 8192 by default, most of them not multiples of anything), one length per step in a shuffled
@@ -13,7 +14,8 @@ order, twice over:
   (``torch._dynamo.utils.compilation_time_metrics``, every frame compiled in the run) is
   recorded beside it (``dynamo_compile_s``), with the number of graphs compiled;
 - the fused path stayed on when no shape fell back to the eager ops (``EAGER_SHAPES`` of
-  :mod:`remat.treat.xent_kernel` is empty and remat warned nothing);
+  :mod:`remat.treat.xent_kernel` is empty and remat warned nothing); ``fused_kernel`` says which
+  kernel ran (Triton's compile time is not in dynamo's count: the pass-1 overhead has it);
 - the plan is made for the longest length (``remat.plan(..., heads=["chunked"])``, with
   ``compile=True`` under ``--plan-compile``) and every step's peak is measured: the peak at
   the longest length must be within the plan's budget.
@@ -140,14 +142,15 @@ def main(argv=None):
     overhead = sum(max(0.0, first[s] - second[s]) for s in first)
     remat_warnings = [str(w.message) for w in caught if "remat" in str(w.message)]
     eager_shapes = {str(k): v for k, v in xent_kernel.EAGER_SHAPES.items()}
-    kernel_made = xent_kernel.KERNEL.get("fn") is not None
+    fused = "triton" if xent_kernel.KERNEL.get("triton") else "inductor" if xent_kernel.KERNEL.get("fn") else None
+    kernel_made = fused is not None
     longest = max(all_lengths)
     peak_longest = max((r["peak_bytes"] or 0) for r in record["rows"] if r["seq"] == longest) if cuda else None
     record.update(
         first_pass_overhead_s=overhead,
         dynamo_compile_s=end["frames_s"] - after_plan["frames_s"], dynamo_frames=end["frames"] - after_plan["frames"],
         graphs=end["graphs"] - after_plan["graphs"], planning_compile_s=after_plan["frames_s"] - before["frames_s"],
-        steady_step_s_median=statistics.median(second.values()), eager_shapes=eager_shapes,
+        steady_step_s_median=statistics.median(second.values()), eager_shapes=eager_shapes, fused_kernel=fused,
         remat_warnings=remat_warnings, peak_bytes_longest=peak_longest,
         peak_bytes_max=max((r["peak_bytes"] or 0) for r in record["rows"]) if cuda else None)
     compile_s = max(overhead, record["dynamo_compile_s"])

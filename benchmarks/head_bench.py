@@ -150,7 +150,10 @@ class _Bf16Sum:
     def __init__(self, weight):
         self.full = torch.zeros_like(weight)
 
-    def add(self, g, hc):
+    def columns(self, m):
+        return None
+
+    def add(self, g, hc, gathered=False):
         self.full.addmm_(g.t(), hc)
 
     def finish(self, dtype):

@@ -1,5 +1,5 @@
-"""The fused (compiled) chunked-loss kernel on CUDA against the eager chunk path, and the
-chunked head under ``torch.compile`` on CUDA (inductor)."""
+"""The fused chunked-loss kernels on CUDA (Triton's, and inductor's where Triton does not build)
+against the eager chunk path, and the chunked head under ``torch.compile`` on CUDA (inductor)."""
 import copy
 
 import pytest
@@ -11,10 +11,17 @@ from remat.treat import chunked_loss, xent_kernel
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _run(fused: bool, hidden, weight, targets, monkeypatch, chunk=1000):
+def _run(path, hidden, weight, targets, monkeypatch, chunk=1000):
+    """The chunked loss and its gradients by the chunk kernel ``path``: "triton" (the fused path
+    as it runs), "inductor" (its fallback where Triton does not build) or "eager"."""
     with monkeypatch.context() as m:
-        if not fused:
+        if path == "eager":
             m.setattr(chunked_loss, "fused_kernel", lambda device: None)
+        else:
+            xent_kernel.fused_kernel(hidden.device)
+            if path == "inductor":
+                m.setitem(xent_kernel.KERNEL, "triton", None)
+            assert xent_kernel.KERNEL.get("triton" if path == "triton" else "fn") is not None, f"no {path} kernel"
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
         loss = chunked_loss.chunked_cross_entropy(h, w, None, targets, chunk_tokens=chunk)
@@ -22,25 +29,73 @@ def _run(fused: bool, hidden, weight, targets, monkeypatch, chunk=1000):
     return loss.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_matches_eager_chunks(dtype, monkeypatch):
-    torch.manual_seed(0)
-    hidden = torch.randn(4099, 256, device="cuda", dtype=dtype)
-    weight = torch.randn(5003, 256, device="cuda", dtype=dtype) * 0.05
-    targets = torch.randint(0, 5003, (4099,), device="cuda")
-    targets[::7] = -100
-    fused = _run(True, hidden, weight, targets, monkeypatch)
-    assert xent_kernel.KERNEL.get("fn") is not None, "torch.compile is not available"
-    assert not xent_kernel.EAGER_SHAPES, f"the fused kernel did not compile: {xent_kernel.EAGER_SHAPES}"
-    eager = _run(False, hidden, weight, targets, monkeypatch)
+def _assert_near(fused, eager, dtype):
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
     for a, b in zip(fused[1:], eager[1:]):
         error = (a.float() - b.float()).norm() / b.float().norm()
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), float(error)
 
 
+@pytest.mark.parametrize("path", ["triton", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_matches_eager_chunks(dtype, path, monkeypatch):
+    torch.manual_seed(0)
+    hidden = torch.randn(4099, 256, device="cuda", dtype=dtype)
+    weight = torch.randn(5003, 256, device="cuda", dtype=dtype) * 0.05
+    targets = torch.randint(0, 5003, (4099,), device="cuda")
+    targets[::7] = -100
+    fused = _run(path, hidden, weight, targets, monkeypatch)
+    assert not xent_kernel.EAGER_SHAPES, f"the fused kernel did not compile: {xent_kernel.EAGER_SHAPES}"
+    _assert_near(fused, _run("eager", hidden, weight, targets, monkeypatch), dtype)
+
+
+@pytest.mark.parametrize("path", ["triton", "inductor"])
+def test_target_rows_take_the_kernels_copied_columns(path, monkeypatch):
+    """A bf16 head whose vocabulary is large beside the tokens sums its weight gradient with
+    target rows: the chunk kernel copies their columns out (Triton) or ``index_select`` does
+    (inductor), and the gradients are the eager path's, where the accumulator gathers them."""
+    torch.manual_seed(1)
+    hidden = torch.randn(1500, 128, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(50000, 128, device="cuda", dtype=torch.bfloat16) * 0.05
+    targets = torch.randint(0, 50000, (1500,), device="cuda")
+    targets[::7] = -100
+    used = []
+    monkeypatch.setattr(chunked_loss._TargetRows, "finish",
+                        lambda self, dtype, f=chunked_loss._TargetRows.finish: used.append(1) or f(self, dtype))
+    fused = _run(path, hidden, weight, targets, monkeypatch, chunk=512)
+    assert used, "the head did not sum its weight gradient with target rows"
+    _assert_near(fused, _run("eager", hidden, weight, targets, monkeypatch, chunk=512), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_kernel_against_the_eager_ops(dtype):
+    """The Triton kernel alone: a vocabulary of two column blocks and a tail, ignored rows, padded
+    rows, a valid target outside the vocabulary (NaN loss), and the gather of sorted columns
+    (padded with column 0) for the unpadded rows only."""
+    from remat.treat import xent_triton
+    torch.manual_seed(2)
+    vocab, rows, real = 50000, 300, 290
+    z = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+    y = torch.randint(0, vocab, (rows,), device="cuda")
+    y[::5] = -100
+    y[real:] = -100
+    pre = torch.tensor(1 / 200.0, device="cuda")
+    eager = z.clone()
+    expected = xent_kernel.eager_kernel(eager, y, -100, pre)
+    columns = torch.nn.functional.pad(torch.unique(y[y >= 0]), (0, 3))
+    out = torch.full((real, columns.numel()), 7.0, device="cuda", dtype=dtype)
+    ours = z.clone()
+    loss = xent_triton.xent_rows(ours, y, -100, pre, (columns, out))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours.float(), eager.float(), rtol=0, atol=1e-6 if dtype == torch.float32 else 2 ** -8 * pre.item())
+    assert torch.equal(out, ours[:real].index_select(1, columns))
+    y[1] = vocab + 3
+    assert xent_triton.xent_rows(z.clone(), y, -100, pre).isnan()
+
+
 def test_every_sequence_length_reuses_one_compile(monkeypatch):
-    """The tail chunk is padded to the chunk size: new lengths never recompile."""
+    """The tail chunk is padded to the chunk size: new lengths never recompile the inductor
+    kernel (the Triton kernel's grid is the rows: it has no shapes to recompile for)."""
     import torch._dynamo
     torch.manual_seed(0)
     weight = torch.randn(3001, 128, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -49,11 +104,11 @@ def test_every_sequence_length_reuses_one_compile(monkeypatch):
         hidden = torch.randn(n, 128, device="cuda", dtype=torch.bfloat16)
         targets = torch.randint(0, 3001, (n,), device="cuda")
         if n == first:
-            fused = _run(True, hidden, weight, targets, monkeypatch, chunk=512)
+            fused = _run("inductor", hidden, weight, targets, monkeypatch, chunk=512)
         else:
             with torch._dynamo.config.patch(error_on_recompile=True):
-                fused = _run(True, hidden, weight, targets, monkeypatch, chunk=512)
-        eager = _run(False, hidden, weight, targets, monkeypatch, chunk=512)
+                fused = _run("inductor", hidden, weight, targets, monkeypatch, chunk=512)
+        eager = _run("eager", hidden, weight, targets, monkeypatch, chunk=512)
         torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)
     assert not xent_kernel.EAGER_SHAPES
 

@@ -48,7 +48,10 @@ def _bf16_sum(weight, targets, ignore_index, cd, chunk):
     class Bf16Sum:
         full = torch.zeros(weight.shape, dtype=weight.dtype)
 
-        def add(self, g, hc):
+        def columns(self, m):
+            return None
+
+        def add(self, g, hc, gathered=False):
             self.full.addmm_(g.t(), hc)
 
         def finish(self, dtype):
@@ -86,16 +89,39 @@ def test_target_rows_keep_the_fp32_sums_error(monkeypatch, temperature, bf16_wor
 
 
 def test_target_rows_equal_the_fp32_sum_where_they_are_summed_in_fp32(monkeypatch):
+    """The target rows are the fp32 sum's but for the bf16 roundings of what they got before
+    their first use (``p`` terms only, small): within one bf16 rounding a row (2^-9 of its
+    norm), and far closer on average than a bf16 running sum's; the other rows differ by a bf16
+    rounding a chunk at most."""
     h, w, targets = _head(seed=1)
     with monkeypatch.context() as m:
-        fp32 = _weight_grad(h, w, targets, _fp32_sum, m)
-    ours = _weight_grad(h, w, targets)
+        fp32 = _weight_grad(h, w, targets, _fp32_sum, m).float()
+    with monkeypatch.context() as m:
+        bf16 = _weight_grad(h, w, targets, _bf16_sum, m).float()
+    ours = _weight_grad(h, w, targets).float()
     rows = torch.unique(targets[targets != -100])
-    torch.testing.assert_close(ours[rows].float(), fp32[rows].float(), rtol=2 ** -8, atol=1e-9)
+
+    def row_errors(grad):
+        return (grad[rows] - fp32[rows]).norm(dim=1) / fp32[rows].norm(dim=1)
+    assert row_errors(ours).max() <= 2 ** -9
+    assert row_errors(ours).mean() <= 0.05 * row_errors(bf16).mean()
     others = torch.ones(VOCAB, dtype=torch.bool)
     others[rows] = False
-    # the other rows differ by a bf16 rounding a chunk at most
-    torch.testing.assert_close(ours[others].float(), fp32[others].float(), rtol=2 ** -4, atol=1e-6)
+    torch.testing.assert_close(ours[others], fp32[others], rtol=2 ** -4, atol=1e-6)
+
+
+def test_padding_the_target_rows_to_an_aligned_count_changes_no_gradient(monkeypatch):
+    """The target rows are padded with row 0 to a multiple of ``_ALIGN_ROWS`` (cuBLAS's fast
+    kernels need aligned rows): the gradient is bit for bit the unpadded one's, whose count
+    is not a multiple of it here."""
+    h, w, targets = _head(seed=5)
+    count = torch.unique(targets.masked_fill(targets == -100, 0)).numel()
+    assert count % chunked_loss._ALIGN_ROWS, "the targets must need padding for this test to say anything"
+    padded = _weight_grad(h, w, targets)
+    with monkeypatch.context() as m:
+        m.setattr(chunked_loss, "_ALIGN_ROWS", 1)
+        unpadded = _weight_grad(h, w, targets)
+    assert torch.equal(padded, unpadded)
 
 
 def test_target_rows_hold_fewer_bytes_than_the_fp32_sum(monkeypatch):
@@ -158,7 +184,7 @@ def test_fake_tensors_plan_for_the_most_target_rows():
         w = torch.empty(VOCAB, HIDDEN, dtype=torch.bfloat16)
         targets = torch.zeros(TOKENS, dtype=torch.long)
         acc = chunked_loss._accumulator(w, targets, -100, torch.bfloat16, CHUNK)
-        assert isinstance(acc, _TargetRows) and acc.rows.numel() == TOKENS + 1
+        assert isinstance(acc, _TargetRows) and acc.rows.numel() == chunked_loss._aligned(TOKENS + 1)
         acc.add(torch.empty(CHUNK, VOCAB, dtype=torch.bfloat16), h[:CHUNK])
         assert acc.finish(torch.bfloat16)[0].shape == (VOCAB, HIDDEN)
 
@@ -242,3 +268,44 @@ def test_in_place_scaling_under_compiled_autograd():
         for got, eager in zip(traced, grads(scale, False)):
             torch.testing.assert_close(got, eager, rtol=0, atol=0)
         torch.testing.assert_close(traced[1], unscaled * scale, rtol=0, atol=0)  # a power of two: exact
+
+
+def test_nothing_on_the_graph_outlives_the_heads_backward():
+    """After the head's backward, the graph (alive while the caller holds the loss) keeps no
+    tensor: the scale applied in place sits in a saved tensor, freed with the others, so the rest
+    of the model's backward does not carry it (the bench step's peak was one 512-byte block over
+    Liger's when it sat on the graph)."""
+    h, w, targets = _head(seed=6, tokens=256)
+    w = w.requires_grad_()
+    loss = chunked_cross_entropy(h, w, None, targets, chunk_tokens=CHUNK)
+    (loss / 3).backward()
+    node = loss.grad_fn
+    assert node.scaled_pointer is not None  # the in-place path ran
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, (tuple, list)):
+            return [t for v in value for t in tensors(v)]
+        return []
+    assert [k for k, v in vars(node).items() if tensors(v)] == []
+
+
+def test_a_fake_profile_bounds_the_real_heads_peak():
+    """What the planner measures without a GPU (fake tensors: ``capacity`` rows, all in use
+    from the first chunk) is at least what a real batch of distinct targets holds (its rows
+    in use growing chunk by chunk), and not far above it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from remat.planning.costs import rates_for
+    from remat.profiling._meters import _Tracker
+    h, w, _ = _head(seed=7)
+    targets = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:TOKENS]  # all distinct
+
+    def peak(h, w, targets):
+        with _Tracker(rates_for("h100")) as tracker:
+            chunked_cross_entropy(h, w.requires_grad_(), None, targets, chunk_tokens=CHUNK).backward()
+        return tracker.peak
+    real = peak(h, w.clone(), targets)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = peak(*(mode.from_tensor(t) for t in (h, w, targets)))
+    assert real <= fake <= 1.02 * real

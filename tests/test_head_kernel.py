@@ -61,8 +61,9 @@ def _loss_and_grads(monkeypatch, kernel, n, chunk, bias=True):
 def test_chunked_loss_through_the_padded_kernel_path_matches_the_eager_path(monkeypatch, n, chunk, bias):
     shapes = []
 
-    def kernel(z, y, ignore_index, pre):  # the fused path's kernel, run uncompiled
+    def kernel(z, y, ignore_index, pre, gather=None):  # the fused path's kernel, run uncompiled
         shapes.append(tuple(z.shape))
+        assert gather is None  # an fp32 head sums its weight gradient in fp32: no columns to copy
         return softmax_xent(z, y, ignore_index, pre)
 
     padded = _loss_and_grads(monkeypatch, kernel, n, chunk, bias)
@@ -172,6 +173,30 @@ def test_a_compile_error_falls_back_for_that_shape_only_with_one_warning(kernel_
     assert calls == [("in place", (8, 53)), ("out of place", (8, 53))] + tried_twice + [("in place", (16, 53))]
     assert list(kernel_state.OUT_SHAPES) == [((8, 53), torch.float32, "cpu")]
     assert bool(kernel_state.EAGER_SHAPES) is not out_of_place_compiles
+
+
+def test_the_kernels_copied_columns_feed_the_target_rows(kernel_state, monkeypatch):
+    """Through the fused path (run uncompiled here, as on CUDA where Triton does not build) a
+    bf16 head with target rows gets the columns of its targets copied out by the kernel's
+    caller, not by the accumulator: the gradients equal the eager path's, where it gathers."""
+    kernel_state.KERNEL.update(fn=softmax_xent, triton=None)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(700, 32, generator=g).bfloat16()
+    w = (torch.randn(20000, 32, generator=g) / 4).bfloat16()
+    targets = torch.randint(0, 20000, (700,), generator=g)
+    targets[::3] = -100
+    gathers, grads = [], []
+    for kernel in (run_fused, None):
+        with monkeypatch.context() as m:
+            m.setattr(chunked_loss, "fused_kernel", lambda device: kernel)
+            m.setattr(chunked_loss._TargetRows, "add", lambda self, g, hc, gathered=False, f=chunked_loss._TargetRows.add:
+                      gathers.append(gathered) or f(self, g, hc, gathered))
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            chunked_cross_entropy(hh, ww, None, targets, chunk_tokens=128).backward()
+        grads.append((hh.grad, ww.grad))
+    assert gathers == [True] * 6 + [False] * 6
+    for fused, eager in zip(*grads):
+        torch.testing.assert_close(fused.float(), eager.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_the_fused_kernel_is_for_cuda_only():

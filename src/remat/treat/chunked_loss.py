@@ -29,7 +29,8 @@ bytes until backward, never fp32 and narrow copies of the whole at once); backwa
 into a new tensor. Where the scale (the incoming gradient, e.g. 1 / accumulation steps) is
 not a power of two either rounds twice, to the weight's dtype and after scaling, a
 difference far below the bf16 inputs' own rounding (tests/test_head.py compares with the
-plain path).
+plain path). The scaling multiplies in fp32 (:func:`remat.treat.grad_scale.times`; eager CUDA
+would round the factor to bf16 first).
 
 N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
 valid target (every target ignored, or N = 0) the loss is what ``sum / N`` gives, nan
@@ -54,12 +55,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from remat.treat.grad_scale import times
 from remat.treat.xent_kernel import ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses
 
 _GiB = 2 ** 30
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
 _DEFAULT_LOGIT_BYTES = _GiB  # default chunk: its fp32 logits take about this much
 _PIECE_BYTES = 2 ** 27  # the fp32 weight-gradient accumulator is kept in row blocks of about this size
+_ALIGN_ROWS = 8         # target rows are padded to a multiple of this: 16 bytes of bf16
 
 
 def default_chunk_tokens(vocab: int) -> int:
@@ -124,9 +127,11 @@ class _ChunkedLoss(torch.autograd.Function):
             for s in range(0, n, chunk):
                 hc, yc = h[s:s + chunk], targets[s:s + chunk]
                 m = hc.shape[0]
+                gathered = kernel is not None
                 if kernel is not None:
                     g = padded_logits(hc, w, b, rows)  # the kernel turns the logits into their gradient
-                    total += kernel(g, F.pad(yc, (0, rows - m), value=ignore_index), ignore_index, pre)
+                    total += kernel(g, F.pad(yc, (0, rows - m), value=ignore_index), ignore_index, pre,
+                                    acc_w.columns(m) if want_w else None)
                     g = g[:m]  # the padded rows' gradient is zero
                 elif transform is None and want:
                     g = F.linear(hc, w, b)  # in place again, a block of rows in fp32 at a time
@@ -145,7 +150,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if want_h:
                     torch.mm(g, w, out=grad_h[s:s + m])
                 if want_w:
-                    acc_w.add(g, hc)
+                    acc_w.add(g, hc, gathered)
                 if want_b:
                     acc_b.add_(g.sum(0, dtype=torch.float32))
                 del g
@@ -153,17 +158,19 @@ class _ChunkedLoss(torch.autograd.Function):
             # whose unscaled sums may overflow: it waits for the scale in fp32
             grad_w = acc_w.finish(torch.float32 if cd == torch.float16 else weight.dtype) if want_w else None
         ctx.in_place = isinstance(acc_w, _TargetRows)
-        ctx.save_for_backward(grad_h, acc_b, post, *(grad_w or ()))
+        # backward's factor (1/N for fp16, else 1) and a slot for the scale it applies in place
+        factors = torch.stack((post, torch.zeros_like(post)))
+        ctx.save_for_backward(grad_h, acc_b, factors, *(grad_w or ()))
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, acc_b, post, *grad_w = ctx.saved_tensors
+        grad_h, acc_b, factors, *grad_w = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        scale = grad_loss.float() * post
-        gh = (grad_h * scale).to(h_dtype) if grad_h is not None else None
+        scale = grad_loss.float() * factors[0]
+        gh = times(grad_h, scale, torch.empty_like(grad_h, dtype=h_dtype)) if grad_h is not None else None
         if ctx.in_place:  # one tensor in the weight's dtype: scaled where it lies, handed on as it is
-            gw = _scaled_in_place(ctx, grad_w[0], scale)
+            gw = _scaled_in_place(ctx, grad_w[0], scale, factors)
         else:
             gw = _scaled(grad_w, scale, w_dtype) if grad_w else None
         gb = (acc_b * scale).to(b_dtype) if acc_b is not None else None
@@ -179,7 +186,7 @@ def _accumulator(weight, targets, ignore_index, cd, chunk):
     (``2 * hidden`` a vocabulary row) where the fp32 sum holds 4: at 0.8x its row GEMM costs at
     most a fifth of the weight gradient's."""
     vocab, hsize = weight.shape
-    capacity = min(targets.numel() + 1, vocab)
+    capacity = _aligned(min(targets.numel() + 1, vocab))
     per_row = 6 * hsize + 2 * min(chunk, targets.numel())
     if weight.dtype == cd == torch.bfloat16 and 2 * vocab * hsize + capacity * per_row <= 0.8 * 4 * vocab * hsize:
         return _TargetRows(weight, targets, ignore_index, capacity, chunk)
@@ -195,39 +202,87 @@ class _TargetRows:
     0.3-0.5 GiB that kept the chunked head above Liger's peak, which sums in bf16 at 1.33x the
     plain path's gradient error, issue 11). The rows that carry the gradient's weight are the
     targets' (each gets ``p - 1`` of its rows' hidden states; every other row only ``p``), and
-    there are at most ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets,
-    so that finding them reads the GPU once): summed in fp32 they keep the plain path's
-    error (a CPU proxy, 8192 tokens at a 32k vocabulary: 1.001-1.004x the fp32 sum's error,
-    where a bf16 sum of 16 chunks had 1.7-2.2x). The fp32 rows and one chunk's gathered target
-    columns are allocated for ``capacity`` rows whatever the batch holds, so the peak does not
-    depend on the batch's values; only the batch's distinct targets are computed (finding them
-    waits for the GPU once a step). On fake tensors (planning without a GPU) the first
-    ``capacity`` rows stand in for them.
+    there are at most ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets).
+    Summed in fp32 they keep the plain path's error (a CPU proxy, 8192 tokens at a 32k
+    vocabulary: 1.001-1.004x the fp32 sum's error, where a bf16 sum of 16 chunks had 1.7-2.2x).
+
+    A row's fp32 sum starts at the chunk where the row is first a target, from its bf16 sum so
+    far: before that chunk the row got only ``p`` terms, small beside the ``p - 1`` to come, so
+    their bf16 roundings are small beside the one rounding at the end. The rows are ordered by
+    the chunk that first uses them, so the rows in use at a chunk are a prefix, and each chunk's
+    gather and fp32 GEMM cover only that prefix (half the rows on average where each target
+    is new, as with random ids; natural text repeats its targets and has fewer). The fp32 rows
+    and one chunk's gathered target columns are allocated for ``capacity`` rows whatever the
+    batch holds, so the peak does not depend on the batch's values; finding and ordering the
+    rows waits for the GPU twice a step. Counts of rows are padded to a multiple of
+    ``_ALIGN_ROWS`` (with row 0, or with rows of a later chunk), as cuBLAS's fast kernels need
+    (unaligned, it ran an sm75 kernel 5x slower). On fake tensors (planning without a GPU) the
+    first ``capacity`` rows stand in for the targets, all in use from the first chunk.
     """
 
     def __init__(self, weight, targets, ignore_index, capacity, chunk):
         vocab, hsize = weight.shape
+        n = targets.numel()
         self.full = torch.zeros(vocab, hsize, dtype=weight.dtype, device=weight.device)
         self.exact = torch.zeros(capacity, hsize, dtype=torch.float32, device=weight.device)
-        self.columns = torch.empty(min(chunk, targets.numel()) * capacity, dtype=weight.dtype, device=weight.device)
+        self.buffer = torch.empty(min(chunk, n) * capacity, dtype=weight.dtype, device=weight.device)
+        chunks = -(-n // chunk)
         if is_fake(targets):
-            self.rows = torch.arange(capacity, device=targets.device)
+            rows = torch.arange(min(capacity, vocab), device=targets.device)
+            first_uses = [rows.numel()] * chunks
         else:
-            self.rows = torch.unique(targets.masked_fill(targets == ignore_index, 0))
-        self.exact = self.exact[:self.rows.numel()]
+            rows, first_uses = _by_first_use(targets.masked_fill(targets == ignore_index, 0), vocab, chunk)
+        self.count = rows.numel()
+        self.rows = F.pad(rows, (0, _aligned(self.count) - self.count))
+        # per chunk: the rows whose fp32 sums start there (none on fake tensors), and the prefix in use
+        starts = [0] + first_uses[:-1]
+        self.fresh = [(0, 0)] * chunks if is_fake(targets) else list(zip(starts, first_uses))
+        self.in_use = [min(_aligned(b), self.rows.numel()) for b in first_uses]
+        self.chunk = 0
 
-    def add(self, g, hc):
-        """``+= g^T @ hc`` for one chunk, in bf16, and the target rows' share in fp32."""
+    def columns(self, m):
+        """``(target columns, out)``: the next chunk's prefix of rows in use, and the [m x rows]
+        buffer the chunk kernel copies their gradient columns into (:func:`run_fused`'s ``gather``)."""
+        used = self.in_use[self.chunk]
+        return self.rows[:used], self.buffer[:m * used].view(m, used)
+
+    def add(self, g, hc, gathered=False):
+        """``+= g^T @ hc`` for one chunk, in bf16, and the rows in use in fp32 (their columns
+        copied out by the chunk kernel if ``gathered``, else gathered here)."""
+        start, end = self.fresh[self.chunk]
+        if end > start:  # rows first used here: their fp32 sums start from the bf16 sums so far
+            self.exact[start:end] = self.full.index_select(0, self.rows[start:end])
         self.full.addmm_(g.t(), hc)
-        picked = self.columns[:g.shape[0] * self.rows.numel()].view(g.shape[0], self.rows.numel())
-        torch.index_select(g, 1, self.rows, out=picked)
-        _accumulate(self.exact, picked.t(), hc)
+        rows, picked = self.columns(g.shape[0])
+        if not gathered:
+            torch.index_select(g, 1, rows, out=picked)
+        _accumulate(self.exact[:rows.numel()], picked.t(), hc)
+        self.chunk += 1
 
     def finish(self, dtype):
-        """The sum, its target rows replaced by their fp32 sums rounded once."""
-        self.full.index_copy_(0, self.rows, self.exact.to(dtype))
-        self.exact = self.columns = None
+        """The sum, its target rows replaced by their fp32 sums rounded once (the padding's
+        rows left out)."""
+        self.full.index_copy_(0, self.rows[:self.count], self.exact[:self.count].to(dtype))
+        self.exact = self.buffer = None
         return [self.full]
+
+
+def _by_first_use(targets, vocab, chunk):
+    """The distinct ``targets``, ordered by the position of their first use (ties cannot
+    happen: one position has one target), and for each chunk of ``chunk`` positions the count
+    of them first used in that chunk or before (a prefix)."""
+    n = targets.numel()
+    first = torch.full((vocab,), n, dtype=torch.long, device=targets.device)
+    first.scatter_reduce_(0, targets, torch.arange(n, device=targets.device), "amin")
+    rows = torch.unique(targets)
+    firsts, order = torch.sort(first[rows])
+    ends = torch.arange(chunk, n + chunk, chunk, device=targets.device).clamp(max=n)
+    return rows[order], torch.searchsorted(firsts, ends).tolist()
+
+
+def _aligned(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``_ALIGN_ROWS``."""
+    return -(-rows // _ALIGN_ROWS) * _ALIGN_ROWS
 
 
 def is_fake(tensor) -> bool:
@@ -236,7 +291,7 @@ def is_fake(tensor) -> bool:
     return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
 
 
-def _scaled_in_place(ctx, grad_w, scale):
+def _scaled_in_place(ctx, grad_w, scale, factors):
     """``grad_w`` times ``scale``, in place at the first backward: no second weight-sized tensor.
 
     The gradient handed on is ``grad_w`` itself (autograd's accumulation then takes it as the
@@ -248,20 +303,25 @@ def _scaled_in_place(ctx, grad_w, scale):
     scales (exact for the usual ones, 1 or a power of two), and an error if the first scale
     was 0 (nothing is left to rescale); a saved-tensor hook that unpacks a copy
     (``save_on_cpu``) gives the unscaled sum again, scaled anew. A caller that changes the
-    first gradient in place and then runs a second backward meets autograd's in-place error."""
-    scaled = getattr(ctx, "scaled", None)
-    if scaled is None:
-        grad_w.data.mul_(scale)
-        ctx.scaled = (None if is_fake(grad_w) else grad_w.data_ptr(), scale)
+    first gradient in place and then runs a second backward meets autograd's in-place error.
+
+    The first scale is kept in the saved ``factors[1]`` (written through ``.data`` too), not on
+    ``ctx``: ``ctx`` lives as long as the graph, and a 0-dim tensor there would stay allocated
+    through the rest of the backward (a 512-byte block: the step's peak was that much over
+    Liger's in the bench); saved tensors are freed once this backward has run."""
+    if not hasattr(ctx, "scaled_pointer"):
+        times(grad_w.data, scale, grad_w.data)
+        factors.data[1].copy_(scale)
+        ctx.scaled_pointer = None if is_fake(grad_w) else grad_w.data_ptr()
         return grad_w
-    pointer, applied = scaled
-    if pointer is None or grad_w.data_ptr() != pointer:
-        return grad_w * scale
+    if ctx.scaled_pointer is None or grad_w.data_ptr() != ctx.scaled_pointer:
+        return times(grad_w, scale, torch.empty_like(grad_w))
+    applied = factors[1]
     if not bool(applied != 0):
         raise RuntimeError("remat's chunked head: the first backward through this retained graph scaled the "
                            "weight gradient by 0 in place, so a second backward cannot recover it; give the "
                            "first backward a non-zero gradient, or run the loss forward again")
-    return grad_w * (scale / applied)
+    return times(grad_w, scale / applied, torch.empty_like(grad_w))
 
 
 class _Accumulator:
@@ -276,7 +336,11 @@ class _Accumulator:
         self.pieces = [torch.zeros(min(step, rows - r), cols, dtype=torch.float32, device=device)
                        for r in range(0, rows, step)]
 
-    def add(self, g, hc):
+    def columns(self, m):
+        """No columns to copy out (see :meth:`_TargetRows.columns`)."""
+        return None
+
+    def add(self, g, hc, gathered=False):
         """``+= g^T @ hc`` for one chunk: ``g`` [rows x vocab], ``hc`` [rows x hidden]."""
         start = 0
         for piece in self.pieces:
@@ -337,6 +401,6 @@ def _scaled(pieces, scale, dtype):
     out = torch.empty(rows, pieces[0].shape[1], dtype=dtype, device=pieces[0].device)
     start = 0
     for piece in pieces:
-        torch.mul(piece, scale, out=out[start:start + piece.shape[0]])
+        times(piece, scale, out[start:start + piece.shape[0]])
         start += piece.shape[0]
     return out

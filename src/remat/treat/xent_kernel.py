@@ -5,10 +5,14 @@ chunk's logits ``z`` this module computes ``sum(logsumexp(x) - x[target])`` over
 and rewrites ``z`` as ``(softmax(x) - onehot) * pre`` (``x = z.float()``), so one chunk-sized
 buffer serves both the logits and their gradient.
 
-How: on CUDA, one compiled kernel (:func:`softmax_xent`, ``torch.compile(dynamic=False,
-fullgraph=True)``) reads the logits three times and writes the gradient once, where the eager
-ops (:func:`row_losses`) materialise the fp32 logits and pass over them about ten times. It is
-kept shape-stable by the caller: the last chunk's logits are padded to the chunk size
+How: on CUDA, one hand-written Triton kernel (:mod:`remat.treat.xent_triton`) reads the logits
+from memory once and writes the gradient once, and copies out the target rows' columns the
+weight-gradient sum wants (``gather``). Where it does not build (warned once), one kernel
+compiled by inductor (:func:`softmax_xent`, ``torch.compile(dynamic=False, fullgraph=True)``)
+reads the logits three times and writes the gradient once, and ``index_select`` gathers the
+columns; the eager ops (:func:`row_losses`) materialise the fp32 logits and pass over them
+about ten times. The compiled kernel is kept shape-stable by the caller (the Triton kernel's
+grid is the rows: it needs no padding, and takes the padded rows as they come): the last chunk's logits are padded to the chunk size
 (:func:`padded_logits`; padded rows have ignored targets, so they add zero to the loss and the
 gradients), and a batch shorter than one chunk is padded to the next power of two
 (:func:`kernel_rows`: at least 128 rows, at most the chunk), so one compile serves every
@@ -17,8 +21,8 @@ inductor failures, a missing Triton, the recompile limit) fall back, for that sh
 one warning that says why (:func:`run_fused`): to the same kernel writing its gradient out of
 place (:func:`softmax_xent_out`: torch 2.6's inductor cannot compile the in-place one), then
 to the eager ops (:func:`eager_kernel`, a block of rows at a time); anything else, an
-out-of-memory error included, propagates. Off CUDA, and where dynamo is unsupported, the eager
-ops run.
+out-of-memory error included, propagates. Off CUDA, and where neither Triton nor dynamo works,
+the eager ops run.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from remat.treat import xent_triton
 
 ROUND = 128  # the fewest rows the kernel is compiled for (and the chunk sizes' multiple)
 EAGER_BLOCK_BYTES = 2 ** 27  # the eager path's fp32 copy of the logits, a block of rows at a time
@@ -134,53 +140,75 @@ EAGER_SHAPES = {}   # (shape, dtype, device) -> why no compiled kernel is used f
 
 
 def fused_kernel(device):
-    """The fused chunk kernel for ``device`` (CUDA, with a working ``torch.compile``), or
-    None: the eager ops then."""
+    """The fused chunk kernel for ``device`` (CUDA, with Triton or a working ``torch.compile``),
+    or None: the eager ops then."""
     if device.type != "cuda":
         return None
     if "fn" not in KERNEL:
         import torch._dynamo
+        KERNEL["triton"] = xent_triton.xent_rows if xent_triton.available() else None
         if not torch._dynamo.is_dynamo_supported():
             KERNEL["fn"] = None
-            warnings.warn("remat: torch.compile is not supported here, so the chunked loss uses its "
-                          "eager path (correct, slower)", stacklevel=4)
+            if KERNEL["triton"] is None:
+                warnings.warn("remat: neither Triton nor torch.compile works here, so the chunked loss uses "
+                              "its eager path (correct, slower)", stacklevel=4)
         else:
             KERNEL["fn"] = torch.compile(softmax_xent, dynamic=False, fullgraph=True)
             KERNEL["out"] = torch.compile(softmax_xent_out, dynamic=False, fullgraph=True)
-    return None if KERNEL["fn"] is None else run_fused
+    return None if KERNEL["fn"] is None and KERNEL["triton"] is None else run_fused
 
 
-def run_fused(z, y, ignore_index: int, pre):
-    """The compiled in-place kernel; for a shape it cannot compile, the compiled out-of-place
-    one; for a shape neither compiles, the eager ops (each step down warned once a shape)."""
+def run_fused(z, y, ignore_index: int, pre, gather=None):
+    """The chunk's loss, its logits ``z`` turned into their gradient in place, and with
+    ``gather = (columns, out)`` the gradient's ``columns`` copied into ``out`` (its first
+    ``out.shape[0]`` rows): by the Triton kernel (:mod:`remat.treat.xent_triton`); where that does
+    not build, the compiled in-place kernel; for a shape that cannot compile, the compiled
+    out-of-place one; for a shape neither compiles, the eager ops (each step down warned once,
+    the Triton kernel's for the process, the others' a shape)."""
+    if KERNEL.get("triton") is not None:
+        try:
+            return KERNEL["triton"](z, y, ignore_index, pre, gather)
+        except xent_triton.compile_errors() as error:
+            KERNEL["triton"] = None
+            compile_failure(error, "the Triton chunked-loss kernel", "chunks use the inductor-compiled kernel")
+    loss = _compiled_or_eager(z, y, ignore_index, pre)
+    if gather is not None:
+        columns, out = gather
+        torch.index_select(z[:out.shape[0]], 1, columns, out=out)
+    return loss
+
+
+def _compiled_or_eager(z, y, ignore_index: int, pre):
     key = (tuple(z.shape), z.dtype, str(z.device))
-    if key not in OUT_SHAPES:
+    what = f"the fused chunked-loss kernel for {list(z.shape)} {z.dtype} logits"
+    if KERNEL.get("fn") is not None and key not in OUT_SHAPES:
         try:
             return KERNEL["fn"](z, y, ignore_index, pre)
-        except _compile_errors() as error:
-            OUT_SHAPES[key] = _compile_failure(error, z, "one more chunk-sized buffer than planned (the "
-                                                          "out-of-place kernel)")
-    if key not in EAGER_SHAPES:
+        except compile_errors() as error:
+            OUT_SHAPES[key] = compile_failure(error, what, "chunks of this shape use one more chunk-sized buffer "
+                                                           "than planned (the out-of-place kernel)")
+    if KERNEL.get("out") is not None and key not in EAGER_SHAPES:
         try:
             loss, g = KERNEL["out"](z, y, ignore_index, pre)
             z.copy_(g)
             return loss
-        except _compile_errors() as error:
-            EAGER_SHAPES[key] = _compile_failure(error, z, "the eager path, which is correct but slower")
+        except compile_errors() as error:
+            EAGER_SHAPES[key] = compile_failure(error, what, "chunks of this shape use the eager path, which is "
+                                                             "correct but slower")
     return eager_kernel(z, y, ignore_index, pre)
 
 
-def _compile_failure(error, z, instead: str) -> str:
-    """Why a compile failed, warned once; an out-of-memory error inside it propagates."""
+def compile_failure(error, what: str, instead: str) -> str:
+    """Why ``what`` did not compile, warned once with what runs ``instead``; an out-of-memory
+    error inside the compile propagates."""
     if _out_of_memory(error):
         raise error
     why = f"{type(error).__name__}: {str(error).strip()[:300]}"
-    warnings.warn(f"remat: the fused chunked-loss kernel could not be compiled for {list(z.shape)} {z.dtype} "
-                  f"logits ({why}); chunks of this shape use {instead}", stacklevel=3)
+    warnings.warn(f"remat: {what} could not be compiled ({why}); {instead}", stacklevel=3)
     return why
 
 
-def _compile_errors() -> tuple:
+def compile_errors() -> tuple:
     """Exceptions that mean "could not compile": dynamo and inductor failures (a missing or
     too old Triton arrives as BackendCompilerFailed), the recompile limit, a missing module."""
     from torch._dynamo import exc
