@@ -38,6 +38,7 @@ from remat.prove.anchors import fused_loss, fused_loss_unavailable
 from remat.treat import chunked_loss
 
 from _trace import events_from_kineto, merge  # benchmarks/_trace.py
+from head_bench import _Bf16Sum, _fp32_sum  # the same A/B sums as the whole-model bench
 
 
 def parse(argv=None):
@@ -54,23 +55,7 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-class _Bf16Sum:
-    """The weight gradient summed in bf16 chunk by chunk, no target rows."""
-
-    def __init__(self, weight):
-        self.full = torch.zeros_like(weight)
-
-    def columns(self, m):
-        return None
-
-    def add(self, g, hc, gathered=False):
-        self.full.addmm_(g.t(), hc)
-
-    def finish(self, dtype):
-        return [self.full.to(dtype)]
-
-
-SUMS = {"fp32sum": lambda weight: chunked_loss._Accumulator(weight.shape, weight.device), "bf16sum": _Bf16Sum}
+SUMS = {"fp32sum": _fp32_sum, "bf16sum": _Bf16Sum}
 
 
 @contextlib.contextmanager
