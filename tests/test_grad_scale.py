@@ -9,7 +9,8 @@ import torch
 from remat.treat import grad_scale
 
 FACTOR = torch.tensor(1 / 3)  # not a power of two: rounding it to bf16 changes it
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel and the factor's rounding are CUDA's")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="the Triton kernel and the factor's rounding are CUDA's")
 
 
 def _tensor(dtype, rows=37, cols=29, device="cpu"):

@@ -110,6 +110,12 @@ def test_target_rows_equal_the_fp32_sum_where_they_are_summed_in_fp32(monkeypatc
     torch.testing.assert_close(ours[others], fp32[others], rtol=2 ** -4, atol=1e-6)
 
 
+def test_target_rows_come_in_the_order_of_their_first_use_with_a_prefix_a_chunk():
+    targets = torch.tensor([5, 3, 5, 9, 3, 0, 7, 9])
+    rows, in_use = chunked_loss._by_first_use(targets, chunk=3)
+    assert rows.tolist() == [5, 3, 9, 0, 7] and in_use == [2, 4, 5]
+
+
 def test_padding_the_target_rows_to_an_aligned_count_changes_no_gradient(monkeypatch):
     """The target rows are padded with row 0 to a multiple of ``_ALIGN_ROWS`` (cuBLAS's fast
     kernels need aligned rows): the gradient is bit for bit the unpadded one's, whose count
@@ -228,7 +234,8 @@ def test_a_model_as_loaded_gets_the_target_rows_and_the_plain_paths_error(monkey
     plain, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     remat.apply(model, "keep", head="chunked", chunk_tokens=32)
     used = []
-    monkeypatch.setattr(_TargetRows, "finish", lambda self, dtype, f=_TargetRows.finish: used.append(1) or f(self, dtype))
+    monkeypatch.setattr(_TargetRows, "finish",
+                        lambda self, dtype, f=_TargetRows.finish: used.append(1) or f(self, dtype))
     ids = torch.randint(0, config.vocab_size, (3, 45))
     ours = _step(model, ids, _labels(ids))
     assert used, "a bf16 model with a large vocabulary did not use the target-rows sum"

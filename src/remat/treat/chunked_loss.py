@@ -214,10 +214,10 @@ class _TargetRows:
     is new, as with random ids; natural text repeats its targets and has fewer). The fp32 rows
     and one chunk's gathered target columns are allocated for ``capacity`` rows whatever the
     batch holds, so the peak does not depend on the batch's values; finding and ordering the
-    rows waits for the GPU twice a step. Counts of rows are padded to a multiple of
-    ``_ALIGN_ROWS`` (with row 0, or with rows of a later chunk), as cuBLAS's fast kernels need
-    (unaligned, it ran an sm75 kernel 5x slower). On fake tensors (planning without a GPU) the
-    first ``capacity`` rows stand in for the targets, all in use from the first chunk.
+    rows waits for the GPU twice a step (:func:`_by_first_use`). Counts of rows are padded to
+    a multiple of ``_ALIGN_ROWS`` (with row 0, or with rows of a later chunk), as cuBLAS's fast
+    kernels need (unaligned, it ran an sm75 kernel 5x slower). On fake tensors (planning without
+    a GPU) the first ``capacity`` rows stand in for the targets, all in use from the first chunk.
     """
 
     def __init__(self, weight, targets, ignore_index, capacity, chunk):
@@ -231,7 +231,7 @@ class _TargetRows:
             rows = torch.arange(min(capacity, vocab), device=targets.device)
             first_uses = [rows.numel()] * chunks
         else:
-            rows, first_uses = _by_first_use(targets.masked_fill(targets == ignore_index, 0), vocab, chunk)
+            rows, first_uses = _by_first_use(targets.masked_fill(targets == ignore_index, 0), chunk)
         self.count = rows.numel()
         self.rows = F.pad(rows, (0, _aligned(self.count) - self.count))
         # per chunk: the rows whose fp32 sums start there (none on fake tensors), and the prefix in use
@@ -267,17 +267,19 @@ class _TargetRows:
         return [self.full]
 
 
-def _by_first_use(targets, vocab, chunk):
-    """The distinct ``targets``, ordered by the position of their first use (ties cannot
-    happen: one position has one target), and for each chunk of ``chunk`` positions the count
-    of them first used in that chunk or before (a prefix)."""
+def _by_first_use(targets, chunk):
+    """The distinct ``targets``, ordered by the position of their first use, and for each chunk
+    of ``chunk`` positions the count of them first used in that chunk or before (a prefix).
+
+    A stable sort puts each value's first position at the start of its run (sorts and masks
+    only: deterministic on CUDA, where a scatter of minimum positions would use atomics)."""
     n = targets.numel()
-    first = torch.full((vocab,), n, dtype=torch.long, device=targets.device)
-    first.scatter_reduce_(0, targets, torch.arange(n, device=targets.device), "amin")
-    rows = torch.unique(targets)
-    firsts, order = torch.sort(first[rows])
+    values, positions = torch.sort(targets, stable=True)
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[1:] = values[1:] != values[:-1]
+    firsts, order = torch.sort(positions[starts])
     ends = torch.arange(chunk, n + chunk, chunk, device=targets.device).clamp(max=n)
-    return rows[order], torch.searchsorted(firsts, ends).tolist()
+    return values[starts][order], torch.searchsorted(firsts, ends).tolist()
 
 
 def _aligned(rows: int) -> int:

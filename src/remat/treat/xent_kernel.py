@@ -12,17 +12,17 @@ compiled by inductor (:func:`softmax_xent`, ``torch.compile(dynamic=False, fullg
 reads the logits three times and writes the gradient once, and ``index_select`` gathers the
 columns; the eager ops (:func:`row_losses`) materialise the fp32 logits and pass over them
 about ten times. The compiled kernel is kept shape-stable by the caller (the Triton kernel's
-grid is the rows: it needs no padding, and takes the padded rows as they come): the last chunk's logits are padded to the chunk size
-(:func:`padded_logits`; padded rows have ignored targets, so they add zero to the loss and the
-gradients), and a batch shorter than one chunk is padded to the next power of two
-(:func:`kernel_rows`: at least 128 rows, at most the chunk), so one compile serves every
-sequence length of a run and a handful serve short batches. Only compile errors (dynamo and
-inductor failures, a missing Triton, the recompile limit) fall back, for that shape only, with
-one warning that says why (:func:`run_fused`): to the same kernel writing its gradient out of
-place (:func:`softmax_xent_out`: torch 2.6's inductor cannot compile the in-place one), then
-to the eager ops (:func:`eager_kernel`, a block of rows at a time); anything else, an
-out-of-memory error included, propagates. Off CUDA, and where neither Triton nor dynamo works,
-the eager ops run.
+grid is the rows: it needs no padding, and takes the padded rows as they come): the last
+chunk's logits are padded to the chunk size (:func:`padded_logits`; padded rows have ignored
+targets, so they add zero to the loss and the gradients), and a batch shorter than one chunk
+is padded to the next power of two (:func:`kernel_rows`: at least 128 rows, at most the
+chunk), so one compile serves every sequence length of a run and a handful serve short
+batches. Only compile errors (dynamo and inductor failures, a missing Triton, the recompile
+limit) fall back, for that shape only, with one warning that says why (:func:`run_fused`): to
+the same kernel writing its gradient out of place (:func:`softmax_xent_out`: torch 2.6's
+inductor cannot compile the in-place one), then to the eager ops (:func:`eager_kernel`, a
+block of rows at a time); anything else, an out-of-memory error included, propagates. Off
+CUDA, and where neither Triton nor dynamo works, the eager ops run.
 """
 from __future__ import annotations
 
