@@ -67,6 +67,21 @@ def rule_5_17(monkeypatch):
     mask_skip._unwrap_if_unheld()
 
 
+def test_a_function_that_replaced_the_wrapper_is_wrapped_at_the_next_apply(rule_5_17, monkeypatch):
+    """One model holds remat's wrapper when something replaces transformers' function (the rule of
+    5.17 set again; in a test process, a model of an earlier test not yet collected holds it):
+    applying remat to the next model wraps the replacement, and its compiled attention runs
+    causal without a mask."""
+    ids = torch.randint(0, 128, (2, 16))
+    first = _tiny()
+    remat.apply(first, "keep")
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", _rule_of_5_17)
+    second = _tiny()
+    remat.apply(second, "keep")
+    calls, _ = _compiled_sdpa_calls(second, input_ids=ids, labels=ids)
+    assert calls == [(False, True)] * 2
+
+
 def test_without_remat_the_5_17_rule_compiles_a_masked_non_causal_attention(rule_5_17):
     ids = torch.randint(0, 128, (2, 16))
     calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=ids)

@@ -33,7 +33,8 @@ transformers then: an exported graph must not hard-code ``is_causal``. A torch w
 flag (2.6) cannot tell export from compile, so there nothing is wrapped.
 
 Limits: process-wide, since transformers' functions are module state: while one model holds
-the wrapper, any model compiled in the process gets it. A batch with an ``attention_mask``
+the wrapper, any model compiled in the process gets it. A function that replaced remat's
+wrapper meanwhile (not one that wraps it) is wrapped at the next :func:`hold`. A batch with an ``attention_mask``
 tensor, even all ones, still builds the mask under compile (skipping it needs the mask's
 values: a graph break): pass no ``attention_mask`` for unpadded batches. Without
 ``transformers.masking_utils`` (transformers < 4.53, whose training-mode rule already skips
@@ -140,7 +141,9 @@ def hold(model: nn.Module, block_names: Optional[list] = None) -> bool:
         _holders[key] = weakref.ref(model, _unwrap_if_unheld)
     for name, (decide, required, one_of) in _DECISIONS.items():
         original = getattr(module, name, None)
-        if name in _originals or original is None or not _knows(original, required, one_of):
+        if name in _originals and _calls(original, _originals[name][1]):
+            continue
+        if original is None or not _knows(original, required, one_of):
             continue
         _originals[name] = (original, _wrapper(original, decide))
         setattr(module, name, _originals[name][1])
@@ -149,6 +152,19 @@ def hold(model: nn.Module, block_names: Optional[list] = None) -> bool:
         names = [n for n in inspect.signature(type(base).forward).parameters][1:]
         patches.install(base, "forward", _note_generated_positions, tag=PATCH_TAG, state=names.index("position_ids"))
     return bool(_originals)
+
+
+def _calls(function: Callable, wrapper: Callable) -> bool:
+    """Whether ``function`` is ``wrapper`` or wraps it (``functools.wraps``'s ``__wrapped__``
+    chain): False where something replaced remat's wrapper while a model held it, and the
+    next :func:`hold` wraps the replacement."""
+    seen = set()
+    while function is not None and id(function) not in seen:
+        if function is wrapper:
+            return True
+        seen.add(id(function))
+        function = getattr(function, "__wrapped__", None)
+    return False
 
 
 def _base_model(model: nn.Module, block_names: Optional[list] = None):
