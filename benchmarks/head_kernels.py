@@ -16,8 +16,10 @@ gradients wanted, as the model's step does:
 
 Per variant: median and spread of ``--steps`` timed forward+backward passes (CUDA events, after
 ``--warmup`` untimed ones), the peak above what was allocated before the pass, and one more pass
-under ``torch.profiler``: GPU time per kernel name (summed over the pass, the ``--top``
-costliest) and the pass's GPU-busy and idle time. Never a timing inside a unit test.
+under ``torch.profiler`` (``_trace.trace_step``: GPU time per kernel category and per kernel
+name, the ``--top`` costliest, and the pass's GPU-busy and idle time, in the row's ``trace``).
+Never a timing inside a unit test. (The records of session 18 were written before the profile
+went through ``_trace``: their rows hold ``kernels``, ``profiled_busy_s`` and ``profiled_span_s``.)
 
 Usage (GPU machine, repository root; Liger from its wheel):
     PYTHONPATH=src python3 benchmarks/head_kernels.py --out "$OUT"
@@ -37,8 +39,8 @@ import torch.nn.functional as F
 from remat.prove.anchors import fused_loss, fused_loss_unavailable
 from remat.treat import chunked_loss
 
-from _trace import events_from_kineto, merge  # benchmarks/_trace.py
-from head_bench import _Bf16Sum, _fp32_sum  # the same A/B sums as the whole-model bench
+from _trace import format_breakdown, trace_step  # benchmarks/_trace.py
+from head_bench import _Bf16Sum, _accumulator_restored, _fp32_sum  # the whole-model bench's A/B sums
 
 
 def parse(argv=None):
@@ -61,13 +63,10 @@ SUMS = {"fp32sum": _fp32_sum, "bf16sum": _Bf16Sum}
 @contextlib.contextmanager
 def _summed_by(name):
     """remat's weight-gradient sum replaced by ``SUMS[name]`` inside the block (None: remat's own)."""
-    chosen = chunked_loss._accumulator
-    if name is not None:
-        chunked_loss._accumulator = lambda weight, *_: SUMS[name](weight)
-    try:
+    with _accumulator_restored():
+        if name is not None:
+            chunked_loss._accumulator = lambda weight, *_: SUMS[name](weight)
         yield
-    finally:
-        chunked_loss._accumulator = chosen
 
 
 def variants(args):
@@ -113,28 +112,9 @@ def measure(loss_fn, accumulator, h, w, y, args):
         loss = step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        kernels, busy, span = _profile(step)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:args.top]
+        trace = trace_step(step, cuda=True, top=args.top)
     return {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "peak_above_inputs_gib": peak / 2 ** 30, "loss": float(loss),
-            "profiled_busy_s": busy, "profiled_span_s": span,
-            "kernels": [{"name": n[:120], "seconds": s, "count": k} for n, (s, k) in top]}
-
-
-def _profile(step):
-    """GPU seconds and launches per kernel name over one pass; the pass's busy time and span."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = events_from_kineto(prof.profiler.kineto_results.events())
-    kernels = {}
-    for name, _start, dur, _stream in events:
-        s, k = kernels.get(name, (0.0, 0))
-        kernels[name] = (s + dur / 1e6, k + 1)
-    spans = merge((start, start + dur) for _n, start, dur, _s in events)
-    busy = sum(e - s for s, e in spans) / 1e6
-    span = (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
-    return kernels, busy, span
+            "peak_above_inputs_gib": peak / 2 ** 30, "loss": float(loss), "trace": trace}
 
 
 def main(argv=None):
@@ -159,10 +139,10 @@ def main(argv=None):
         rows[name] = measure(loss_fn, accumulator, h, w, y, args)
         r = rows[name]
         print(f"{name:22s} {r['step_s'] * 1e3:8.3f} ms (min {r['min_s'] * 1e3:.3f}, max {r['max_s'] * 1e3:.3f})  "
-              f"peak +{r['peak_above_inputs_gib']:.3f} GiB  busy {r['profiled_busy_s'] * 1e3:.2f} / "
-              f"span {r['profiled_span_s'] * 1e3:.2f} ms  loss {r['loss']:.5f}", flush=True)
-        for k in r["kernels"]:
-            print(f"    {k['seconds'] * 1e3:8.3f} ms x{k['count']:<4d} {k['name']}")
+              f"peak +{r['peak_above_inputs_gib']:.3f} GiB  loss {r['loss']:.5f}\n  {format_breakdown(r['trace'])}",
+              flush=True)
+        for kernel, _category, seconds, count in r["trace"]["top_kernels"]:
+            print(f"    {seconds * 1e3:8.3f} ms x{count:<4d} {kernel}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "head_kernels.json"), "w") as f:

@@ -155,7 +155,7 @@ def fused_kernel(device):
         else:
             KERNEL["fn"] = torch.compile(softmax_xent, dynamic=False, fullgraph=True)
             KERNEL["out"] = torch.compile(softmax_xent_out, dynamic=False, fullgraph=True)
-    return None if KERNEL["fn"] is None and KERNEL["triton"] is None else run_fused
+    return None if KERNEL["fn"] is None and KERNEL.get("triton") is None else run_fused
 
 
 def run_fused(z, y, ignore_index: int, pre, gather=None):
