@@ -150,6 +150,116 @@ def test_remat_plan_cli_solves_a_compiled_profile_within_the_same_margin():
     assert from_cli.notes["predicted_peak_bytes"] == from_api.notes["predicted_peak_bytes"]
 
 
+def _compiled_fake():
+    """The tiny model, a batch, and its fake profile marked compiled; the budget keep would need
+    above static memory times 1.2."""
+    from dataclasses import replace
+    model = _tiny()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    fake = profile(model, ids, device="fake")
+    compiled = replace(fake, notes=dict(fake.notes, compile=True))
+    budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
+    return model, ids, compiled, budget
+
+
+def _measuring(over: list):
+    """A stand-in for the compiled step: each plan measured peaks its prediction plus the next of
+    ``over``'s excesses (the last repeats); records the plans it was given."""
+    seen = []
+
+    def measure(chosen):
+        seen.append(chosen)
+        excess = over[min(len(seen), len(over)) - 1]
+        return {"peak_bytes": chosen.notes["predicted_peak_bytes"] + excess, "step_s": 0.5}
+    return measure, seen
+
+
+def test_a_compiled_plan_measured_over_its_budget_is_solved_again_with_the_excess_held_back():
+    """The first plan peaks over the budget on its compiled step: the next is solved with what it
+    went over by plus the slack held back, and that one, measured under the budget, is returned
+    with both measurements in its notes."""
+    from remat.planner import COMPILE_MARGIN, VERIFY_SLACK, solve_profiled, verified
+    model, ids, prof, _ = _compiled_fake()
+    keep_peak = remat.simulate(prof, "keep").peak_bytes  # a budget keep just fits in, after the margin
+    budget = prof.static_bytes + int((keep_peak - prof.static_bytes) / (1 - COMPILE_MARGIN)) + 64
+    first = solve_profiled(prof, budget)
+    over_by = budget - first.notes["predicted_peak_bytes"] + 4096  # 4 KiB over the budget
+    measure, seen = _measuring([over_by, 0])
+    chosen = verified(model, ids, prof, budget, measure=measure)
+    assert len(seen) == 2 and seen[0].summary() == first.summary()
+    held = 4096 + int(VERIFY_SLACK * (budget - prof.static_bytes))
+    margin = int(COMPILE_MARGIN * (budget - prof.static_bytes))
+    assert chosen.notes["compile_margin_bytes"] == margin + held and chosen.notes["budget_bytes"] == budget
+    assert chosen.notes["predicted_peak_bytes"] <= budget - margin - held
+    assert chosen.summary() == solve_profiled(prof, budget, held_back=held).summary() != first.summary()
+    note = chosen.notes["verified"]
+    assert note["peak_bytes"] == chosen.notes["predicted_peak_bytes"] and note["step_s"] == 0.5
+    assert [t["plan"] for t in note["tries"]] == [first.summary(), chosen.summary()]
+    assert note["tries"][0]["peak_bytes"] == budget + 4096
+
+
+def test_a_compiled_plan_measured_under_its_budget_is_returned_as_solved():
+    from remat.planner import solve_profiled, verified
+    model, ids, prof, budget = _compiled_fake()
+    measure, seen = _measuring([0])
+    chosen = verified(model, ids, prof, budget, measure=measure)
+    assert len(seen) == 1 and chosen.summary() == solve_profiled(prof, budget).summary()
+    assert len(chosen.notes["verified"]["tries"]) == 1
+
+
+def test_compiled_plans_over_the_budget_every_time_raise_naming_the_lowest_measured_peak():
+    """Every plan tried peaks over the budget: NoPlanFits after VERIFY_TRIES compiled steps, the
+    lowest measured peak as the smallest budget that fits, with its plan; the message and the
+    CLI's words name the measured plans. Over by so much that nothing fits once it is held back:
+    the solver's NoPlanFits, with the measured plan in its message."""
+    from argparse import Namespace
+    from remat.cli.plan import no_fit_message
+    from remat.planner import VERIFY_TRIES, verified
+    model, ids, prof, budget = _compiled_fake()
+    seen = []
+
+    def measure(chosen):  # 3, 2, 1 KiB over the budget
+        seen.append(chosen)
+        return {"peak_bytes": budget + 1024 * (4 - len(seen)), "step_s": 0.5}
+    with pytest.raises(remat.NoPlanFits, match="measured over the .* budget") as caught:
+        verified(model, ids, prof, budget, measure=measure)
+    assert len(seen) == VERIFY_TRIES == 3
+    assert caught.value.smallest_peak == budget + 1024 and caught.value.plan.summary() == seen[-1].summary()
+    assert caught.value.plan.notes["verified"]["peak_bytes"] == budget + 1024
+    assert all(p.summary() in str(caught.value) for p in seen)
+    args = Namespace(model="llama-tiny", batch=2, seq=32, no_offload=False, fsdp=1, ddp=1, optimizer="none")
+    assert seen[-1].summary() in no_fit_message(caught.value, budget, args)
+    measure, seen = _measuring([budget])
+    with pytest.raises(remat.NoPlanFits, match="peaked .* with that held back, no plan fits"):
+        verified(model, ids, prof, budget, measure=measure)
+    assert len(seen) == 1
+
+
+def test_verification_skips_what_one_gpu_cannot_measure():
+    """An eager profile is never measured; a compiled one for a model off the GPU, or for one of
+    several FSDP ranks, says why it was not."""
+    from remat.planner import verified
+    model, ids, prof, budget = _compiled_fake()
+    measure, seen = _measuring([0])
+    from dataclasses import replace
+    eager = replace(prof, notes={k: v for k, v in prof.notes.items() if k != "compile"})
+    assert "verified" not in verified(model, ids, eager, budget, measure=measure).notes and not seen
+    assert remat.plan(model, ids, budget, compile=True, profiled=prof).notes["verified"] == \
+        "not measured: the model is on cpu, not a GPU"
+    assert "verified" not in remat.plan(model, ids, budget, compile=True, profiled=prof, verify=False).notes
+    sharded = remat.plan(model, ids, 4 * budget, compile=True, profiled=prof, fsdp_world=2)
+    assert sharded.notes["verified"].startswith("not measured: planned for one of 2 ranks")
+
+
+def test_remat_plan_cli_words_for_a_measured_plan():
+    from remat.cli.plan import measured_line
+    one = {"peak_bytes": 9 * 2**30, "step_s": 0.25, "tries": [{"plan": "16x full", "peak_bytes": 9 * 2**30}]}
+    assert measured_line(one) == "peak 9.00 GiB, step 0.250 s, measured compiled on this GPU"
+    two = dict(one, tries=[{"plan": "16x keep", "peak_bytes": 11 * 2**30}] + one["tries"])
+    assert measured_line(two).endswith("(over the budget before it: 16x keep peaked 11.00 GiB)")
+    assert measured_line("not measured: why") == "not measured: why"
+
+
 def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
@@ -361,6 +471,38 @@ def test_gpu_compiled_plan_predicts_peak_and_time(compiled_profile, where):
     summary = (plan.summary(), peak, predicted_peak, step_s, predicted_s, prof.notes.get("calibration"))
     assert abs(peak - predicted_peak) / predicted_peak <= 0.05, summary
     assert abs(step_s - predicted_s) / predicted_s <= 0.10, summary
+
+
+@_gpu
+def test_gpu_verified_plan_peaks_as_the_users_flow_and_leaves_the_model_as_found(compiled_profile):
+    """plan(compile=True) measures its plan on a compiled step: what it notes is what the user's
+    flow (remat.apply, model.compile()) then measures, and the user's own plan, gradients and
+    uncompiled call are left as they were."""
+    from remat.planning.simulator import simulate
+    model, ids, prof = compiled_profile
+    low = min(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes
+              for t in prof.treatments(0) for h in prof.heads)
+    high = max(simulate(prof, "keep", head=h.mode, chunk_tokens=h.chunk_tokens).bound_bytes for h in prof.heads)
+    budget = int((low + high) / 2)
+    remat.apply(model, "full")
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    try:
+        chosen = remat.plan(model, ids, budget, compile=True, profiled=prof)
+        assert remat.api.current_plan(model).summary() == "16x full; head plain".replace("16", str(len(prof.block_names)))
+        assert model.__dict__.get("_compiled_call_impl") is None
+        assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    finally:
+        model.zero_grad(set_to_none=True)
+        remat.remove(model)
+    note = chosen.notes["verified"]
+    assert isinstance(note, dict) and note["peak_bytes"] <= budget, note
+    remat.apply(model, chosen)
+    try:
+        peak, _ = _measure_compiled(model, ids)
+    finally:
+        remat.remove(model)
+    assert abs(peak - note["peak_bytes"]) <= 0.02 * peak, (chosen.summary(), peak, note)
 
 
 @_gpu

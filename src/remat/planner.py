@@ -18,8 +18,10 @@ head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans
 the numbers a lot (the bench model's ``full`` keeps 27.6 GiB eager, 15.8 GiB compiled), so
 neither kind of plan transfers: a compiled plan applied to a model that is then *not* compiled
 runs correctly but its peak can be far above the prediction, and an eager plan under compile
-wastes speed. The plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and
-``remat doctor`` to check against how the model runs. Compiled plans need the model on a GPU
+wastes speed. A compiled plan is measured once compiled before it is returned, and solved
+again if it peaked over the budget (:func:`verified`, :mod:`remat.profiling._verify`). The
+plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and ``remat doctor`` to
+check against how the model runs. Compiled plans need the model on a GPU
 (fake tensors cannot run compiled code: ValueError) and never offload (see
 :data:`remat.profiling._compiled.OFFLOAD_UNDER_COMPILE`).
 """
@@ -37,6 +39,7 @@ from remat.planning.sharding import shard
 from remat.planning.solver import solve
 from remat.profiling._compiled import compile_scope, profile_scope
 from remat.profiling.profiler import block_param_bytes
+from remat.profiling.profiler import model_loss
 from remat.profiling.profiler import profile as _profile
 from remat.units import parse_budget
 
@@ -51,7 +54,7 @@ for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no blo
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
-         compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1) -> Plan:
+         compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
     (a block left untouched, and the model's own head, unless changing it gains more than 1%
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
@@ -80,6 +83,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``compile="blocks"``: plan for each block compiled alone with the embeddings and head eager
     (``block.compile()`` on every block, as FSDP2 is compiled before ``fully_shard``);
     ``notes["compile_scope"]`` says which.
+    ``verify`` (compiled plans): the plan is applied, compiled and run for four steps on this GPU
+    before it is returned (tens of seconds: a compile), and solved again if it peaked over the
+    budget (:func:`verified`; ``notes["verified"]`` has the measured peak and step). Off: the
+    prediction alone, which the whole compiled graph can exceed by more than the margin.
+    Plans for FSDP or DDP ranks are not measured (one GPU does not run them).
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
@@ -105,20 +113,99 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
         prof = replicated(prof, model, ddp_world)
-    return solve_profiled(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+    if verify and fsdp_world == 1 and ddp_world == 1:
+        return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=_allowed(prof, treatments),
+                        heads=heads, blocks=blocks, progress=progress)
+    chosen = solve_profiled(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
+    if scope and verify:
+        chosen = _noted(chosen, f"not measured: planned for one of {max(fsdp_world, ddp_world)} ranks, which one "
+                                "GPU alone does not run")
+    return chosen
 
 
-def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None) -> Plan:
+def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None, held_back: int = 0) -> Plan:
     """The fastest plan for ``prof`` within ``budget_bytes``, as :func:`plan` solves it: a compiled
     profile is solved for the budget less :data:`COMPILE_MARGIN` of what lies above static memory
-    (``notes["budget_bytes"]`` stays the budget asked, ``notes["compile_margin_bytes"]`` says
-    how much was kept back) and its plan marked ``notes["compile"]``. For callers that hold a
-    profile already (``remat plan``, the FSDP bench). Raises :class:`remat.NoPlanFits`."""
+    and less ``held_back`` (what :func:`verified` measured a plan over by); ``notes["budget_bytes"]``
+    stays the budget asked, ``notes["compile_margin_bytes"]`` says how much was kept back, and the
+    plan is marked ``notes["compile"]``. For callers that hold a profile already (``remat plan``,
+    the FSDP bench). Raises :class:`remat.NoPlanFits`."""
     margin = int(COMPILE_MARGIN * max(0, budget_bytes - prof.static_bytes)) if prof.notes.get("compile") else 0
+    margin += held_back
     chosen = solve(prof, budget_bytes - margin, treatments=treatments, heads=heads)
     if margin:
         chosen = replace(chosen, notes=dict(chosen.notes, budget_bytes=budget_bytes, compile_margin_bytes=margin))
     return _marked(chosen, prof)
+
+
+VERIFY_TRIES = 3
+"""Compiled steps :func:`verified` measures at most, each of a plan solved again after the one
+before it peaked over the budget."""
+VERIFY_SLACK = 0.01
+"""Held back beyond a measured excess when solving again, as a fraction of the budget above
+static memory: the next plan differs, and so may what the whole compiled graph keeps around it."""
+
+
+def verified(model: nn.Module, batch, prof: Profile, budget_bytes: int, *, loss_fn=None, treatments=None,
+             heads=None, blocks=None, progress=None, measure=None) -> Plan:
+    """:func:`solve_profiled`, then, for a compiled profile, the plan measured on a compiled step of
+    ``model`` (:mod:`remat.profiling._verify`): a plan that peaks over ``budget_bytes`` is solved
+    again with its excess (plus :data:`VERIFY_SLACK`) held back, and that plan measured, up to
+    :data:`VERIFY_TRIES` plans. The plan returned has ``notes["verified"]``: its measured
+    ``peak_bytes`` and ``step_s`` and every plan ``tries`` measured, or a string saying why it
+    was not measured (a plan that does not fit in the GPU's free memory now, a model off the GPU).
+    Raises :class:`remat.NoPlanFits` when every plan tried peaked over the budget (its
+    ``smallest_peak``: the lowest measured, with that ``plan``) or nothing fits after holding back.
+    ``measure(plan) -> {"peak_bytes", "step_s"}`` stands in for the compiled step (tests)."""
+    from remat.planning.solver import NoPlanFits
+    from remat.units import format_size
+    chosen = solve_profiled(prof, budget_bytes, treatments=treatments, heads=heads)
+    if not prof.notes.get("compile"):
+        return chosen
+    if measure is None:
+        from remat.profiling._verify import measure_compiled, room_to_measure
+        why = room_to_measure(model, prof, chosen)
+        if why:
+            return _noted(chosen, f"not measured: {why}")
+        batch, loss_fn = model_loss(batch, loss_fn)
+
+        def measure(candidate):
+            return measure_compiled(model, batch, loss_fn, candidate, prof, blocks=blocks)
+    say = progress or (lambda message: None)
+    slack = int(VERIFY_SLACK * max(0, budget_bytes - prof.static_bytes))
+    tries, plans, held_back = [], [], 0
+    for _ in range(VERIFY_TRIES):
+        say(f"measuring the plan on a compiled step: {chosen.summary()}")
+        measured = measure(chosen)
+        plans.append(chosen)
+        tries.append(dict(plan=chosen.summary(), predicted_peak_bytes=chosen.notes["predicted_peak_bytes"], **measured))
+        if measured["peak_bytes"] <= budget_bytes:
+            return _noted(chosen, dict(measured, tries=tries))
+        held_back += measured["peak_bytes"] - budget_bytes + slack
+        say(f"it peaked at {format_size(measured['peak_bytes'])}, over the {format_size(budget_bytes)} budget "
+            f"(predicted {format_size(chosen.notes['predicted_peak_bytes'])}): solving again with "
+            f"{format_size(held_back)} more held back")
+        try:
+            chosen = solve_profiled(prof, budget_bytes, treatments=treatments, heads=heads, held_back=held_back)
+        except NoPlanFits as e:
+            raise NoPlanFits(f"{_over(tries, budget_bytes)}; with that held back, {e}", e.smallest_peak,
+                             e.plan) from None
+    lowest = min(range(len(tries)), key=lambda i: tries[i]["peak_bytes"])
+    peak = tries[lowest]["peak_bytes"]
+    raise NoPlanFits(f"{_over(tries, budget_bytes)}. The lowest measured peak was {format_size(peak)} "
+                     f"({tries[lowest]['plan']}): plan for a budget above it, or without compile", peak,
+                     _noted(plans[lowest], dict(tries[lowest], tries=tries)))
+
+
+def _over(tries: list, budget_bytes: int) -> str:
+    from remat.units import format_size as f
+    return (f"compiled plans measured over the {f(budget_bytes)} budget: "
+            + "; ".join(f"{t['plan']} peaked {f(t['peak_bytes'])} (predicted {f(t['predicted_peak_bytes'])})"
+                        for t in tries))
+
+
+def _noted(chosen: Plan, verified_note) -> Plan:
+    return replace(chosen, notes=dict(chosen.notes, verified=verified_note))
 
 
 def replicated(prof: Profile, model: nn.Module, world: int) -> Profile:

@@ -59,7 +59,7 @@ def run(args) -> int:
     budget = None if args.budget is None else parse_budget(args.budget)
     check_model_arguments(args)
     say = progress()
-    prof = profile_from_args(args, say)
+    prof, _, _ = profile_from_args(args, say)
     treatments = treatments_from_args(prof, args)
     with working(say, f"simulating {len(treatments)} treatments with each head"):
         table = rows(prof, treatments)

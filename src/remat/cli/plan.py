@@ -141,7 +141,8 @@ def check_compile(args) -> None:
 
 def profile_from_args(args, say):
     """Build the model on the meta device and profile it, telling ``say`` each stage; with
-    ``--compile``, build it on the GPU with random weights and profile it compiled."""
+    ``--compile``, build it on the GPU with random weights and profile it compiled. Returns
+    ``(profile, model, ids)``: the model and batch it measured, which a compiled plan is measured on."""
     import torch
 
     from remat.integrations.presets import build_model, load_config
@@ -167,7 +168,7 @@ def profile_from_args(args, say):
         from remat.planner import replicated
         say(f"replicating for {args.ddp} DDP ranks")
         prof = replicated(prof, model, args.ddp)
-    return prof
+    return prof, model, ids
 
 
 def treatments_from_args(prof, args):
@@ -178,14 +179,30 @@ def treatments_from_args(prof, args):
     return allowed
 
 
-def solve_from_args(prof, budget, treatments, say):
+def solve_from_args(prof, budget, treatments, say, measured_on=None):
     """:func:`remat.planner.solve_profiled` (as ``remat.plan`` solves: a compiled profile within its
-    margin, its plan marked compiled), with a heartbeat on stderr while it runs."""
-    from remat.planner import solve_profiled
+    margin, its plan marked compiled), with a heartbeat on stderr while it runs. ``measured_on``:
+    ``(model, ids)`` a compiled plan is measured on before it is returned, as ``remat.plan``
+    measures it (:func:`remat.planner.verified`); None for plans one GPU does not run (FSDP, DDP)."""
+    from remat.planner import solve_profiled, verified
     from remat.units import format_size
     with working(say, f"solving for {format_size(budget)}: {len(prof.block_names)} blocks, "
                       f"{len(treatments)} treatments, {len(prof.heads)} head options"):
-        return solve_profiled(prof, budget, treatments=treatments)
+        if measured_on is None or not prof.notes.get("compile"):
+            return solve_profiled(prof, budget, treatments=treatments)
+    model, ids = measured_on
+    return verified(model, ids, prof, budget, treatments=treatments, progress=say)
+
+
+def measured_line(verified) -> str:
+    """A compiled plan's ``notes["verified"]`` in words: its measured peak and step, and the plans
+    measured over the budget before it, or why it was not measured."""
+    from remat.units import format_size as f
+    if isinstance(verified, str):
+        return verified
+    before = [f"{t['plan']} peaked {f(t['peak_bytes'])}" for t in verified["tries"][:-1]]
+    return (f"peak {f(verified['peak_bytes'])}, step {verified['step_s']:.3f} s, measured compiled on this GPU"
+            + (f" (over the budget before it: {'; '.join(before)})" if before else ""))
 
 
 def no_fit_message(error, budget, args) -> str:
@@ -282,10 +299,11 @@ def run(args) -> int:
     check_out_path(args.out)
     check_compile(args)
     say = progress()
-    prof = profile_from_args(args, say)
+    prof, model, ids = profile_from_args(args, say)
     treatments = treatments_from_args(prof, args)
+    one_gpu = args.fsdp == 1 and getattr(args, "ddp", 1) == 1
     try:
-        plan = solve_from_args(prof, budget, treatments, say)
+        plan = solve_from_args(prof, budget, treatments, say, measured_on=(model, ids) if one_gpu else None)
     except NoPlanFits as e:
         raise ValueError(no_fit_message(e, budget, args)) from None
     if args.out:
@@ -307,6 +325,8 @@ def run(args) -> int:
               "(costs measured compiled; run otherwise, its peak and time are not these)")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
+    if plan.notes.get("verified") is not None:
+        print(f"measured   {measured_line(plan.notes['verified'])}")
     print(f"static     {format_size(prof.static_bytes)}")
     for line in explain(prof, sim, budget):
         print(line)

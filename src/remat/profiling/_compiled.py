@@ -178,14 +178,15 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     the smallest predicted peak) does the same for the region checkpoints
     (:data:`REGION_CHECKPOINTS`, :func:`charged_region_checkpoints`) -- memory only. ``scope``
     ``blocks``: the steps compile each block alone, the rest eager (:func:`compiled_blocks`)."""
-    from remat.profiling._calibrate import calibration_plan
+    from remat.profiling._calibrate import calibration_plan, uniform_applied
     chosen = calibration_plan(model, prof)
     if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
     sim, treatment, head = chosen
     say(f"calibrating on a compiled step: {treatment}, head {head.mode} "
         f"({'compiling the whole model' if scope == 'model' else 'compiling each block'})")
-    steps, peak = _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, prof.static_bytes, scope)
+    steps, peak = compiled_steps(model, batch, loss_fn, named, uniform_applied(model, named, treatment, head), backend,
+                                 prof.static_bytes, scope)
     prof = scaled_to_step(prof, sim, treatment, head, steps, peak)
     if treatment == "full" or "full" not in prof.treatments(0):
         return prof
@@ -195,7 +196,8 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     head = min(prof.heads, key=lambda h: simulate(prof, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
     sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
-    _, peak = _compiled_steps(model, batch, loss_fn, named, "full", head, backend, prof.static_bytes, scope)
+    _, peak = compiled_steps(model, batch, loss_fn, named, uniform_applied(model, named, "full", head), backend,
+                             prof.static_bytes, scope)
     extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
     prof = charged_region_checkpoints(prof, treatment, extra)
     note = dict(prof.notes["calibration"], full_step={"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)})
@@ -219,22 +221,21 @@ def charged_region_checkpoints(prof: Profile, calibrated: str, full_extra: int) 
     return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
 
 
-def _compiled_steps(model, batch, loss_fn, named, treatment, head, backend, static_bytes: int,
-                    scope: str = "model") -> tuple:
-    """Uniform ``treatment`` and ``head`` on ``model``, compiled (the whole model, or each block
-    alone for ``scope`` ``blocks``): two warm-up steps (they compile),
-    then three timed. Returns ((forward s, backward s, wall s) per step, the peak above what was
-    allocated before the timed steps plus ``static_bytes``)."""
-    from remat.profiling._calibrate import uniform_applied
+def compiled_steps(model, batch, loss_fn, named, applied, backend, static_bytes: int, scope: str = "model",
+                   timed: int = 3) -> tuple:
+    """Steps of ``model`` compiled (the whole model, or each block alone for ``scope`` ``blocks``)
+    inside ``applied`` (a context manager that treats the model and takes the treatment off after):
+    two warm-up steps (they compile), then ``timed`` timed. Returns ((forward s, backward s, wall s)
+    per timed step, the peak above what was allocated before the timed steps plus ``static_bytes``)."""
     device = next(model.parameters()).device
     compiled = compiled_model(model, backend) if scope == "model" else compiled_blocks(named, backend)
-    with uniform_applied(model, named, treatment, head), compiled as counter:
+    with applied, compiled as counter:
         for _ in range(2):
             _timed_step(model, batch, loss_fn)
-        check_compiled(counter, "the calibration step")
+        check_compiled(counter, "the compiled step")
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        steps = [_timed_step(model, batch, loss_fn) for _ in range(3)]
+        steps = [_timed_step(model, batch, loss_fn) for _ in range(timed)]
         peak = torch.cuda.max_memory_allocated(device) - base
     return steps, int(peak + static_bytes)
 

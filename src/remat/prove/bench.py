@@ -85,7 +85,7 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
             record.update(extra)
         if plan is not None:
             record.update(plan=plan.summary(), **{k: plan.notes[k] for k in
-                                                 ("predicted_peak_bytes", "predicted_step_s", "peak_at")
+                                                 ("predicted_peak_bytes", "predicted_step_s", "peak_at", "verified")
                                                  if k in plan.notes})
         first_loss = None
         start = time.perf_counter()

@@ -45,6 +45,10 @@ def markdown(records: list, title: str = "") -> str:
             notes.append("under budget" if r["peak_bytes"] <= r["budget_bytes"] else "OVER BUDGET")
         if r.get("plan"):
             notes.append(r["plan"])
+        if isinstance(r.get("verified"), dict) and len(r["verified"]["tries"]) > 1:
+            over = r["verified"]["tries"][:-1]
+            notes.append(f"solved again after {len(over)} plan(s) measured over budget in planning "
+                         f"({', '.join(format_size(t['peak_bytes']) for t in over)})")
         if r.get("plans_differ"):
             notes.append("plans differ across runs")
         if r.get("method"):
