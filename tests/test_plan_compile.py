@@ -489,10 +489,11 @@ def test_gpu_verified_plan_peaks_as_the_users_flow_and_leaves_the_model_as_found
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     try:
         chosen = remat.plan(model, ids, budget, compile=True, profiled=prof)
-        assert remat.api.current_plan(model).summary() == "16x full; head plain".replace("16", str(len(prof.block_names)))
+        assert remat.api.current_plan(model).summary() == f"{len(prof.block_names)}x full; head plain"
         assert model.__dict__.get("_compiled_call_impl") is None
         assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     finally:
+        del grads  # the peak below is absolute: nothing of this test's but the model and batch on the GPU
         model.zero_grad(set_to_none=True)
         remat.remove(model)
     note = chosen.notes["verified"]
