@@ -235,6 +235,23 @@ def test_compiled_plans_over_the_budget_every_time_raise_naming_the_lowest_measu
     assert len(seen) == 1
 
 
+def test_a_compiled_step_that_fails_leaves_the_plan_unmeasured_but_running_out_of_memory_raises():
+    from remat.planner import solve_profiled, verified
+    model, ids, prof, budget = _compiled_fake()
+
+    def broken(chosen):
+        raise RuntimeError("dynamo cannot trace this model")
+    with pytest.warns(UserWarning, match="could not be measured.*dynamo cannot trace"):
+        chosen = verified(model, ids, prof, budget, measure=broken)
+    assert chosen.notes["verified"] == "not measured: RuntimeError: dynamo cannot trace this model"
+    assert chosen.summary() == solve_profiled(prof, budget).summary()
+
+    def out_of_memory(chosen):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):
+        verified(model, ids, prof, budget, measure=out_of_memory)
+
+
 def test_verification_skips_what_one_gpu_cannot_measure():
     """An eager profile is never measured; a compiled one for a model off the GPU, or for one of
     several FSDP ranks, says why it was not."""

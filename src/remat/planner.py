@@ -27,9 +27,11 @@ check against how the model runs. Compiled plans need the model on a GPU
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Optional, Sequence
 
+import torch
 import torch.nn as nn
 
 from remat.planning.costs import Profile
@@ -155,7 +157,9 @@ def verified(model: nn.Module, batch, prof: Profile, budget_bytes: int, *, loss_
     ``peak_bytes`` and ``step_s`` and every plan ``tries`` measured, or a string saying why it
     was not measured (a plan that does not fit in the GPU's free memory now, a model off the GPU).
     Raises :class:`remat.NoPlanFits` when every plan tried peaked over the budget (its
-    ``smallest_peak``: the lowest measured, with that ``plan``) or nothing fits after holding back.
+    ``smallest_peak``: the lowest measured, with that ``plan``) or nothing fits after holding back,
+    and ``torch.OutOfMemoryError`` from a step that ran out of memory; any other error of the
+    step (a model dynamo cannot compile whole, say) is warned and the plan returned unmeasured.
     ``measure(plan) -> {"peak_bytes", "step_s"}`` stands in for the compiled step (tests)."""
     from remat.planning.solver import NoPlanFits
     from remat.units import format_size
@@ -176,7 +180,14 @@ def verified(model: nn.Module, batch, prof: Profile, budget_bytes: int, *, loss_
     tries, plans, held_back = [], [], 0
     for _ in range(VERIFY_TRIES):
         say(f"measuring the plan on a compiled step: {chosen.summary()}")
-        measured = measure(chosen)
+        try:
+            measured = measure(chosen)
+        except torch.OutOfMemoryError:  # the plan does not run on this GPU: the user must know
+            raise
+        except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # as the calibration: the plan stands
+            warnings.warn(f"remat: the compiled plan could not be measured ({type(e).__name__}: {str(e)[:200]}); "
+                          "returned on its prediction alone", stacklevel=3)
+            return _noted(chosen, f"not measured: {type(e).__name__}: {str(e)[:200]}")
         plans.append(chosen)
         tries.append(dict(plan=chosen.summary(), predicted_peak_bytes=chosen.notes["predicted_peak_bytes"], **measured))
         if measured["peak_bytes"] <= budget_bytes:
