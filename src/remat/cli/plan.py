@@ -10,7 +10,9 @@ compile changes every treatment's memory and time, so each block and the head ar
 compiled (``remat.plan(..., compile=True)``, :mod:`remat.profiling._compiled`). That cannot be
 done with fake tensors, so the model is built on the GPU with random weights (as ``remat
 bench`` builds it), at the GPU's own rates (``--gpu`` is not used); without CUDA the command
-stops before building anything and says to drop ``--compile`` for an eager plan.
+stops before building anything and says to drop ``--compile`` for an eager plan. The plan is
+then run compiled for four steps and solved again if it peaked over the budget
+(:func:`remat.planner.verified`; not for ``--fsdp``/``--ddp``); the ``measured`` line says what it peaked.
 
 Everything cheap is checked before the model is built (``--budget`` with
 :func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``/``--ddp``, ``--gpu``, the
@@ -80,8 +82,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
                         help="plan for the model compiled after remat.apply: 'model' (the default; model.compile()) "
                              "or 'blocks' (block.compile() on each block, the rest eager, as FSDP2 trains "
-                             "compiled): measured compiled on this machine's GPU with random weights, no offload "
-                             "(needs CUDA; --gpu is not used)")
+                             "compiled): measured compiled on this machine's GPU with random weights, no offload, "
+                             "and the plan run compiled before it is printed (needs CUDA; --gpu is not used)")
 
 
 def check_model_arguments(args) -> None:
