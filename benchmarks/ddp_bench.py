@@ -77,7 +77,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # noqa: E402
 from _fsdp_plans import gpu_rates, rank_ids  # noqa: E402
-from _rows import TRACE_PER_RANK, finished, kept, measured_row, prepare, settle, step_fn, timed  # noqa: E402
+from _rows import (TRACE_PER_RANK, finished, kept, measured_row, prepare, run_then_leave, settle,  # noqa: E402
+                   step_fn, timed)
 
 import remat  # noqa: E402
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -360,4 +361,4 @@ def _line(r) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_leave(main)

@@ -112,7 +112,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import distributed_parser  # noqa: E402  benchmarks/_args.py, beside this script
 from _fsdp_plans import COMPILED_ANCHORS, EAGER_ANCHORS, OVERHEADS, plan_rank0, rank_ids  # noqa: E402
 from _rows import (TRACE_PER_RANK, allocator_events, compiled_row, finished, kept, measured_row,  # noqa: E402
-                   prepare, settle, step_fn, timed)
+                   prepare, run_then_leave, settle, step_fn, timed)
 from _trace import format_breakdown, trace_step  # noqa: E402
 
 from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
@@ -347,4 +347,4 @@ def _line(r) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_leave(main)
