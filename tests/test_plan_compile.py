@@ -113,16 +113,25 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     assert bigger_full.cost(0, "mlp").kept == prof.cost(0, "mlp").kept + 5000
 
 
-def test_a_compiled_plan_keeps_its_margin_below_the_budget():
-    """plan(compile=True) solves for the budget less COMPILE_MARGIN of what lies above static
-    memory (compiled mixed plans peak a little above their prediction), and says so."""
+def _compiled_fake():
+    """The tiny model, a batch, and its fake profile marked compiled; the budget keep would need
+    above static memory times 1.2."""
     from dataclasses import replace
-    from remat.planner import COMPILE_MARGIN
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
     fake = profile(model, ids, device="fake")
     compiled = replace(fake, notes=dict(fake.notes, compile=True))
     budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
+    return model, ids, compiled, budget
+
+
+def test_a_compiled_plan_keeps_its_margin_below_the_budget():
+    """plan(compile=True) solves for the budget less COMPILE_MARGIN of what lies above static
+    memory (compiled mixed plans peak a little above their prediction), and says so."""
+    from dataclasses import replace
+    from remat.planner import COMPILE_MARGIN
+    model, ids, compiled, budget = _compiled_fake()
+    fake = replace(compiled, notes={k: v for k, v in compiled.notes.items() if k != "compile"})
     chosen = remat.plan(model, ids, budget, compile=True, profiled=compiled)
     margin = int(COMPILE_MARGIN * (budget - fake.static_bytes))
     assert chosen.notes["compile_margin_bytes"] == margin and chosen.notes["budget_bytes"] == budget
@@ -134,32 +143,15 @@ def test_a_compiled_plan_keeps_its_margin_below_the_budget():
 def test_remat_plan_cli_solves_a_compiled_profile_within_the_same_margin():
     """``remat plan --compile`` solves through the same function as ``remat.plan(compile=True)``:
     the margin kept back and the plan marked compiled (the CLI once solved at the whole budget)."""
-    from dataclasses import replace
     from remat.cli.plan import solve_from_args
     from remat.planning.plans import OFFLOADING_TREATMENTS
-    model = _tiny()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    fake = profile(model, ids, device="fake")
-    compiled = replace(fake, notes=dict(fake.notes, compile=True))
-    budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
+    model, ids, compiled, budget = _compiled_fake()
     plain = [t for t in compiled.treatments(0) if t not in OFFLOADING_TREATMENTS]
     from_cli = solve_from_args(compiled, budget, plain, lambda *a, **k: None)
     from_api = remat.plan(model, ids, budget, compile=True, profiled=compiled, treatments=plain)
     assert from_cli.notes["compile"] and from_cli.notes["compile_margin_bytes"] > 0
     assert from_cli.summary() == from_api.summary()
     assert from_cli.notes["predicted_peak_bytes"] == from_api.notes["predicted_peak_bytes"]
-
-
-def _compiled_fake():
-    """The tiny model, a batch, and its fake profile marked compiled; the budget keep would need
-    above static memory times 1.2."""
-    from dataclasses import replace
-    model = _tiny()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    fake = profile(model, ids, device="fake")
-    compiled = replace(fake, notes=dict(fake.notes, compile=True))
-    budget = fake.static_bytes + int(1.2 * (remat.simulate(fake, "keep").peak_bytes - fake.static_bytes))
-    return model, ids, compiled, budget
 
 
 def _measuring(over: list):

@@ -115,14 +115,15 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
         prof = replicated(prof, model, ddp_world)
-    if verify and fsdp_world == 1 and ddp_world == 1:
-        return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=_allowed(prof, treatments),
-                        heads=heads, blocks=blocks, progress=progress)
-    chosen = solve_profiled(prof, budget_bytes, treatments=_allowed(prof, treatments), heads=heads)
-    if scope and verify:
-        chosen = _noted(chosen, f"not measured: planned for one of {max(fsdp_world, ddp_world)} ranks, which one "
-                                "GPU alone does not run")
-    return chosen
+    allowed = _allowed(prof, treatments)
+    if not (scope and verify):
+        return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
+    if fsdp_world != 1 or ddp_world != 1:
+        return _noted(solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads),
+                      f"not measured: planned for one of {max(fsdp_world, ddp_world)} ranks, which one GPU alone "
+                      "does not run")
+    return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
+                    blocks=blocks, progress=progress)
 
 
 def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None, held_back: int = 0) -> Plan:

@@ -97,13 +97,22 @@ def bus_rate(group=None, nbytes: int = 256 * 2**20, repeats: int = 3) -> Optiona
     return rate
 
 
+FREE_SHARE = 0.85
+"""The share of the GPU's free memory a real step's plan may take: a calibration step's, and a
+compiled plan measured before it is returned (:mod:`remat.profiling._verify`)."""
+
+
+def step_room(device) -> float:
+    """Bytes a real step on ``device`` may peak at: what is allocated now plus :data:`FREE_SHARE` of the free memory."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return torch.cuda.memory_allocated(device) + FREE_SHARE * free
+
+
 def calibration_plan(model, prof: Profile):
     """``(simulation, treatment, head)`` of the uniform plan a calibration step runs: the fastest
-    one without offload whose bound fits in 85% of the GPU's free memory; None if none fits."""
+    one without offload whose bound fits in :func:`step_room`; None if none fits."""
     from remat.planning.simulator import simulate
-    device = next(model.parameters()).device
-    free, _ = torch.cuda.mem_get_info(device)
-    room = torch.cuda.memory_allocated(device) + 0.85 * free
+    room = step_room(next(model.parameters()).device)
     options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
     fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
     fits = [f for f in fits if f[0].bound_bytes <= room]

@@ -37,19 +37,17 @@ from remat.profiling.snapshot import preserved
 from remat.treat import patches
 from remat.treat.discovery import discover
 
-FREE_SHARE = 0.85
-"""The share of the GPU's free memory a plan's bound may take to be measured (the calibration's)."""
-
 
 def room_to_measure(model, prof, chosen) -> "str | None":
-    """None when ``chosen`` (a plan of ``prof``) can run on ``model``'s GPU now; else why not."""
+    """None when ``chosen`` (a plan of ``prof``) can run on ``model``'s GPU now (its bound within
+    :func:`remat.profiling._calibrate.step_room`); else why not."""
     from remat.planning.simulator import simulate
+    from remat.profiling._calibrate import FREE_SHARE, step_room
     from remat.units import format_size
     device = next(model.parameters()).device
     if device.type != "cuda":
         return f"the model is on {device}, not a GPU"
-    free, _ = torch.cuda.mem_get_info(device)
-    room = torch.cuda.memory_allocated(device) + FREE_SHARE * free
+    room = step_room(device)
     bound = simulate(prof, chosen).bound_bytes
     if bound > room:
         return (f"the plan needs up to {format_size(bound)}, more than {FREE_SHARE:.0%} of this GPU's free memory "
@@ -70,18 +68,10 @@ def measure_compiled(model, batch, loss_fn, chosen, prof, *, blocks=None, backen
         apply(model, chosen, blocks=blocks)
         named = discover(model, blocks).blocks(model)
         try:
-            steps, peak = compiled_steps(model, batch, loss_fn, named, _grads_cleared(model), backend,
+            # each step clears its gradients; preserved gives the user's back
+            steps, peak = compiled_steps(model, batch, loss_fn, named, contextlib.nullcontext(), backend,
                                          prof.static_bytes, scope, timed=2)
         finally:
             torch._dynamo.reset()
     return {"peak_bytes": peak, "step_s": statistics.median(s[2] for s in steps)}
-
-
-@contextlib.contextmanager
-def _grads_cleared(model):
-    """The applied plan's steps leave no gradient behind (``preserved`` gives the user's back)."""
-    try:
-        yield
-    finally:
-        model.zero_grad(set_to_none=True)
 

@@ -34,9 +34,9 @@ flag (2.6) cannot tell export from compile, so there nothing is wrapped.
 
 Limits: process-wide, since transformers' functions are module state: while one model holds
 the wrapper, any model compiled in the process gets it. A function that replaced remat's
-wrapper meanwhile (not one that wraps it) is wrapped at the next :func:`hold`. A batch with an ``attention_mask``
-tensor, even all ones, still builds the mask under compile (skipping it needs the mask's
-values: a graph break): pass no ``attention_mask`` for unpadded batches. Without
+wrapper meanwhile (not one that wraps it) is wrapped at the next :func:`hold`. A batch with an
+``attention_mask`` tensor, even all ones, still builds the mask under compile (skipping it
+needs the mask's values: a graph break): pass no ``attention_mask`` for unpadded batches. Without
 ``transformers.masking_utils`` (transformers < 4.53, whose training-mode rule already skips
 under compile when there is no mask) or with a signature this module does not know,
 nothing is wrapped.
