@@ -17,6 +17,7 @@ case by case and ``benchmarks/zoo_table.py`` prints them as a table.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DROPOUT = 0.1
 VOCAB = 256
@@ -155,6 +157,33 @@ def _causal(name, model_class, config_class, attn="sdpa", has_mlp=True, **sizes)
                 _lm_batch, _hf_loss, has_mlp=has_mlp, lm_batch=True)
 
 
+# hybrid attention / state-space models and pure state-space models: each built with a layer
+# of every kind it has (a mamba or linear-attention layer and an attention layer), its
+# DynamicCache(config=...) laid out per layer kind as the model builds it with use_cache on
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)
+_HYBRID = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2)
+HYBRID_CASES = [
+    _causal("jamba", "JambaForCausalLM", "JambaConfig", **_HYBRID, num_hidden_layers=2, attn_layer_period=2,
+            attn_layer_offset=1, num_experts=4, expert_layer_period=2, expert_layer_offset=1, mamba_dt_rank=8),
+    _causal("bamba", "BambaForCausalLM", "BambaConfig", **_HYBRID, num_hidden_layers=2, attn_layer_indices=[1],
+            **_MAMBA2),
+    _causal("falcon_h1", "FalconH1ForCausalLM", "FalconH1Config", **_HYBRID, num_hidden_layers=2,
+            mamba_d_ssm=128, **_MAMBA2),
+    _causal("lfm2", "Lfm2ForCausalLM", "Lfm2Config", **_HYBRID, num_hidden_layers=2,
+            layer_types=["conv", "full_attention"]),
+    _causal("zamba2", "Zamba2ForCausalLM", "Zamba2Config", **_HYBRID, num_hidden_layers=3,
+            layers_block_type=["linear_attention", "hybrid", "hybrid"], hybrid_layer_ids=[1, 2],
+            attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16, n_mamba_heads=8,
+            mamba_d_state=16, chunk_size=8, has_mlp=False),  # its mamba layers have no MLP
+    _causal("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", **_HYBRID, num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    _causal("mamba2", "Mamba2ForCausalLM", "Mamba2Config", attn=None, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+            num_heads=8, head_dim=16, state_size=16, chunk_size=8, has_mlp=False),
+]
+
 HF_CASES = [
     _causal("llama", "LlamaForCausalLM", "LlamaConfig", **DECODER),
     _causal("mistral", "MistralForCausalLM", "MistralConfig", **DECODER),
@@ -182,6 +211,7 @@ HF_CASES = [
             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
     _causal("falcon", "FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=32,
             num_hidden_layers=2, num_attention_heads=4),
+    *HYBRID_CASES,
     Case("bert", functools.partial(_hf_model, "BertForMaskedLM", "BertConfig", "sdpa", vocab_size=VOCAB,
                                    hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4),
@@ -368,22 +398,39 @@ def _clone(batch):
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _step(case: Case, model: nn.Module, batch, seed: int) -> torch.Tensor:
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a step runs: a recomputing treatment runs more of them than the
+    untouched model (the proof that the recompute happened, which equal gradients cannot give)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(case: Case, model: nn.Module, batch, seed: int, counter: Optional[OpCounter] = None) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = case.loss(model, batch)
-    loss.backward()
+    with counter if counter is not None else contextlib.nullcontext():
+        loss = case.loss(model, batch)
+        loss.backward()
     return loss.detach()
 
 
-def check_exact(case: Case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> None:
+def check_exact(case: Case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> tuple:
     """Train ``treated`` and ``reference`` side by side for ``steps`` SGD steps (same batch, same
     seed before each forward) and raise AssertionError at the first difference: the loss, every
-    parameter gradient, and every buffer (BatchNorm running statistics) after the step."""
+    parameter gradient, and every buffer (BatchNorm running statistics) after the step.
+    Returns the aten ops the first step ran, ``(treated, reference)``."""
     batch = case.batch(reference)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (treated, reference)]
+    counters = (OpCounter(), OpCounter())
     for step in range(steps):
-        loss, ref_loss = (_step(case, m, _clone(batch), seed=100 + step) for m in (treated, reference))
+        loss, ref_loss = (_step(case, m, _clone(batch), seed=100 + step, counter=c if step == 0 else None)
+                          for m, c in zip((treated, reference), counters))
         assert torch.equal(loss, ref_loss), f"step {step}: loss {loss.item()!r} != {ref_loss.item()!r}"
         params, ref_params = dict(treated.named_parameters()), dict(reference.named_parameters())
         assert params.keys() == ref_params.keys(), "parameter names differ"
@@ -397,6 +444,7 @@ def check_exact(case: Case, treated: nn.Module, reference: nn.Module, steps: int
             assert torch.equal(b, ref_buffers[name]), f"step {step}: buffer {name} differs"
         for opt in opts:
             opt.step()
+    return counters[0].count, counters[1].count
 
 
 def _one_thread(function):
@@ -413,37 +461,48 @@ def _one_thread(function):
     return wrapper
 
 
+# offload on the CPU: the engine's inline mode, which copies each saved tensor to another CPU
+# buffer and back synchronously (its whole pack/unpack bookkeeping), so that an offload cell
+# tests a move that really happened rather than the no-op the engine is on a CPU otherwise
+INLINE_OFFLOAD = {"_inline": True, "min_bytes": 0}
+RECOMPUTING = ("full", "selective", "attention", "mlp", "every:2", "full+offload", "segments:2")
+
+
 @_one_thread
 def run_treatment(name: str, spec: str, steps: int = 2) -> str:
     """Apply ``spec`` to a fresh zoo model and train it beside an untouched copy.
 
     Returns ``"exact"``, or ``"refused"`` when the blocks lack the sub-module ``spec`` names
     and ``remat.apply`` refused with a ValueError saying so. Raises anything else: an
-    unexpected error, an AssertionError for a difference or for a refusal that should (not)
-    have happened. :class:`Unavailable` when the case cannot be built here."""
+    unexpected error, an AssertionError for a difference, for a refusal that should (not)
+    have happened, or for a treatment that did nothing (a recomputing treatment whose step
+    ran no more ops than the untouched model's, an offloading one that moved no bytes).
+    :class:`Unavailable` when the case cannot be built here."""
     import remat
+    from remat.api import treatments
+    from remat.treat.treatments import engine_of
     case = CASES[name]
     model = build(name)
     reference = copy.deepcopy(model)
     missing = {"attention": not case.has_attention, "mlp": not case.has_mlp}.get(spec, False)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="remat offload:")  # on the CPU offload is a no-op
-            remat.apply(model, spec, blocks=case.blocks)
+        remat.apply(model, spec, blocks=case.blocks, offload_options=INLINE_OFFLOAD)
     except ValueError as error:
         if missing and re.search(f"no {spec} sub-module", str(error)):
             return "refused"
         raise
     assert not missing, f"{spec!r} was accepted, but {name}'s blocks have no {spec} sub-module"
     # "exact" must not come from a block left untreated: each carries what the plan gave it
-    from remat.api import treatments
     planned = remat.current_plan(model).blocks
     installed = treatments(model, case.blocks)
     assert installed == {block: planned.get(block, "keep") for block in installed}, \
         f"{spec!r}: the blocks carry {installed}, the plan says {dict(planned)}"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="remat offload:")
-        check_exact(case, treated=model, reference=reference, steps=steps)
+    ops, reference_ops = check_exact(case, treated=model, reference=reference, steps=steps)
+    if spec in RECOMPUTING:
+        assert ops > reference_ops, f"{spec!r} recomputed nothing: {ops} ops per step, untouched {reference_ops}"
+    if "offload" in spec:
+        moved = engine_of(model).stats()["bytes_d2h"]
+        assert moved > 0, f"{spec!r} moved no saved tensor to the host"
     return "exact"
 
 

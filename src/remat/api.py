@@ -60,7 +60,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     named = structure.blocks(model)
     offloading = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
     for name, block in named:
-        check_treatment(block, plan.blocks.get(name, "keep"))
+        try:
+            check_treatment(block, plan.blocks.get(name, "keep"))
+        except ValueError as error:
+            raise ValueError(f"block {name}: {error}") from None
     if plan.head == "chunked":
         from remat.treat.head import check_chunked_head
         check_chunked_head(model, chunk_tokens=plan.chunk_tokens)

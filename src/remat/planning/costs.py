@@ -238,8 +238,12 @@ class Profile:
                              f"(profiled: {', '.join(costs)}){why}")
         return costs[treatment]
 
-    def treatments(self, index: int = 0) -> tuple:
-        return tuple(self.classes[self.block_class[index]])
+    def treatments(self, index: Optional[int] = None) -> tuple:
+        """The treatments profiled for block ``index``; None: those of any block, in profile order
+        (a hybrid model's blocks differ: a mamba block has no ``mlp`` where an attention block has)."""
+        if index is not None:
+            return tuple(self.classes[self.block_class[index]])
+        return tuple(dict.fromkeys(t for costs in self.classes for t in costs))
 
     def head(self, mode: str = "plain", chunk_tokens: Optional[int] = None) -> HeadCost:
         options = [h for h in self.heads if h.mode == mode]

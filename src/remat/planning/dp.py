@@ -71,13 +71,16 @@ class Tables:
         self.off = np.zeros((L, T))         # bytes block i hands to the engine
         self.tie = np.zeros((L, T))         # the recompute margin's seconds (see the module doc)
         self.left = np.zeros(L)             # block i's leftover after its backward (the largest over treatments)
+        # a treatment block i cannot take (a hybrid's mamba block has no mlp) is never chosen for
+        # it; its table entries are filled with a treatment it can take, only to keep them finite
+        self.allowed = np.array([[t in profile.treatments(i) for t in options] for i in range(L)])
         for i in range(L):
-            costs = [profile.cost(i, t) for t in options]
+            costs = [_cost(profile, i, t) for t in options]
             if margin and "keep" in profile.treatments(i):  # whether or not the plan may use keep
                 keep = profile.cost(i, "keep")
                 self.tie[i] = [0.0 if t == "keep" else margin * (keep.fwd_s + keep.bwd_s) for t in options]
             self.off[i] = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for c, t in zip(costs, options)]
-            prev_costs = [profile.cost(i - 1, t) for t in options] if i else [None] * T
+            prev_costs = [_cost(profile, i - 1, t) for t in options] if i else [None] * T
             for p, previous in enumerate(prev_costs):
                 prev_off = self.off[i - 1, p] if i else 0.0
                 for t, c in enumerate(costs):
@@ -96,7 +99,8 @@ class Tables:
             # what a block leaves depends on the block before it (the input it frees) and on its
             # own treatment; the DP, which has not chosen them yet, takes the largest
             self.left[i] = max(block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
-                               for previous in prev_costs for c in costs)
+                               for previous in prev_costs
+                               for c, ok in zip(costs, self.allowed[i]) if ok)
         self.score = self.time + self.tie[:, None, :]  # what MinTime minimises
         self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
         running = 0.0
@@ -106,6 +110,13 @@ class Tables:
         live = LiveBytes(profile.static_bytes, head)
         # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward
         self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak)
+
+
+def _cost(profile, index: int, treatment: str):
+    """Block ``index``'s cost under ``treatment``, or under the first treatment it can take
+    where it cannot take this one (a placeholder: :attr:`Tables.allowed` keeps it unchosen)."""
+    available = profile.treatments(index)
+    return profile.cost(index, treatment if treatment in available else available[0])
 
 
 class MinTime:
@@ -167,6 +178,8 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
         groups = [(f, np.flatnonzero(flag == f)) for f in (0, 1)]
         new = np.full((S, N), np.inf)
         for t in range(T):
+            if not tab.allowed[i, t]:
+                continue
             p = p_of[reached]
             phase = np.maximum(live.forward_base() + tab.fwd[i, p, t] + res_f,
                                live.backward_base() + tab.after[i] + tab.bwd[i, p, t] + res_b)

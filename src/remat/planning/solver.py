@@ -178,6 +178,8 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
     L = len(profile.block_names)
     out = []
     for t in options:
+        if any(t not in profile.treatments(i) for i in range(L)):
+            continue
         for head in head_options:
             chosen = [t] * L
             bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes
@@ -186,9 +188,9 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
 
 
 def _options(profile, treatments) -> list:
-    available = profile.treatments(0)
-    for i in range(len(profile.block_names)):
-        available = tuple(t for t in available if t in profile.treatments(i))
+    """The treatments some block can take (the DP offers each block only its own), filtered by
+    ``treatments``; one that no block can take is an error."""
+    available = profile.treatments()
     if treatments is not None:
         unknown = [t for t in treatments if t not in available]
         if unknown:
@@ -236,7 +238,7 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0):
 
     ``options``: the treatments the DP chose from (they set the engine's window); default: the plan's.
     """
-    options = list(options or sorted(set(treatments), key=list(profile.treatments(0)).index))
+    options = list(options or sorted(set(treatments), key=list(profile.treatments()).index))
     tab = Tables(profile, options, head, margin)
     index = [options.index(t) for t in treatments]
     live = LiveBytes(profile.static_bytes, head)

@@ -31,13 +31,16 @@ import torch.nn as nn
 BlockSelector = Union[None, str, Sequence[str], Callable[[str, nn.Module], bool]]
 
 _LAYERISH = re.compile(r"(Layer|Block|Stage)", re.IGNORECASE)
-_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "SelfAttention")
-_ATTENTION_CLASS = re.compile(r"Attention")
+# "attention" is the block's token mixer: attention, or in hybrid and state-space models the
+# mamba / linear-attention / short-convolution mixer that takes its place (Jamba, Bamba, LFM2,
+# Qwen3-Next, Mamba): what mixes tokens is what holds the sequence-long intermediates
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "SelfAttention", "mamba",
+                    "mixer", "linear_attn")
+_ATTENTION_CLASS = re.compile(r"(Attention|Mamba\w*Mixer|Mixer$|DeltaNet|ShortConv|MambaLayer)")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "ff", "block_sparse_moe", "intermediate")
-_MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|LayerFF|Intermediate|MoE|Moe)")
-# a class named like one kind is not the other: Qwen2MoeAttention and Qwen2MoeRMSNorm carry "Moe"
-_NOT_CLASS = {"attention": re.compile(r"(Norm|Embedding)"),
-              "mlp": re.compile(r"(Attention|Norm|Embedding)")}
+_MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|LayerFF|Intermediate|MoE|Moe|Experts)")
+_KINDS = {"attention": (_ATTENTION_NAMES, _ATTENTION_CLASS), "mlp": (_MLP_NAMES, _MLP_CLASS)}
+_NEITHER = re.compile(r"(Norm|Embedding)")
 _HEAD_NAMES = ("lm_head", "head", "output", "embed_out", "classifier")
 
 
@@ -204,22 +207,20 @@ def find_head(model: nn.Module) -> Optional[str]:
 
 
 def find_submodules(block: nn.Module, kind: str) -> list:
-    """``[(relative_name, module)]`` of the block's attention or MLP sub-modules.
+    """``[(relative_name, module)]`` of the block's attention (token mixer) or MLP sub-modules.
 
     Searches breadth-first and returns every match at the shallowest depth that has one
     (T5's decoder block has self- and cross-attention side by side: both are returned).
     """
     if kind not in ("attention", "mlp"):
         raise ValueError(f"kind must be 'attention' or 'mlp', got {kind!r}")
-    names, pattern = (_ATTENTION_NAMES, _ATTENTION_CLASS) if kind == "attention" else (_MLP_NAMES, _MLP_CLASS)
     level = [("", block)]
     for _ in range(3):
         next_level, matches = [], []
         for prefix, parent in level:
             for child_name, child in parent.named_children():
                 full = f"{prefix}{child_name}"
-                cls = type(child).__name__
-                if child_name in names or (pattern.search(cls) and not _NOT_CLASS[kind].search(cls)):
+                if _is_kind(child_name, type(child).__name__, kind):
                     matches.append((full, child))
                 else:
                     next_level.append((full + ".", child))
@@ -228,3 +229,18 @@ def find_submodules(block: nn.Module, kind: str) -> list:
         level = next_level
     return []
 
+
+def _is_kind(name: str, cls: str, kind: str) -> bool:
+    """Whether a child called ``name`` of class ``cls`` is the block's ``kind`` sub-module.
+
+    The class decides first, the attribute name second. A class named like both kinds is
+    attention-like (Qwen2MoeAttention carries "Moe"); a name of one kind on a class of the
+    other is the other (Nemotron-H calls every block's one sub-module ``mixer``: a mamba mixer,
+    an MLP or an MoE); norms and embeddings are neither."""
+    names, own = _KINDS[kind]
+    other = _KINDS["mlp" if kind == "attention" else "attention"][1]
+    if _NEITHER.search(cls):
+        return False
+    if own.search(cls):
+        return kind == "attention" or not other.search(cls)
+    return name in names and not other.search(cls)

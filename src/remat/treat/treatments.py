@@ -38,6 +38,7 @@ Non-reentrant checkpointing gives parameter gradients even when no input require
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import sys
 import warnings
@@ -84,7 +85,9 @@ def check_treatment(block: nn.Module, treatment: str) -> None:
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
         raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
                          f"{type(block).__name__} (children: {children}); use 'full' or "
-                         "'selective' for this block")
+                         "'selective' for this block (where a model's blocks differ, as in hybrid "
+                         "state-space models, give a treatment per block, {name: treatment}, or let "
+                         "remat.plan choose)")
 
 
 def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0,
@@ -106,7 +109,10 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
     state = TreatmentState(treatment, engine, key)
     targets = [block]
     if treatment in ("attention", "mlp"):
-        targets = [sub for _, sub in find_submodules(block, treatment)]
+        # a sub-module shared by several blocks (Zamba2's one attention layer in every hybrid
+        # layer) is checkpointed once, by the first block that treats it, not nested once per block
+        targets = [sub for _, sub in find_submodules(block, treatment)
+                   if patches.patch_of(sub, "forward", tag=_TAG) is None]
         state = TreatmentState("full", None, key)
     for target in targets:
         stats = tuple(m for m in target.modules() if _has_running_stats(m))
@@ -343,18 +349,60 @@ def _own_cache(forward, args: tuple, kwargs: dict):
 
 
 def _empty_like_cache(cache):
-    """A new, empty cache of ``cache``'s kind (an encoder-decoder cache holds two), or None."""
-    try:
-        return type(cache)()
-    except (TypeError, ValueError):  # EncoderDecoderCache() wants its two parts
-        pass
+    """A new, empty cache laid out as ``cache`` is, or None where none can be built.
+
+    The layout matters: hybrid models (Jamba, Bamba, Falcon-H1, LFM2, Zamba2, Qwen3-Next) build
+    ``DynamicCache(config=...)``, one layer object per layer type (a linear-attention layer for
+    a state-space mixer, a sliding-window layer, ...), and their mixers read their own layer's
+    kind; a bare ``type(cache)()`` fills lazily with plain key/value layers, on which a mamba
+    mixer's ``get_conv_state`` fails. So each layer is rebuilt empty as its own class, from the
+    constructor arguments it keeps as attributes of the same name (``sliding_window``,
+    ``number_of_states``, ``max_cache_len``). An encoder-decoder cache is rebuilt from its two
+    parts. None (the block then runs without a cache, as with ``use_cache=False``) where the
+    class cannot be built without arguments: transformers 4.x's hybrid caches, which its models
+    never build in a training forward anyway."""
     parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
     if all(part is not None for part in parts):
+        empty = [_empty_like_cache(part) for part in parts]
         try:
-            return type(cache)(*(_empty_like_cache(part) for part in parts))
+            return type(cache)(*empty) if None not in empty else None
         except (TypeError, ValueError):
-            pass
-    return None
+            return None
+    try:
+        fresh = type(cache)()
+    except (TypeError, ValueError):
+        return None
+    layers = getattr(cache, "layers", None)
+    laid_out = isinstance(layers, list) and layers and getattr(cache, "layer_class_to_replicate", None) is None
+    if laid_out:  # transformers >= 5: built from a config, every layer of its own kind
+        empty_layers = [_empty_layer(layer) for layer in layers]
+        if None in empty_layers:
+            return None
+        fresh.layers = empty_layers
+        fresh.layer_class_to_replicate = None
+    return fresh
+
+
+def _empty_layer(layer):
+    """A new layer object of ``layer``'s class, built from the arguments ``layer`` was built with
+    (read back from its attributes of the same names), or None if one cannot be found."""
+    kind = type(layer)
+    try:
+        parameters = inspect.signature(kind.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    arguments = {}
+    for parameter in parameters:
+        if parameter.name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if hasattr(layer, parameter.name):
+            arguments[parameter.name] = getattr(layer, parameter.name)
+        elif parameter.default is parameter.empty:
+            return None
+    try:
+        return kind(**arguments)
+    except (TypeError, ValueError):
+        return None
 
 
 def _cache_types() -> tuple:
