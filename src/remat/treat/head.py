@@ -8,18 +8,22 @@ finding the LM inside the model (PEFT wrappers are looked through), reproducing 
 model's loss semantics, its logit transform, and checking the transform on a probe.
 
 What is reproduced from the model: label shifting (``ForCausalLMLoss``: labels padded
-with ``ignore_index`` and shifted; ``shift_labels=`` used as given), masked-LM labels (no
-shift), ``ignore_index``, the mean over non-ignored tokens or ``sum / num_items_in_batch``
-(with no valid target the loss is the model's nan and the gradients are zeros, see
-:mod:`~remat.treat.chunked_loss`), Gemma's ``final_logit_softcapping``, Cohere's
-``logit_scale``, Granite's ``logits_scaling``, an lm_head bias, tied embeddings (the
-gradient for the shared weight is returned once and autograd adds it to the embedding's),
-frozen heads (LoRA: no weight gradient is computed) and MoE router auxiliary losses. The
-logit transform is *checked*, once per model and dtype: the intercepted ``lm_head``
-returns a small probe tensor and the model's own post-processing of it must equal ours,
-else the call raises. fp32 matches the model's loss and gradients within 1e-6 relative
-(the plain path's own fp32 rounding noise), bf16 within the plain path's own error
-against fp64.
+with ``ignore_index`` and shifted; ``shift_labels=`` used as given), masked-LM and
+encoder-decoder labels (no shift), ``ignore_index``, the mean over non-ignored tokens or
+``sum / num_items_in_batch`` (with no valid target the loss is the model's nan and the
+gradients are zeros, see :mod:`~remat.treat.chunked_loss`), Gemma's
+``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, an
+lm_head bias, a ``final_logits_bias`` buffer added to the logits (BART, mBART, Pegasus,
+Marian), tied embeddings (the gradient for the shared weight is returned once and autograd
+adds it to the embedding's), frozen heads (LoRA: no weight gradient is computed) and MoE router auxiliary losses. A
+transform of the hidden state before ``lm_head`` (T5's ``d_model ** -0.5`` when tied) needs
+nothing: the chunked loss starts from what ``lm_head`` receives. The logit transform is
+*checked*, once per model and dtype: the intercepted ``lm_head`` returns a small probe tensor
+and the model's own post-processing of it must equal ours, else the call raises (the probe is
+one row of vocabulary width where the model adds a logits bias: the bias broadcasts over it
+and no [tokens x vocab] tensor is made). fp32 matches the model's loss and gradients within
+1e-6 relative (the plain path's own fp32 rounding noise), bf16 within the plain path's own
+error against fp64.
 
 Integration: :func:`enable_chunked_head` installs, through :mod:`remat.treat.patches`,
 the LM module's ``forward`` (:func:`_chunked_forward`) and its ``lm_head``'s
@@ -39,14 +43,29 @@ and the loss are skipped entirely (the loss op compiles its own kernel on CUDA).
 obvious alternative, letting dynamo trace the interception, recompiled the model at every
 step (a new patch object per call) or, on CUDA, traced around the patched ``lm_head``.
 
+Encoder-decoders (T5, mT5, BART, mBART, Pegasus, Marian, M2M100, Whisper): the chunked call
+passes ``labels=None``, so what the model's forward does with ``labels`` before its decoder
+runs is done here instead: read from the forward's statements (:func:`_seq2seq`), each one
+recognised or the model refused with that statement named (:class:`_DecoderInputs`: the
+decoder's inputs shifted from the labels by the model's own function, ``use_cache = False``,
+Whisper's length check). Their loss must be ``CrossEntropyLoss()`` (or with
+``ignore_index=-100``) over the lm_head's logits and the labels as they are: the mean over
+non-ignored tokens, ``num_items_in_batch`` ignored as the model ignores it. The same reading
+works on transformers 4.51, whose forwards differ only in arguments these statements do not
+touch (``past_key_values``, ``return_dict``).
+
 Limits: the output embedding must be a plain ``nn.Linear`` (LoRA or quantised layers on
 ``lm_head`` are refused); the model's forward must compute its loss through
-``self.loss_function`` (or ``CrossEntropyLoss()`` for masked LMs).
+``self.loss_function`` (or ``CrossEntropyLoss()`` for masked LMs and encoder-decoders). A
+logits bias is added as the model adds it (a transform), so on CUDA such a model's chunks run
+as eager ops rather than the fused kernel.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,13 +80,44 @@ _TAG = "head"
 _PROBE = (-48.0, -6.0, -1.5, -0.25, 0.0, 0.5, 3.0, 40.0)  # exact in fp16/bf16
 
 
+@dataclass(frozen=True)
+class _DecoderInputs:
+    """What an encoder-decoder's forward does with ``labels`` before its decoder runs (read by
+    :func:`_seq2seq`); the chunked call passes ``labels=None`` and does it in :meth:`prepare`."""
+
+    shift: Optional[tuple] = None
+    """``(method, name, config_fields)``: the decoder's ids are ``self.name(labels, *config
+    fields)`` (``method``) or ``name(...)`` from the forward's module; None: not built."""
+    unless_embeds: bool = False
+    """The ids are built only where ``decoder_inputs_embeds`` is None too (M2M100 does not ask)."""
+    no_cache: bool = False
+    """``use_cache = False`` when labels are given (BART, mBART, Pegasus, Marian)."""
+    max_length: Optional[str] = None
+    """The attribute that bounds the labels' length (Whisper's ``max_target_positions``)."""
+
+    def prepare(self, lm, arguments, labels):
+        """Change the bound ``arguments`` of ``lm``'s forward as its ``labels`` branch would."""
+        if self.max_length is not None and labels.shape[1] > getattr(lm, self.max_length):
+            raise ValueError(f"labels' sequence length {labels.shape[1]} cannot exceed {type(lm).__name__}."
+                             f"{self.max_length} = {getattr(lm, self.max_length)} tokens")
+        if self.no_cache:
+            arguments["use_cache"] = False
+        if self.shift is not None and arguments.get("decoder_input_ids") is None and not (
+                self.unless_embeds and arguments.get("decoder_inputs_embeds") is not None):
+            method, name, fields = self.shift
+            shift = getattr(lm, name) if method else inspect.unwrap(type(lm).forward).__globals__[name]
+            arguments["decoder_input_ids"] = shift(labels, *(getattr(lm.config, f) for f in fields))
+
+
 @dataclass
 class _HeadState:
     signature: Any
     chunk_tokens: Optional[int]
-    masked: bool            # masked LM: labels are not shifted
+    masked: bool            # masked LM or encoder-decoder: labels are not shifted
     num_items: bool         # the model's loss honours num_items_in_batch / ignore_index kwargs
     aux_coef: bool          # the model adds router_aux_loss_coef * aux_loss when labels are given
+    decoder: Optional[_DecoderInputs] = None  # an encoder-decoder's labels branch, done by the chunked call
+    row_probe: bool = False  # the model adds a logits bias: the probe is one row of vocabulary width
     verified: set = field(default_factory=set)
     captured: Optional[list] = None  # during a chunked call: where the lm_head's input goes
 
@@ -86,13 +136,14 @@ def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
             f"the chunked head needs {type(lm).__name__}'s output embedding to be a plain torch.nn.Linear, "
             f"got {type(head).__name__} (LoRA/quantisation on lm_head?); leave lm_head out of "
             "target_modules or use head='plain'")
-    masked, num_items, aux = _loss_semantics(lm)
     signature = inspect.signature(type(lm).forward).replace(
         parameters=list(inspect.signature(type(lm).forward).parameters.values())[1:])
     if "labels" not in signature.parameters:
         raise ValueError(f"{type(lm).__name__}.forward has no 'labels' parameter; the chunked head "
                          "replaces the loss computed from labels: use head='plain'")
-    return lm, _HeadState(signature, chunk_tokens, masked, num_items, aux)
+    masked, num_items, aux, decoder = _loss_semantics(lm, signature)
+    return lm, _HeadState(signature=signature, chunk_tokens=chunk_tokens, masked=masked, num_items=num_items,
+                          aux_coef=aux, decoder=decoder, row_probe=_logits_bias(lm) is not None)
 
 
 def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) -> nn.Module:
@@ -131,7 +182,9 @@ def _find_lm(model: nn.Module) -> nn.Module:
         "or masked LM (a module whose get_output_embeddings() returns its lm_head); use head='plain'")
 
 
-def _loss_semantics(lm: nn.Module):
+def _loss_semantics(lm: nn.Module, signature):
+    """``(masked, num_items, aux_coef, decoder)`` of ``lm``'s loss, read from its forward; raises
+    ValueError naming what the chunked head would not reproduce."""
     name = type(lm).__name__
     try:
         source = inspect.getsource(inspect.unwrap(type(lm).forward))
@@ -144,21 +197,142 @@ def _loss_semantics(lm: nn.Module):
     aux = bool(extra)
     if any("router_aux_loss_coef * aux_loss" not in "".join(e) for e in extra):
         raise ValueError(refuse.format("it adds other terms to the loss"))
-    if "self.loss_function(" in source:
+    own_function = "self.loss_function(" in source
+    decoder = None
+    if getattr(lm.config, "is_encoder_decoder", False):
+        decoder = _seq2seq(lm, source, signature, refuse, cross_entropy=not own_function)
+    if own_function:
         from transformers.loss.loss_utils import LOSS_MAPPING
         fn = lm.loss_function
         if fn is LOSS_MAPPING["ForCausalLM"]:
-            return False, True, aux
+            return False, True, aux, decoder
         if fn is LOSS_MAPPING["ForMaskedLM"]:
-            return True, True, aux
+            return True, True, aux, decoder
         raise ValueError(refuse.format(f"loss_function is {getattr(fn, '__name__', fn)}"))
+    if decoder is not None:
+        return True, False, aux, decoder
     if "ForMaskedLM" in name and "CrossEntropyLoss()" in source:
-        return True, False, aux
+        return True, False, aux, None
     raise ValueError(refuse.format("its forward does not call self.loss_function"))
 
 
+_SHIFT = re.compile(r"decoder_input_ids = (self\.)?(\w+)\(labels((?:, self\.config\.\w+)*)\)")
+_CROSS_ENTROPY = re.compile(r"(\w+) = (?:torch\.nn\.|nn\.)?CrossEntropyLoss\((?:ignore_index=-100)?\)")
+_LOSS_CALL = re.compile(r"\w+ = (\w+)\((\w+)\.view\(-1, (.+)\), labels\.(?:view|reshape)\(-1\)\)")
+
+
+def _seq2seq(lm, source, signature, refuse, cross_entropy=True) -> _DecoderInputs:
+    """How an encoder-decoder's forward uses ``labels``, from its statements: before the
+    output embedding's call, what :class:`_DecoderInputs` does; after it (``cross_entropy``),
+    ``CrossEntropyLoss()`` over that call's logits and the labels unshifted. Any other statement
+    that reads ``labels`` or runs under ``if labels ...`` is named in a ValueError."""
+    head = lm.get_output_embeddings()
+    attribute = next((n for n, m in lm.named_children() if m is head), "lm_head")
+    body = [s for s in ast.parse(textwrap.dedent(source)).body[0].body  # docstrings left out
+            if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    at = next((i for i, s in enumerate(body) if f"self.{attribute}(" in ast.unparse(s)), None)
+    if at is None or not (isinstance(body[at], ast.Assign) and len(body[at].targets) == 1
+                          and isinstance(body[at].targets[0], ast.Name)):
+        raise ValueError(refuse.format(f"its forward does not assign self.{attribute}(...) to a name"))
+    found = {}
+    for conditions, text in _under_labels(body[:at]):
+        rest = conditions[1:]
+        shift = _SHIFT.fullmatch(text)
+        length = re.fullmatch(r"labels\.shape\[1\] > self\.(\w+)", rest[0]) if len(rest) == 1 else None
+        if conditions[:1] != ["labels is not None"]:
+            raise ValueError(refuse.format(f"before its {attribute} it runs `{_short(text)}` with the labels"))
+        if shift and "decoder_input_ids is None" in rest and set(rest) <= {"decoder_input_ids is None",
+                                                                           "decoder_inputs_embeds is None"}:
+            fields = tuple(f for f in shift[3].split(", self.config.") if f)
+            method = bool(shift[1])
+            if not (callable(getattr(lm, shift[2], None)) if method else
+                    callable(inspect.unwrap(type(lm).forward).__globals__.get(shift[2]))):
+                raise ValueError(refuse.format(f"cannot find {shift[2]}, which builds its decoder's inputs"))
+            found.update(shift=(method, shift[2], fields), unless_embeds="decoder_inputs_embeds is None" in rest)
+        elif text == "use_cache = False" and not rest:
+            found["no_cache"] = True
+        elif rest == ["use_cache"] and re.fullmatch(r"logger\.warning(_once)?\(.*\)", text):
+            pass  # its warning that labels turn the cache off
+        elif length and text.startswith("raise "):
+            found["max_length"] = length[1]
+        else:
+            raise ValueError(refuse.format(f"with labels, before its {attribute}, it runs `{_short(text)}`"
+                                           + (f" under `if {' and '.join(rest)}`" if rest else "")))
+    needed = (("decoder_input_ids",) if "shift" in found else ()) + (("use_cache",) if "no_cache" in found else ())
+    for missing in (n for n in needed if n not in signature.parameters):
+        raise ValueError(refuse.format(f"its forward has no '{missing}' parameter"))
+    if cross_entropy:
+        _check_cross_entropy(lm, body[at + 1:], body[at].targets[0].id, head.out_features, refuse)
+    return _DecoderInputs(**found)
+
+
+def _check_cross_entropy(lm, statements, logits, vocab, refuse):
+    """``statements`` (after the output embedding's call) compute ``CrossEntropyLoss()`` of the
+    ``logits`` and the labels, and nothing else with the labels."""
+    losses, done = set(), False
+    for conditions, text in _under_labels(statements):
+        call = _LOSS_CALL.fullmatch(text)
+        width = call[3] if call else ""
+        known = width in (f"{logits}.size(-1)", f"{logits}.shape[-1]") or (
+            width.startswith("self.config.") and getattr(lm.config, width[12:], None) == vocab)
+        if conditions != ["labels is not None"]:
+            raise ValueError(refuse.format(f"its loss runs `{_short(text)}` under `if {' and '.join(conditions)}`"))
+        if re.fullmatch(r"labels = labels\.to\([\w.]+\)", text):
+            continue
+        if _CROSS_ENTROPY.fullmatch(text):
+            losses.add(_CROSS_ENTROPY.fullmatch(text)[1])
+        elif call and call[1] in losses and call[2] == logits and known:
+            done = True
+        else:
+            raise ValueError(refuse.format(f"its loss runs `{_short(text)}`"))
+    if not done:
+        raise ValueError(refuse.format(f"no CrossEntropyLoss() of {logits} and the labels found in its forward"))
+
+
+def _under_labels(statements):
+    """``(conditions, statement)`` for each statement that reads ``labels`` or runs under an ``if``
+    that does (``if a and b:`` read as ``if a: if b:``), as ``ast.unparse`` writes them."""
+    for statement in statements:
+        if re.search(r"\blabels\b", ast.unparse(statement)):
+            yield from _leaves([], statement)
+
+
+def _leaves(conditions, statement):
+    if isinstance(statement, ast.If) and not statement.orelse:
+        test = statement.test
+        parts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+        for inner in statement.body:
+            yield from _leaves(conditions + [ast.unparse(p) for p in parts], inner)
+    else:
+        yield conditions, ast.unparse(statement)
+
+
+def _short(text, limit=160):
+    """A statement for an error message: one line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _logits_bias(lm: nn.Module):
+    """The buffer an encoder-decoder adds to its logits (``final_logits_bias``), or None."""
+    bias = getattr(lm, "final_logits_bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
 def _logit_transform(lm: nn.Module):
-    """The model's post-``lm_head`` logit transform as (key, function or None)."""
+    """The model's post-``lm_head`` logit transform as (key, function or None): its logits bias
+    (added as the model adds it: dtype promotion and all), then a soft-cap or scale."""
+    key, scalar = _scalar_transform(lm)
+    bias = _logits_bias(lm)
+    if bias is None:
+        return key, scalar
+
+    def biased(z):
+        return z + bias.to(z.device)
+    return ("bias",) + key, biased if scalar is None else (lambda z: scalar(biased(z)))
+
+
+def _scalar_transform(lm: nn.Module):
     config = lm.config
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is None and hasattr(config, "get_text_config"):
@@ -188,6 +362,8 @@ def _forward(patch, *args, **kwargs):
     if labels is None or not torch.is_grad_enabled():
         return patch.call_previous(*args, **kwargs)
     bound.arguments["labels"] = None
+    if state.decoder is not None:  # what the model's forward would have done with its labels
+        state.decoder.prepare(patch.module, bound.arguments, labels)
     state.captured = []
     try:
         out = patch.call_previous(*bound.args, **bound.kwargs)
@@ -201,12 +377,20 @@ def _capture(patch, hidden, *args, **kwargs):
     returns a small probe instead of the logits (see :func:`_verify`); else the lm_head."""
     if patch.state.captured is None:
         return patch.call_previous(hidden, *args, **kwargs)
-    return _eager(_keep)(patch.state.captured, hidden, patch.module.weight)
+    return _eager(_keep)(patch.state, hidden, patch.module.weight)
 
 
-def _keep(captured, hidden, weight):
-    captured.append(hidden)
-    probe = torch.tensor(_PROBE, dtype=compute_dtype_of(hidden, weight), device=hidden.device)
+def _keep(state, hidden, weight):
+    state.captured.append(hidden)
+    return _probe(hidden, weight.shape[0], state.row_probe, compute_dtype_of(hidden, weight))
+
+
+def _probe(hidden, vocab, row, dtype):
+    """What the intercepted ``lm_head`` returns: ``_PROBE`` per token, or (``row``) one row of
+    ``vocab`` values, for a model that adds a [vocab] bias to its logits."""
+    probe = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+    if row:
+        return probe.repeat(-(-vocab // len(_PROBE)))[:vocab].reshape((1,) * (hidden.dim() - 1) + (vocab,))
     return probe.expand(*hidden.shape[:-1], len(_PROBE)).clone()
 
 
@@ -222,7 +406,7 @@ def _head_loss(self, state, out, captured, labels, kwargs):
     key, transform = _logit_transform(self)
     cd = compute_dtype_of(hidden, head.weight)
     if (cd, key) not in state.verified and not is_fake(hidden):  # fake tensors hold no values
-        _verify(self, probe_out, transform, cd, hidden)
+        _verify(self, probe_out, transform, _probe(hidden, head.weight.shape[0], state.row_probe, cd))
         state.verified.add((cd, key))
 
     get = kwargs.get  # loss keywords (Trainer's num_items_in_batch ...) are always passed by name
@@ -261,15 +445,15 @@ def _eager(fn, recursive=True):
     return wrapped
 
 
-def _verify(lm, probe_out, transform, cd, hidden):
-    probe = torch.tensor(_PROBE, dtype=cd, device=hidden.device)
+def _verify(lm, probe_out, transform, probe):
     expected = probe if transform is None else transform(probe)
-    shape = (*hidden.shape[:-1], len(_PROBE))
+    shape = tuple(probe.shape)
     ok = (torch.is_tensor(probe_out) and tuple(probe_out.shape) == shape and torch.allclose(
-        probe_out.detach().float(), expected.float().expand(shape), rtol=2 * torch.finfo(cd).eps, atol=0))
+        probe_out.detach().float(), expected.float().expand(shape), rtol=2 * torch.finfo(probe.dtype).eps, atol=0))
     if not ok:
-        got = probe_out.detach().reshape(-1, len(_PROBE))[0].tolist() if torch.is_tensor(probe_out) else probe_out
+        got = probe_out.detach().reshape(-1)[:len(_PROBE)].tolist() if torch.is_tensor(probe_out) else probe_out
+        want = expected.float().reshape(-1)[:len(_PROBE)].tolist()
         raise ValueError(
             f"{type(lm).__name__} post-processes its logits in a way the chunked head does not reproduce: "
-            f"lm_head outputs {list(_PROBE)} became {got}, expected {expected.float().tolist()}. "
+            f"lm_head outputs {list(_PROBE)} became {got}, expected {want}. "
             "Use head='plain' for this model (and report it: remat should learn the transform).")
