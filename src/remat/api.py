@@ -17,6 +17,7 @@ made fresh at each apply.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch.nn as nn
@@ -32,17 +33,20 @@ _PLAN = "_remat_plan"
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
-          offload_options: Optional[dict] = None) -> nn.Module:
+          tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
-    ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"keep"``), ``"every:N[:treatment]"``,
+    ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"tiled"``, ``"full+tiled"``, ``"full+offload+tiled"``,
+    ``"keep"``), ``"every:N[:treatment]"``,
     ``"first:N[:treatment]"``, ``"segments:K"`` / ``"segments:sqrt"`` (K consecutive blocks
     checkpointed as one unit, see :mod:`remat.planning.plans`), a ``{block_name: treatment}``
     mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
-    tokens at a time; see :mod:`remat.treat.head`. ``offload_options`` go to
-    :class:`remat.offload.engine.OffloadEngine` (a plan may carry them in ``notes["offload_options"]``).
+    tokens at a time; see :mod:`remat.treat.head`. ``tile_tokens``: tokens per chunk of the
+    tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`; default: the plan's, else
+    8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
+    them in ``notes["offload_options"]``).
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
@@ -54,9 +58,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     _refuse_hf_checkpointing(model)
     structure = discover(model, blocks)
     plan = resolve(spec, structure.block_names)
-    if head is not None or chunk_tokens is not None:
-        plan = Plan(plan.blocks, head if head is not None else plan.head,
-                    chunk_tokens if chunk_tokens is not None else plan.chunk_tokens, plan.notes)
+    if head is not None or chunk_tokens is not None or tile_tokens is not None:
+        plan = dataclasses.replace(plan, head=head if head is not None else plan.head,
+                                   chunk_tokens=chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
+                                   tile_tokens=tile_tokens if tile_tokens is not None else plan.tile_tokens)
     named = structure.blocks(model)
     offloading = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
     for name, block in named:
@@ -77,7 +82,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})
         for index, (name, block) in enumerate(named):
             apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index,
-                            segment=segments.get(name, (None, 0)))
+                            segment=segments.get(name, (None, 0)), tile_tokens=plan.tile_tokens)
         if plan.head == "chunked":
             from remat.treat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)

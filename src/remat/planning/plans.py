@@ -39,10 +39,12 @@ from types import MappingProxyType
 from typing import Mapping, Optional
 
 PLAN_VERSION = 1
-TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")
-OFFLOADING_TREATMENTS = ("offload", "full+offload")
+TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload",
+              "tiled", "full+tiled", "full+offload+tiled")
+OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled")
+TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled")
 HEAD_MODES = ("plain", "chunked")
-_FIELDS = ("version", "blocks", "head", "chunk_tokens", "notes")
+_FIELDS = ("version", "blocks", "head", "chunk_tokens", "tile_tokens", "notes")
 _SEGMENT = re.compile(r"segment:(0|[1-9][0-9]*)")
 
 
@@ -50,6 +52,14 @@ def segment_of(treatment) -> Optional[int]:
     """The segment number of a ``"segment:<i>"`` treatment, else None."""
     found = _SEGMENT.fullmatch(treatment) if isinstance(treatment, str) else None
     return int(found.group(1)) if found else None
+
+
+def untiled(treatment: str) -> str:
+    """The block-level part of a tiled treatment (``"full+tiled"`` -> ``"full"``, ``"tiled"`` ->
+    ``"keep"``); any other treatment as it is."""
+    if treatment in TILED_TREATMENTS:
+        return treatment[:-len("+tiled")] if treatment != "tiled" else "keep"
+    return treatment
 
 
 def is_treatment(value) -> bool:
@@ -62,13 +72,15 @@ class Plan:
     """Per-block treatments (block name -> treatment) and the head mode.
 
     Blocks not named keep everything. ``chunk_tokens`` applies to the ``chunked`` head
-    (None: chosen at apply time).
+    (None: chosen at apply time); ``tile_tokens`` to the blocks with a tiled treatment
+    (tokens per chunk of their token-wise sub-modules; None: the default).
     """
 
     blocks: Mapping[str, str]
     head: str = "plain"
     chunk_tokens: Optional[int] = None
     notes: Mapping[str, object] = field(default_factory=dict)
+    tile_tokens: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.blocks, Mapping):
@@ -89,9 +101,14 @@ class Plan:
             # 0, False or 2.5 are mistakes, not a request for the default: None asks for that
             raise ValueError(f"'chunk_tokens' must be a positive integer, or None to choose it for the "
                              f"vocabulary at apply time; got {c!r} ({type(c).__name__})")
+        t = self.tile_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or t <= 0):
+            raise ValueError(f"'tile_tokens' must be a positive integer (tokens per chunk of a tiled block's "
+                             f"token-wise sub-modules), or None for the default; got {t!r} ({type(t).__name__})")
         if not isinstance(self.notes, Mapping):
             raise TypeError(f"'notes' must be a mapping; got a {type(self.notes).__name__}")
         object.__setattr__(self, "chunk_tokens", None if c is None else int(c))
+        object.__setattr__(self, "tile_tokens", None if t is None else int(t))
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
@@ -99,8 +116,11 @@ class Plan:
         return (Plan.from_dict, (self.to_dict(),))
 
     def to_dict(self) -> dict:
-        return {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
+        data = {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
                 "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}
+        if self.tile_tokens is not None:
+            data["tile_tokens"] = self.tile_tokens
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping, *, source: str = "plan") -> "Plan":
@@ -118,7 +138,7 @@ class Plan:
         notes = data.get("notes")
         try:
             return cls(data["blocks"], data.get("head", "plain"), data.get("chunk_tokens"),
-                       {} if notes is None else notes)
+                       {} if notes is None else notes, data.get("tile_tokens"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -149,7 +169,9 @@ class Plan:
         if segments:
             parts = [p + f" (in {len(segments)} segments)" if p.endswith(" segment") else p for p in parts]
         head = self.head + (f"({self.chunk_tokens})" if self.head == "chunked" and self.chunk_tokens else "")
-        return f"{', '.join(parts) or 'no blocks'}; head {head}"
+        tiles = (f"; tiles of {self.tile_tokens} tokens" if self.tile_tokens and
+                 any(t in TILED_TREATMENTS for t in self.blocks.values()) else "")
+        return f"{', '.join(parts) or 'no blocks'}; head {head}{tiles}"
 
 
 def _renamed(plan: Plan, block_names: list) -> Plan:
@@ -172,7 +194,7 @@ def _renamed(plan: Plan, block_names: list) -> Plan:
         raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
                          "was it made for another model?")
     return Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
-                chunk_tokens=plan.chunk_tokens, notes=plan.notes)
+                chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=plan.tile_tokens)
 
 
 def resolve(spec, block_names) -> Plan:

@@ -132,7 +132,7 @@ class _Run:
         device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), None)
         devices = (device_type, *get_device_states(*tensors)) if device_type else None
         record = _Call(function, [self._source(leaf) for leaf in leaves], spec, torch.get_rng_state(),
-                       devices, _autocast_state(device_type), [])
+                       devices, autocast_state(device_type), [])
         self.calls.append(record)
 
         def pack(tensor):
@@ -178,7 +178,7 @@ class _Run:
                     count[0] += 1
                     if holder is not None:
                         self.recomputed[holder] = tensor.detach() if tensor.requires_grad else tensor
-                with _autocast(record.autocast), torch.autograd.graph.saved_tensors_hooks(pack, _never):
+                with autocast_as(record.autocast), torch.autograd.graph.saved_tensors_hooks(pack, _never):
                     out = record.function(*args, **kwargs)
                 if count[0] != len(record.holders):
                     raise RuntimeError(
@@ -193,13 +193,16 @@ def _never(_):
     raise RuntimeError("remat segments: a recomputed graph is never differentiated")
 
 
-def _autocast_state(device_type: Optional[str]) -> tuple:
+def autocast_state(device_type: Optional[str]) -> tuple:
+    """The autocast state now, for the CPU and ``device_type``: what :func:`autocast_as` re-enters
+    where a recompute runs outside the forward's autocast (a segment's, a tiled sub-module's backward)."""
     kinds = ["cpu"] + ([device_type] if device_type and torch.amp.is_autocast_available(device_type) else [])
     return (tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds),
             torch.is_autocast_cache_enabled())
 
 
-def _autocast(state: tuple):
+def autocast_as(state: tuple):
+    """A context that runs under the autocast state :func:`autocast_state` recorded."""
     kinds, cache = state
     stack = contextlib.ExitStack()
     for kind, enabled, dtype in kinds:

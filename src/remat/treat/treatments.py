@@ -27,6 +27,9 @@ Treatments:
   a bound method, so blocks compiled each alone share one compiled graph: :mod:`remat.treat.patches`).
 - ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
   checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
+- ``tiled`` / ``full+tiled`` / ``full+offload+tiled``: the block's token-wise sub-modules (MLP,
+  norms) run a chunk of tokens at a time, in forward, recompute and backward
+  (:mod:`remat.treat.tiled`); with ``full`` (and ``offload``) the block is also checkpointed.
 - ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
   (only the first block's inputs are kept; the backward recomputes the whole run), through
   :mod:`remat.treat.segments`. The prelude here (cache, running statistics, the guards) is
@@ -43,15 +46,15 @@ import itertools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, TREATMENTS, is_treatment, segment_of
-from remat.treat import patches, segments
+from remat.planning.plans import OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, is_treatment, segment_of, untiled
+from remat.treat import patches, segments, tiled
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import selective_context
 
@@ -81,6 +84,8 @@ def check_treatment(block: nn.Module, treatment: str) -> None:
     if not is_treatment(treatment):
         raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
                          "or 'segment:<i>'")
+    if treatment in TILED_TREATMENTS:
+        tiled.check_tiling(block)
     if treatment in ("attention", "mlp") and not find_submodules(block, treatment):
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
         raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
@@ -91,11 +96,12 @@ def check_treatment(block: nn.Module, treatment: str) -> None:
 
 
 def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0,
-                    segment: tuple = (None, 0)) -> None:
+                    segment: tuple = (None, 0), tile_tokens: Optional[int] = None) -> None:
     """Treat ``block`` in place; a block that already has a treatment gets the new one.
 
     ``segment``: for a ``"segment:<i>"`` treatment, ``(Segment, position)`` from
     :func:`remat.treat.segments.segments_of`, shared by the segment's blocks.
+    ``tile_tokens``: for a tiled treatment, the tokens per chunk (:mod:`remat.treat.tiled`).
     Every change goes through :mod:`remat.treat.patches`: the block's (or its attention/MLP
     sub-modules') ``forward``, and a ``_remat`` marker on the block holding the state."""
     check_treatment(block, treatment)
@@ -103,9 +109,15 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
         raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
     if segment_of(treatment) is not None and segment[0] is None:
         raise ValueError(f"treatment {treatment!r} needs the segment its blocks share; use remat.apply()")
+    tiled.check_tile_tokens(tile_tokens)
     remove_treatment(block)
     if treatment == "keep":
         return
+    if treatment in TILED_TREATMENTS:
+        tiled.install_tiling(block, tile_tokens)
+        if treatment == "tiled":  # the rest of the block keeps what it saves: no forward of its own
+            patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
+            return
     state = TreatmentState(treatment, engine, key)
     targets = [block]
     if treatment in ("attention", "mlp"):
@@ -125,6 +137,7 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
 def remove_treatment(block: nn.Module) -> None:
     """Undo :func:`apply_treatment`; a no-op on an untreated block."""
     patches.remove(block, tag=_TAG)
+    tiled.remove_tiling(block)
 
 
 def engine_of(model: nn.Module):
@@ -175,7 +188,8 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     function, args = _positional(forward, args, kwargs)
     if state.running_stats:
         function = _stats_once(function, state.running_stats)
-    if state.treatment == "full":
+    treatment = untiled(state.treatment)  # the tiled sub-modules carry their own patches
+    if treatment == "full":
         return _checkpoint(function, args)
     if state.treatment == "selective":
         # the in-place guard watches a block's first forward of each call structure: its per-op
@@ -185,10 +199,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         if guard:
             state.guarded.add(structure)
         return out
-    if state.treatment == "offload":
+    if treatment == "offload":
         with state.engine.saved_tensors(state.key):
             return function(*args)
-    if state.treatment == "full+offload":
+    if treatment == "full+offload":
         with state.engine.saved_tensors(state.key):
             return _checkpoint(function, args)
     raise AssertionError(f"unhandled treatment {state.treatment}")  # check_treatment validated it

@@ -1,0 +1,397 @@
+"""Tiling along the sequence: a block's token-wise sub-modules hold one chunk of tokens at a time.
+
+Checkpointing and offload act at block boundaries, so what a block holds *inside itself* while it
+runs is the floor of any plan: at 262,144 tokens of an 8B model the MLP's intermediates (three
+tensors of sequence x 14,336), the norms' fp32 copies and the projections, tens of GiB. A
+token-wise sub-module (an MLP, a norm: every output row depends only on the same input row) can
+instead run over the sequence a chunk of rows at a time; then its intermediates exist one chunk
+at a time, in forward, in recompute and in backward.
+
+How: each tiled sub-module's ``forward`` (the block's MLPs and its norms; through
+:mod:`remat.treat.patches`) calls :class:`_TiledFunction`, an autograd function that
+
+- forward: runs the sub-module on each chunk under ``no_grad`` into one output tensor and saves
+  only its input;
+- backward: recomputes each chunk with grad and asks autograd for the chunk's input gradient and
+  its parameters' gradients (``torch.autograd.grad``), accumulating the weight gradients in fp32
+  where a parameter is not fp32, and returns them as the function's own input gradients.
+
+The parameter gradients go back through the outer graph, so autograd's ``AccumulateGrad`` runs
+once per parameter per step, as without tiling: DDP's and FSDP2's gradient hooks, LoRA's frozen
+weights (no gradient is computed for them) and gradient accumulation behave as usual. The
+obvious alternative (DeepSpeed's TiledMLP, Unsloth) calls ``backward`` per chunk inside the
+backward, which accumulates into ``.grad`` once per chunk in the parameter's dtype and fires
+DDP's hooks once per chunk.
+
+Randomness: dropout inside a tiled sub-module draws, in the untreated model, one mask over the
+whole sequence. :class:`_Replay` (a dispatch mode around the chunks) draws each random op's full
+mask once, with the very op and shape the untreated call would use (so the same random numbers),
+and hands each chunk its rows; backward's recompute replays the stored masks without drawing. So
+a tiled block is exact with dropout on (fp32: within summation-order rounding of the weight
+gradients). A random op other than dropout's (``bernoulli``, ``native_dropout``) is refused.
+
+Composition: ``tiled`` leaves the rest of the block as it is (attention's saved tensors are
+kept); ``full+tiled`` checkpoints the block, whose recompute then runs the tiled sub-modules
+again (their forward, in chunks, saving only their inputs), and ``full+offload+tiled`` also moves
+the checkpoint's input to host memory.
+
+MoE: routing is per token, so an MoE MLP tiles like a dense one. Where transformers records its
+router logits for the auxiliary loss (forward hooks into the model's output collector), the
+chunks' records are replaced by the tiled function's own outputs, which carry the gradient
+(:class:`_Recorded`).
+
+Limits: the sub-module must take one tensor (the hidden states) and return one tensor, and a
+recorded output must have the tokens as its leading dimension. Eager mode only: under
+``torch.compile`` the tiled call is a graph break.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.treat import patches
+from remat.treat.discovery import find_submodules
+from remat.treat.segments import autocast_as, autocast_state
+
+_TAG = "tiled"
+_NORM_CLASS = re.compile(r"(RMSNorm|RmsNorm|LayerNorm|Layernorm)$")
+DEFAULT_TILE_TOKENS = 8192
+
+
+def check_tile_tokens(tokens) -> None:
+    """A chunk size is a positive integer (or None: :data:`DEFAULT_TILE_TOKENS`)."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0):
+        raise ValueError(f"tile_tokens must be a positive integer (tokens per chunk of a tiled sub-module) "
+                         f"or None for {DEFAULT_TILE_TOKENS}; got {tokens!r} ({type(tokens).__name__})")
+
+
+def tiled_targets(block: nn.Module) -> list:
+    """``[(relative name, module)]``: the token-wise sub-modules ``tiled`` runs in chunks: the block's
+    MLPs (as :func:`~remat.treat.discovery.find_submodules` finds them) and its norms (direct
+    children named like ``RMSNorm``/``LayerNorm``; group and batch norms mix tokens and are not)."""
+    mlps = find_submodules(block, "mlp")
+    norms = [(name, child) for name, child in block.named_children()
+             if isinstance(child, nn.LayerNorm) or _NORM_CLASS.search(type(child).__name__)]
+    return norms + mlps
+
+
+def check_tiling(block: nn.Module) -> None:
+    """Raise the error :func:`install_tiling` would raise, without changing ``block``: it has no
+    token-wise sub-module, or one of them mixes tokens (:func:`_mixes_tokens`)."""
+    targets = tiled_targets(block)
+    if not targets:
+        children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
+        raise ValueError(f"a tiled treatment needs a token-wise sub-module (an MLP or a norm) in "
+                         f"{type(block).__name__}, and it has none (children: {children}); use 'full' "
+                         "or 'full+offload' for this block")
+    for name, target in targets:
+        if _mixes_tokens(target):
+            raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) is not token-wise: run on "
+                             "the tokens in two chunks it gives other outputs than on all of them at once "
+                             "(it mixes tokens, or an MoE's routing depends on how many tokens it sees), so it "
+                             "cannot be tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
+
+
+_PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` gives other rows for 8 tokens run at once than run as 3 + 5 (checked once
+    per module, on random inputs of its feature size, with its RNG, buffers and grads left alone).
+    Modules on the meta device, or whose feature size cannot be read, are taken as token-wise."""
+    if module in _PROBED:
+        return _PROBED[module]
+    param = next(module.parameters(), None)
+    features = _features(module)
+    if param is None or features is None or param.device.type == "meta":
+        return False
+    devices = [param.device.index or 0] if param.device.type == "cuda" else []
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        generator = torch.Generator(device=param.device).manual_seed(0)
+        probe = torch.randn(1, 8, features, generator=generator, device=param.device).to(param.dtype)
+        whole_replay, split_replay = _Replay(8), _Replay(8)
+        with whole_replay.chunk(0, 8):
+            whole = module(probe)
+        split_replay.drawn = whole_replay.drawn  # the chunks get the same dropout masks
+        parts = []
+        for start, end in ((0, 3), (3, 8)):
+            with split_replay.chunk(start, end):
+                parts.append(module(probe[:, start:end]))
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    if not all(isinstance(t, torch.Tensor) for t in [whole, *parts]):
+        mixes = False  # refused at its first call, with the reason
+    else:
+        tolerance = 1e-2 if param.dtype in (torch.float16, torch.bfloat16) else 1e-5
+        mixes = not torch.allclose(torch.cat(parts, dim=1).float(), whole.float(), rtol=tolerance, atol=tolerance)
+    _PROBED[module] = mixes
+    return mixes
+
+
+def _features(module: nn.Module):
+    """The input feature size of a norm or an MLP: a norm's weight length, else the first linear
+    layer's input size (``nn.Linear.in_features``; GPT-2's ``Conv1D`` keeps it as ``weight.shape[0]``)."""
+    if isinstance(module, nn.LayerNorm) or _NORM_CLASS.search(type(module).__name__):
+        weight = getattr(module, "weight", None)
+        shape = getattr(module, "normalized_shape", None)
+        return shape[-1] if shape else (weight.shape[-1] if isinstance(weight, torch.Tensor) else None)
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            return child.in_features
+        if type(child).__name__ == "Conv1D" and getattr(child, "weight", None) is not None:
+            return child.weight.shape[0]
+    return None
+
+
+def install_tiling(block: nn.Module, tokens: Optional[int]) -> None:
+    """Run ``block``'s token-wise sub-modules a chunk of ``tokens`` rows at a time (see the module doc)."""
+    check_tile_tokens(tokens)
+    check_tiling(block)
+    for _, target in tiled_targets(block):
+        if patches.patch_of(target, "forward", tag=_TAG) is None:  # shared by two blocks: once
+            patches.install(target, "forward", _tiled_forward, tag=_TAG, bound=True,
+                            state=tokens or DEFAULT_TILE_TOKENS)
+
+
+def remove_tiling(block: nn.Module) -> None:
+    patches.remove(block, tag=_TAG)
+
+
+def tile_tokens_of(block: nn.Module) -> Optional[int]:
+    """The chunk size ``block``'s tiled sub-modules run with, or None when it is not tiled."""
+    found = [p.state for p in patches.patches(block, tag=_TAG)]
+    return found[0] if found else None
+
+
+@torch.compiler.disable
+def _tiled_forward(patch: patches.Patch, *args, **kwargs):
+    module = patch.module
+    if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
+        if torch.is_grad_enabled():
+            raise ValueError(
+                f"a tiled {type(module).__name__} must be called with the hidden states alone; it got "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments. Use 'full' or 'mlp' for "
+                "this block instead of a tiled treatment.")
+        return patch.call_previous(*args, **kwargs)
+    hidden = args[0] if args else next(iter(kwargs.values()))
+    key = None if args else next(iter(kwargs))
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise ValueError(f"a tiled {type(module).__name__} takes a [..., tokens, features] tensor; got "
+                         f"{type(hidden).__name__}{getattr(hidden, 'shape', '')}")
+
+    def run(chunk):
+        out = patch.call_previous(chunk) if key is None else patch.call_previous(**{key: chunk})
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"a tiled {type(module).__name__} must return one tensor; it returned "
+                             f"{type(out).__name__} (an MoE returning router logits?). Use 'full' or 'mlp' "
+                             "for this block instead of a tiled treatment.")
+        return out
+    params = [p for p in module.parameters() if p.requires_grad]
+    recorded = _Recorded(module)
+    out, *records = _TiledFunction.apply(run, patch.state, recorded, hidden, *params)
+    recorded.hand_back(records)
+    return out
+
+
+class _Recorded:
+    """Outputs of sub-modules that the model records through forward hooks while the tiled
+    module runs (transformers 5 records an MoE's router logits so for the auxiliary loss).
+
+    Run in chunks, each chunk's hook records that chunk's rows, computed without gradient. The
+    tiled function instead returns, per recorded output, the chunks' rows concatenated (tokens
+    are the leading dimension, as in the untreated call) as outputs of its own, and these take
+    the place of the chunks' records in the model's collector; so the auxiliary loss sees the
+    same tensor, and its gradient reaches the router through the tiled function's backward,
+    which records the same outputs of its recompute with hooks of its own."""
+
+    def __init__(self, module: nn.Module):
+        self.hooked = [m for m in module.modules() if m._forward_hooks]
+        self.collector = _collector() if self.hooked else None
+        self.sources = []     # per record, in call order within a chunk: (module, index in its output)
+        self.slots = []       # per record: (list, [positions]) in the collector, one position per chunk
+
+    def run(self, run, chunk, first: bool):
+        """``run(chunk)``, noting which of the hooked modules' outputs the collector received."""
+        if not self.collector:
+            return run(chunk)
+        seen, handles = [], [m.register_forward_hook(lambda m, a, o: seen.append((m, o))) for m in self.hooked]
+        lengths = {key: len(value) for key, value in self.collector.items() if isinstance(value, list)}
+        try:
+            out = run(chunk)
+        finally:
+            for handle in handles:
+                handle.remove()
+        new = [(key, position) for key, value in self.collector.items() if isinstance(value, list)
+               for position in range(lengths.get(key, 0), len(value))]
+        if first:
+            for key, position in new:
+                self.sources.append(_source(seen, self.collector[key][position]))
+                self.slots.append((self.collector[key], []))
+        if len(new) != len(self.slots):
+            raise ValueError("a tiled sub-module's recorded outputs differ from chunk to chunk; use 'full' or "
+                             "'mlp' for this block instead of a tiled treatment")
+        for (key, position), (_, positions) in zip(new, self.slots):
+            positions.append(position)
+        return out
+
+    def concatenated(self) -> list:
+        return [torch.cat([values[p] for p in positions]) for values, positions in self.slots]
+
+    def hand_back(self, records) -> None:
+        for (values, positions), record in zip(self.slots, records):
+            values[positions[0]] = record
+            for position in reversed(positions[1:]):
+                del values[position]
+
+    def capture(self):
+        """Hooks that collect, during a recompute, the outputs :meth:`run` saw recorded."""
+        found, handles = [], []
+        for module in {id(m): m for m, _ in self.sources}.values():
+            def hook(m, a, output):
+                for source, index in self.sources:
+                    if source is m:
+                        found.append(output if index is None else output[index])
+            handles.append(module.register_forward_hook(hook))
+        return found, handles
+
+
+def _collector():
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    active = getattr(capturing, "_active_collector", None)
+    return active.get() if active is not None else None
+
+
+def _source(seen: list, record) -> tuple:
+    for module, output in seen:
+        if output is record:
+            return module, None
+        if isinstance(output, (tuple, list)):
+            for index, value in enumerate(output):
+                if value is record:
+                    return module, index
+    raise ValueError("a tiled sub-module's output was recorded by a hook remat cannot follow; use 'full' or "
+                     "'mlp' for this block instead of a tiled treatment")
+
+
+class _TiledFunction(torch.autograd.Function):
+    """``run`` over chunks of ``tokens`` rows: saves only the input, recomputes per chunk in backward.
+    Returns the output and the recorded outputs (:class:`_Recorded`), concatenated over chunks."""
+
+    @staticmethod
+    def forward(ctx, run, tokens, recorded, hidden, *params):
+        rows = hidden.reshape(1, -1, hidden.shape[-1])
+        ctx.run, ctx.tokens, ctx.params, ctx.recorded = run, tokens, params, recorded
+        ctx.autocast = autocast_state(hidden.device.type)
+        ctx.replay = _Replay(rows.shape[1])
+        ctx.save_for_backward(hidden)
+        out = None
+        for start in range(0, rows.shape[1], tokens):
+            with ctx.replay.chunk(start, min(start + tokens, rows.shape[1])):
+                piece = recorded.run(run, rows[:, start:start + tokens], first=start == 0)
+            if out is None:
+                out = piece.new_empty(1, rows.shape[1], *piece.shape[2:])
+            out[:, start:start + tokens] = piece
+            del piece
+        return (out.view(*hidden.shape[:-1], *out.shape[2:]), *recorded.concatenated())
+
+    @staticmethod
+    def backward(ctx, grad, *record_grads):
+        hidden, = ctx.saved_tensors
+        rows = hidden.detach().reshape(1, -1, hidden.shape[-1])
+        grad_rows = grad.reshape(1, rows.shape[1], -1)
+        wants_input = ctx.needs_input_grad[3]
+        params = [p for p, wanted in zip(ctx.params, ctx.needs_input_grad[4:]) if wanted]
+        sums = [torch.zeros_like(p, dtype=torch.float32) if p.dtype != torch.float32 else None for p in params]
+        grads = [None] * len(params)
+        grad_input = torch.empty_like(rows) if wants_input else None
+        offsets = [0] * len(record_grads)  # the recorded outputs' rows consumed so far
+        with torch.enable_grad(), autocast_as(ctx.autocast):
+            for start in range(0, rows.shape[1], ctx.tokens):
+                end = min(start + ctx.tokens, rows.shape[1])
+                piece = rows[:, start:end].detach().requires_grad_(wants_input)
+                found, handles = ctx.recorded.capture()
+                try:
+                    with ctx.replay.chunk(start, end):
+                        outputs = [ctx.run(piece)]
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                grad_outputs = [grad_rows[:, start:end]]
+                for index, (record, g) in enumerate(zip(found, record_grads)):
+                    if g is not None:
+                        outputs.append(record)
+                        grad_outputs.append(g[offsets[index]:offsets[index] + record.shape[0]])
+                    offsets[index] += record.shape[0]
+                inputs = ([piece] if wants_input else []) + params
+                found = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+                if wants_input:
+                    grad_input[:, start:end] = found[0]
+                    found = found[1:]
+                for index, g in enumerate(found):
+                    if g is None:
+                        continue
+                    if sums[index] is not None:
+                        sums[index].add_(g)
+                    elif grads[index] is None:
+                        grads[index] = g
+                    else:
+                        grads[index].add_(g)
+                del outputs, found, piece
+        grads = [s.to(p.dtype) if s is not None else g for s, g, p in zip(sums, grads, params)]
+        wanted = iter(grads)
+        param_grads = [next(wanted) if flag else None for flag in ctx.needs_input_grad[4:]]
+        ctx.replay = ctx.recorded = None
+        return (None, None, None, grad_input.view_as(hidden) if wants_input else None, *param_grads)
+
+
+class _Replay(TorchDispatchMode):
+    """Random ops inside a tiled sub-module, drawn once over the whole sequence as the untreated
+    call draws them, handed out a chunk of rows at a time, and replayed in backward's recompute."""
+
+    _DROPOUT = ("bernoulli_", "native_dropout")
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows = rows
+        self.drawn = []        # per random op, in call order: the full-sequence draw
+        self.start = self.end = 0
+        self.index = 0
+
+    def chunk(self, start: int, end: int):
+        self.start, self.end, self.index = start, end, 0
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name not in self._DROPOUT:
+            raise ValueError(f"a tiled sub-module draws random numbers with {func}; only dropout's draws can be "
+                             "tiled exactly. Use 'full' or 'mlp' for this block instead of a tiled treatment.")
+        target = args[0]
+        if target.numel() % (self.end - self.start):
+            raise ValueError(f"a tiled sub-module draws random numbers ({func}) over a tensor of shape "
+                             f"{tuple(target.shape)} that is not a whole number of rows of its chunk")
+        width = target.numel() // (self.end - self.start)
+        if self.index == len(self.drawn):  # first chunk of this op: the whole sequence's draw
+            full = target.new_empty(self.rows * width)
+            if name == "native_dropout":
+                self.drawn.append(func(full, *args[1:], **kwargs)[1])
+            else:
+                self.drawn.append(func(full, *args[1:], **kwargs))
+        whole = self.drawn[self.index]
+        self.index += 1
+        part = whole[self.start * width:self.end * width].view(target.shape)
+        if name == "native_dropout":
+            p = args[1]
+            scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+            return torch.ops.aten.native_dropout_backward(target, part, scale), part
+        return target.copy_(part)

@@ -1,0 +1,216 @@
+"""The tiled treatments (remat.treat.tiled): token-wise sub-modules run a chunk of tokens at a time.
+
+Checked on models as users load them (config defaults: use_cache on, dropout on, MoE router
+logits on), fp32 on the CPU: loss and every gradient within 1e-6 relative of an untouched copy
+(the weight gradients are summed over chunks, so not bitwise), the mechanism (no op ever holds a
+full sequence of MLP intermediates, the block saves less, the recompute runs), and bad input
+refused before the model is touched.
+"""
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+import zoo
+from remat.treat.tiled import tiled_targets
+
+SPECS = ("tiled", "full+tiled", "full+offload+tiled", "every:2:full+tiled")
+MODELS = ("llama", "qwen3", "gpt2", "gemma2", "mixtral")
+TILE = 5  # 2 x 12 tokens: chunks of 5, 5, 5, 5, 4
+
+
+def _relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _steps(name, model, reference, steps=2):
+    """Train both side by side; the largest relative difference of the loss and of any gradient,
+    and the aten ops each ran in the first step."""
+    case = zoo.CASES[name]
+    batch = case.batch(reference)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    worst, counts = 0.0, None
+    for step in range(steps):
+        counters = (zoo.OpCounter(), zoo.OpCounter())
+        losses = [zoo._step(case, m, zoo._clone(batch), seed=100 + step, counter=c)
+                  for m, c in zip((model, reference), counters)]
+        counts = counts or (counters[0].count, counters[1].count)
+        worst = max(worst, _relative(*losses))
+        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                worst = max(worst, _relative(p.grad, q.grad))
+        for opt in opts:
+            opt.step()
+    return worst, counts
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("name", MODELS)
+def test_tiled_matches_the_untouched_model(name, spec):
+    model = zoo.build(name)
+    if name == "mixtral":  # the auxiliary loss large enough that a lost router gradient shows
+        model.router_aux_loss_coef = 1.0
+    reference = copy.deepcopy(model)
+    remat.apply(model, spec, tile_tokens=TILE, offload_options=zoo.INLINE_OFFLOAD)
+    worst, (ops, reference_ops) = _steps(name, model, reference)
+    assert worst < 1e-6, f"{name} {spec}: relative difference {worst:.2e}"
+    assert ops > reference_ops, "the tiled sub-modules were not recomputed"
+
+
+def test_the_router_gradient_of_the_auxiliary_loss_is_kept():
+    """Mixtral records its router logits with hooks; tiled, they come from the tiled function
+    and carry the gradient. The check can fail: without the auxiliary loss the router's gradient
+    moves far more than the tolerance."""
+    model = zoo.build("mixtral")
+    model.router_aux_loss_coef = 1.0
+    without_aux = copy.deepcopy(model)
+    without_aux.router_aux_loss_coef = 0.0
+    reference = copy.deepcopy(model)
+    remat.apply(model, "tiled", tile_tokens=TILE)
+    grads = []
+    for m in (model, reference, without_aux):
+        zoo._step(zoo.CASES["mixtral"], m, zoo.CASES["mixtral"].batch(m), seed=3)
+        grads.append(m.model.layers[0].mlp.gate.weight.grad)
+    assert _relative(grads[0], grads[1]) < 1e-6
+    assert _relative(grads[2], grads[1]) > 1e-3
+
+
+class _Largest(TorchDispatchMode):
+    """The largest element count of any op output, by the output's last dimension; tensors shaped
+    like a parameter (weights and their gradients) are not activations and are left out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.by_width = {}
+        self.weights = {tuple(p.shape) for p in model.parameters()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) not in self.weights:
+                self.by_width[t.shape[-1]] = max(self.by_width.get(t.shape[-1], 0), t.numel())
+        return out
+
+
+def test_the_mlp_intermediates_exist_one_chunk_at_a_time():
+    """No op of the step makes an MLP intermediate (width intermediate_size) of more than one
+    chunk's tokens; untreated, the forward makes them for all 24 tokens."""
+    model = zoo.build("llama")
+    width = model.config.intermediate_size
+    case = zoo.CASES["llama"]
+    batch = case.batch(model)
+    tokens = batch["input_ids"].numel()
+    untreated = _Largest(model)
+    with untreated:
+        case.loss(model, zoo._clone(batch)).backward()
+    assert untreated.by_width[width] == tokens * width
+    for spec in ("tiled", "full+tiled"):
+        remat.apply(model, spec, tile_tokens=TILE)
+        tiled = _Largest(model)
+        with tiled:
+            case.loss(model, zoo._clone(batch)).backward()
+        assert tiled.by_width[width] == TILE * width, spec
+
+
+def test_a_tiled_block_saves_less_for_backward():
+    """``tiled`` alone keeps attention's saved tensors but none of the MLP's or norms' insides."""
+    def saved_bytes(model):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        case = zoo.CASES["llama"]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = case.loss(model, case.batch(model))
+        loss.backward()
+        return sum(seen.values())
+    model = zoo.build("llama")
+    untreated = saved_bytes(model)
+    remat.apply(model, "tiled", tile_tokens=TILE)
+    assert saved_bytes(model) < 0.8 * untreated
+
+
+def test_plans_and_specs_carry_tiling(tmp_path):
+    model = zoo.build("llama")
+    remat.apply(model, "every:2:full+tiled", tile_tokens=6)
+    assert remat.api.treatments(model) == {"model.layers.0": "full+tiled", "model.layers.1": "keep"}
+    plan = remat.current_plan(model)
+    assert plan.tile_tokens == 6 and "tiles of 6 tokens" in plan.summary()
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert remat.Plan.load(str(path)) == plan
+    data = json.loads(path.read_text())
+    data["tile_tokens"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"plan.json: 'tile_tokens' must be a positive integer"):
+        remat.Plan.load(str(path))
+
+
+def _untouched(model):
+    return not any("_remat_patches" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("tokens", [0, -4, 2.5, True, "8"])
+def test_a_bad_chunk_size_is_refused_before_the_model_is_touched(tokens):
+    model = zoo.build("llama")
+    with pytest.raises(ValueError, match="tile_tokens must be a positive integer|'tile_tokens' must be"):
+        remat.apply(model, "full+tiled", tile_tokens=tokens)
+    assert _untouched(model)
+
+
+class _TimeMixingMLP(nn.Module):
+    """An MLP whose output row depends on earlier rows (a running mean over the sequence)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h.cumsum(dim=-2) / torch.arange(1, x.shape[-2] + 1).unsqueeze(-1))
+
+
+class _Block(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), mlp
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def test_a_sub_module_that_mixes_tokens_is_refused_before_the_model_is_touched():
+    model = nn.Sequential(_Block(_TimeMixingMLP()), _Block(_TimeMixingMLP()))
+    with pytest.raises(ValueError, match=r"mlp \(_TimeMixingMLP\) is not token-wise"):
+        remat.apply(model, "tiled")
+    assert _untouched(model)
+
+
+def test_a_block_without_token_wise_sub_modules_is_refused():
+    model = zoo.build("resnet_bn")
+    with pytest.raises(ValueError, match="needs a token-wise sub-module"):
+        remat.apply(model, "full+tiled")
+    assert _untouched(model)
+
+
+def test_the_targets_are_the_norms_and_the_mlp():
+    model = zoo.build("gemma2")
+    names = [name for name, _ in tiled_targets(model.model.layers[0])]
+    assert names == ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "mlp"]
+
+
+def test_remove_gives_the_modules_back():
+    model = zoo.build("gpt2")
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full+tiled", tile_tokens=TILE)
+    remat.remove(model)
+    assert _untouched(model)
+    worst, (ops, reference_ops) = _steps("gpt2", model, reference, steps=1)
+    assert worst == 0 and ops == reference_ops
