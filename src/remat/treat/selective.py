@@ -3,15 +3,38 @@ refuses a block the policy would give wrong gradients.
 
 How: :func:`selective_context` is the ``context_fn`` of the block's non-reentrant checkpoint
 (:mod:`remat.treat.treatments`): torch's selective-checkpoint modes save the outputs of the ops
-in :func:`saved_ops` (matmuls and attention kernels) and recompute everything else in
-backward, so no matmul runs twice. In eager mode a block's first forward of each call
-structure (:func:`remat.treat.treatments._call_structure`) also runs under
-:class:`_KeptOutputGuard`, which raises where an op writes in place into a kept output: torch's
-own check misses a mutation made through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors
-returns one), and the recompute would apply it twice and silently change the gradients
-(transformers < 5 T5 does ``scores += position_bias``). Such a write is in the block's code, so
-later forwards of the same structure skip the guard's per-op dispatch. Under ``torch.compile``
-torch wants its own two modes untouched, so the guard is left out there.
+:func:`saves` names (matmuls and attention kernels) and recompute everything else in backward,
+so no matmul runs twice. A write in place into a kept output before anything reads it (an
+unfused bias add after a grouped matmul: transformers' MoE experts with biases) is kept as well
+(:class:`_Policy`). In eager mode a block's first forward of each call structure
+(:func:`remat.treat.treatments._call_structure`) also runs under :class:`_KeptOutputGuard`, which
+raises where an op writes in place into a kept output otherwise: through a view of it, or after
+another op read it. Torch's own check misses a mutation made through an ``_unsafe_view``
+(``torch.matmul`` on 4-D tensors returns one), and the recompute would apply it twice and
+silently change the gradients (transformers < 5 T5 does ``scores += position_bias``). Such a
+write is in the block's code, so later forwards of the same structure skip the guard's per-op
+dispatch. Under ``torch.compile`` torch wants its own two modes untouched, so the guard is left
+out there.
+
+Which ops: every op that contracts a dimension, as it reaches the dispatcher below autograd.
+Recomputing one costs many FLOPs per output element (the contracted length); everything else a
+block runs (pointwise ops, norms, softmax, an MoE router's top-k and sort) costs a few, so
+keeping exactly these outputs gives the most memory back for the least recompute. The set is
+named rather than found: composite ops (``linear``, ``matmul``, ``einsum``,
+``scaled_dot_product_attention`` and its math fallback) never reach the dispatcher themselves,
+what they decompose into does (``mm``, ``addmm``, ``bmm``, ``_safe_softmax``), so a search of the
+op registry by name would list ops the policy never meets. It takes every functional overload
+(``mm.dtype`` as well as ``mm.default``), not ``out=`` ones, whose output is a tensor the block
+passed in rather than a new one. Left out on purpose: the outer product
+(``addr``: one FLOP per output element, as cheap as reading it back) and convolutions (the ones
+inside transformer blocks, such as Mamba's depthwise ``conv1d`` of width 4, cost a few FLOPs per
+output element, like a pointwise op; a CNN's blocks, whose convolutions are their matmuls, are
+recomputed whole by ``selective`` for now). Two library ops that are matmuls but not aten's are
+matched by name, since they exist only once their library is imported: transformers' grouped
+matmul for MoE experts where ``torch._grouped_mm`` cannot run (torch < 2.9 on the CPU, GPUs
+before Hopper on torch < 2.9, compiled non-bf16), and torch's variable-length attention.
+``flex_attention`` (a higher-order op) is not kept: it cannot train on the CPU, where this set is
+tested.
 
 Cost: every op of a selective block's forward and recompute passes through torch's caching mode
 in Python: host time (llama-8b blocks on an H100: 0.72 of the forward's GPU time where ``keep``
@@ -23,39 +46,135 @@ steps there.
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor  # already loaded by torch itself
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+
+# aten ops that contract a dimension (the module docstring says why exactly these)
+_MATMULS = ("mm", "addmm", "_addmm_activation", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+            "_trilinear", "_grouped_mm", "_foreach_mm", "mkldnn_linear")
+_LOW_PRECISION = ("_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm", "_scaled_grouped_mm_v2", "_int_mm",
+                  "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm_with_scales_and_zeros",
+                  "_weight_int8pack_mm", "_dyn_quant_matmul_4bit", "_mixed_dtypes_linear", "_cslt_sparse_mm",
+                  "_sparse_semi_structured_mm", "_sparse_semi_structured_addmm", "_sparse_semi_structured_linear")
+_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+              "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
+# other libraries' matmul ops, registered when the library is imported: matched by name
+_LIBRARY_OPS = frozenset({"transformers::grouped_mm_fallback", "torch_attn::_varlen_attn"})
 
 
 @functools.lru_cache(maxsize=1)
 def saved_ops() -> frozenset:
-    """Ops whose outputs the ``selective`` policy keeps: matmuls and attention kernels."""
+    """The aten ops whose outputs the ``selective`` policy keeps: every functional overload of each
+    matmul, low-precision or sparse matmul and attention kernel the installed torch has."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-             "_efficient_attention_forward")
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+    packets = [getattr(aten, name) for name in _MATMULS + _LOW_PRECISION + _ATTENTION if hasattr(aten, name)]
+    overloads = (getattr(packet, overload) for packet in packets for overload in packet.overloads())
+    return frozenset(op for op in overloads if not op._schema.is_mutable)
+
+
+def saves(func) -> bool:
+    """Whether ``selective`` keeps the output of ``func`` (an op overload or a higher-order op)."""
+    return func in saved_ops() or func.name() in _LIBRARY_OPS
+
+
+def _keep_saved(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Policy:
+    """One checkpointed forward's policy in eager mode: keep what :func:`saves` names, and a
+    write in place into one of those very outputs (``out = _grouped_mm(...); out.add_(bias)``:
+    transformers' experts with biases, GPT-OSS). Recomputed, such a write would apply twice to
+    the kept output, which already holds its result; kept as well, the recompute takes both
+    results as the forward left them. That is exact only where nothing read the output before
+    the write, which :class:`_KeptOutputGuard` checks. Torch refuses a kept output whose version
+    changed since it was kept; once this policy keeps a write it tells the recompute mode to
+    allow that.
+
+    A write is matched to a kept output by storage, offset, shape and strides (a kept output
+    lives until backward, so its storage is not reused meanwhile). Torch 2.13 calls the policy
+    after the op, with its output in the context; older torch calls it before, so the output is
+    read from what the caching mode stored, by the next call, and asks it again while
+    recomputing, where it is answered as in the forward. Where neither way shows the output, no
+    write is kept and the guard refuses the block."""
+
+    def __init__(self):
+        self.forward = self.recompute = None  # the checkpoint's two modes, set once they exist
+        self.kept = set()  # geometries of the outputs kept so far
+        self.unseen = None  # a kept op whose output the policy has not seen yet (older torch)
+        self.answers = collections.deque()  # the forward's answers for in-place ops, in order
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        if saves(func):
+            if not ctx.is_recompute:
+                self._note_output(ctx, func)
+            return CheckpointPolicy.MUST_SAVE
+        if not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if ctx.is_recompute:  # torch < 2.13 asks again while recomputing: answer as the forward did
+            keep = self.answers.popleft()
+        else:
+            keep = self.writes_kept(func, args)
+            self.answers.append(keep)
+        if keep:
+            self.recompute.allow_cache_entry_mutation = True
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def writes_kept(self, func, args) -> bool:
+        """Whether ``func`` writes in place into a tensor that a kept op returned."""
+        self._see_stored()
+        return bool(self.kept) and any(isinstance(value, torch.Tensor) and _geometry(value) in self.kept
+                                       for value in _written(func, args))
+
+    def _note_output(self, ctx, func):
+        if hasattr(ctx, "op_output"):
+            self._note(tree_flatten(ctx.op_output)[0])
+        else:
+            self._see_stored()
+            self.unseen = func
+
+    def _see_stored(self):
+        """Note the output of the last kept op, which torch < 2.13 ran after asking the policy,
+        from the caching mode's storage (one list per op there)."""
+        if self.unseen is not None:
+            stored = self.forward.storage.get(self.unseen)
+            if isinstance(stored, list) and stored:
+                self._note(leaf.val for leaf in tree_flatten(stored[-1])[0])
+            self.unseen = None
+
+    def _note(self, outputs):
+        self.kept.update(_geometry(t) for t in outputs if isinstance(t, torch.Tensor))
+        self.kept.discard(None)
 
 
 def selective_context(guard: bool = True):
     """Context pair for ``checkpoint(context_fn=...)``: save matmul/attention outputs.
 
     With ``guard``, in eager mode, the forward also runs under :class:`_KeptOutputGuard`, which
-    refuses a block that modifies a kept output in place: torch's own check misses a mutation
-    made through an ``_unsafe_view`` (``torch.matmul`` on 4-D tensors returns one), and the
-    recompute would then apply the mutation twice and silently change the gradients
-    (transformers < 5 T5 does ``scores += position_bias``).
+    refuses a block that modifies a kept output in place where the recompute cannot give the
+    forward's values back: torch's own check misses a mutation made through an ``_unsafe_view``
+    (``torch.matmul`` on 4-D tensors returns one), and the recompute would then apply the
+    mutation twice and silently change the gradients (transformers < 5 T5 does
+    ``scores += position_bias``).
     """
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    forward, recompute = create_selective_checkpoint_contexts(list(saved_ops()))
-    if not guard or _tracing():
+    if _tracing():  # compiled, the graph is functional: no write lands in a kept output
+        return create_selective_checkpoint_contexts(_keep_saved)
+    policy = _Policy()
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    policy.forward, policy.recompute = forward, recompute
+    if not guard:
         return forward, recompute
-    return _Both(forward, _KeptOutputGuard()), recompute
+    return _Both(forward, _KeptOutputGuard(policy)), recompute
 
 
 def _tracing() -> bool:
@@ -82,28 +201,60 @@ class _Both:
 
 
 class _KeptOutputGuard(TorchDispatchMode):
-    """Raise if an op writes in place into the storage of an output ``selective`` keeps."""
+    """Raise if an op writes in place into the storage of an output ``selective`` keeps, unless
+    ``policy`` keeps the write too and nothing has read that output yet (then the recompute
+    takes the forward's own values back: see :class:`_Policy`)."""
 
-    def __init__(self):
+    def __init__(self, policy: _Policy):
         super().__init__()
-        self.kept = set()
+        self.policy = policy
+        self.kept = set()  # storages of kept outputs
+        self.read = set()  # those of them some op has read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.kept and func._schema.is_mutable:
-            for argument, value in zip(func._schema.arguments, args):
-                info = argument.alias_info
-                if info is not None and info.is_write and _storage_key(value) in self.kept:
-                    raise ValueError(
-                        f"treatment 'selective': this block modifies in place ({func}) the output of a "
-                        "matmul/attention op that selective keeps for backward; recomputing it would "
-                        "apply the change twice and give wrong gradients. Use 'full', 'attention' or "
-                        "'mlp' for this block (or a newer transformers, which computes it out of place).")
-        out = func(*args, **kwargs)
-        if func in saved_ops():
+        if not self.kept:
+            out = func(*args, **kwargs)
+        else:
+            if func._schema.is_mutable:
+                for value in _written(func, args):
+                    key = _storage_key(value)
+                    if key in self.kept and (key in self.read or not self.policy.writes_kept(func, args)):
+                        raise ValueError(
+                            f"treatment 'selective': this block modifies in place ({func}) the output of a "
+                            f"matmul/attention op that selective keeps for backward, {self._how(key)}; "
+                            "recomputing it would apply the change twice and give wrong gradients. Use "
+                            "'full', 'attention' or 'mlp' for this block (or a newer transformers, which "
+                            "computes it out of place).")
+            out = func(*args, **kwargs)
+            # a read is an input that no output aliases: views and in-place writes are not reads
+            inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0]} & self.kept
+            self.read.update(inputs - {_storage_key(t) for t in tree_flatten(out)[0]})
+        if saves(func):
             self.kept.update(_storage_key(t) for t in tree_flatten(out)[0])
             self.kept.discard(None)
         return out
+
+    def _how(self, key) -> str:
+        if key in self.read:
+            return "after another op read it"
+        if not self.policy.kept:
+            return "which selective cannot keep as well on this torch (its policy sees no op's output)"
+        return "through a view of it"
+
+
+def _written(func, args):
+    """The arguments ``func`` writes into in place."""
+    return [value for argument, value in zip(func._schema.arguments, args)
+            if argument.alias_info is not None and argument.alias_info.is_write]
+
+
+def _geometry(tensor):
+    """A dense tensor's place in memory: its storage (the same for every alias of it, fake tensors
+    included), offset, shape and strides; None for other layouts."""
+    if tensor.layout != torch.strided:
+        return None
+    return tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride()
 
 
 def _storage_key(value):
