@@ -1,9 +1,10 @@
-"""Four held-out models, as a user would bring them, planned at half of eager's peak (issue 10).
+"""Held-out models, as a user would bring them, planned at half of eager's peak (issues 10, 29).
 
-None of them is a remat preset: a Qwen3-like dense LM, a Gemma-2-like LM trained at a sequence
-longer than its sliding window (window and global layers profiled apart), a Mixtral-like MoE
-with router logits on (the aux loss is in ``.loss``) and a ViT classifier trained through a
-user ``loss_fn``. Each is built from its transformers config class with that class's defaults
+A Qwen3-like dense LM, a Gemma-2-like LM trained at a sequence longer than its sliding window
+(window and global layers profiled apart), a Mixtral-like MoE with router logits on (the aux
+loss is in ``.loss``), a ViT classifier trained through a user ``loss_fn``, a Qwen3-Next-shaped
+hybrid (linear-attention and attention layers, MoE) and the Qwen2-VL-2B-shaped preset on image +
+text batches. Each is built from its transformers config class with that class's defaults
 (``use_cache`` left on), in bf16 on the GPU, and measured in one process with one protocol:
 ``zero_grad(set_to_none=True)``, loss, backward; ``--warmup`` steps, then the peak
 (``max_memory_allocated`` after a reset) and median time of ``--steps`` steps.
@@ -86,7 +87,34 @@ def vit():
     return model, batch, loss_fn
 
 
-MODELS = {"qwen3": qwen3, "gemma2": gemma2, "mixtral": mixtral, "vit": vit}
+def qwen3_next():
+    """Qwen3-Next's layer shapes (gated delta-net linear attention in three of four layers, gated
+    full attention in the fourth, a routed MoE with a shared expert in every layer), 8 layers and
+    64 experts instead of 48 and 512 so that a full fine-tune fits one GPU; use_cache on."""
+    from transformers import Qwen3NextConfig
+    config = Qwen3NextConfig(num_hidden_layers=8, num_experts=64, layer_types=["linear_attention"] * 3
+                             + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"])
+    return _causal_lm(config), _lm_batch(config.vocab_size, 2, 4096), None
+
+
+def qwen2_vl():
+    """The qwen2-vl-2b preset (Qwen2-VL-2B's shapes, random weights): image + text batches, two
+    448 x 448 images per sequence of 4096 tokens, labels on every text token."""
+    from remat.integrations.presets import build_model, image_text_batch, load_config
+    config = load_config("qwen2-vl-2b")
+    model = build_model(config, device="cuda", dtype=torch.bfloat16)
+    batch = image_text_batch(config, batch=2, seq=4096, images=2, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    text = batch["labels"] != -100   # random text and pixels, not the builder's constants: never time zeros
+    words = torch.randint(0, config.text_config.vocab_size // 2, batch["input_ids"].shape, generator=generator)
+    batch["input_ids"] = torch.where(text, words, batch["input_ids"])
+    batch["labels"] = batch["input_ids"].masked_fill(~text, -100)
+    batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, generator=generator).to(torch.bfloat16)
+    return model, {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, None
+
+
+MODELS = {"qwen3": qwen3, "gemma2": gemma2, "mixtral": mixtral, "vit": vit, "qwen3_next": qwen3_next,
+          "qwen2_vl": qwen2_vl}
 
 
 def _lm_batch(vocab, batch, seq):
@@ -147,7 +175,7 @@ def _grad_diff(grads, reference) -> float:
     return worst
 
 
-def run_model(name, build, warmup, steps, write):
+def run_model(name, build, warmup, steps, write, uniform=()):
     torch.manual_seed(0)
     model, batch, loss_fn = build()
     loss_fn = loss_fn or _hf_loss
@@ -175,6 +203,14 @@ def run_model(name, build, warmup, steps, write):
     row("hf_full", hf_loss_value, hf_grads, hf_peak, hf_s, spread,
              loss_equal=bool(torch.equal(hf_loss_value, eager_loss)), grad_diff=_grad_diff(hf_grads, eager_grads))
     del hf_grads
+
+    for spec in uniform:   # one treatment on every block, the plain head: treatments against each other
+        remat.apply(model, spec)
+        loss, grads, peak, step_s, spread = _measure(model, batch, loss_fn, warmup, steps)
+        remat.remove(model)
+        row(f"remat:{spec}", loss, grads, peak, step_s, spread, loss_equal=bool(torch.equal(loss, eager_loss)),
+            grad_diff=_grad_diff(grads, eager_grads), vs_hf_full_speed=hf_s / step_s)
+        del grads
 
     budgets = [("remat@half", eager_peak // 2)]
     if eager_peak // 2 > hf_peak:
@@ -217,6 +253,8 @@ def main():
     parser.add_argument("--only", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--uniform", default="", help="comma-separated specs also measured on every block "
+                        "(e.g. selective,mlp), each against eager and HF checkpointing")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)   # warn: a kernel without a deterministic
     os.makedirs(args.out, exist_ok=True)                       # version is reported by eager-vs-eager
@@ -233,7 +271,8 @@ def main():
 
         for name in args.only.split(","):
             try:
-                run_model(name, MODELS[name], args.warmup, args.steps, write)
+                run_model(name, MODELS[name], args.warmup, args.steps, write,
+                          uniform=[u for u in args.uniform.split(",") if u])
             except Exception as e:   # one model failing must not lose the others' rows
                 write({"model": name, "status": "error", "reason": f"{type(e).__name__}: {str(e)[:500]}"})
                 gc.collect()

@@ -214,3 +214,27 @@ def test_remove_gives_the_modules_back():
     assert _untouched(model)
     worst, (ops, reference_ops) = _steps("gpt2", model, reference, steps=1)
     assert worst == 0 and ops == reference_ops
+
+
+def test_the_planner_tiles_where_block_insides_set_the_floor():
+    """A long sequence of a model with a wide MLP: the smallest plan with tiling is smaller than
+    the smallest without it, the planner picks a tiled treatment there, and the plan applies."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (1, 16384), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    untiled = [t for t in remat.planning.plans.TREATMENTS if "tiled" not in t and "offload" not in t]
+
+    def floor(treatments):
+        with pytest.raises(remat.NoPlanFits) as found:
+            remat.plan(model, batch, budget="1MiB", treatments=treatments, heads=["chunked"])
+        return found.value.smallest_peak
+    without, with_tiling = floor(untiled), floor(untiled + ["tiled", "full+tiled"])
+    assert with_tiling < 0.9 * without
+    plan = remat.plan(model, batch, budget=int(with_tiling * 1.01), treatments=untiled + ["tiled", "full+tiled"],
+                      heads=["chunked"])
+    assert any("tiled" in t for t in plan.blocks.values()), plan.summary()
+    remat.apply(model, plan)
+    assert all(remat.api.treatments(model)[name] == t for name, t in plan.blocks.items())

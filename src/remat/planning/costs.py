@@ -24,8 +24,11 @@ from typing import Optional
 from remat.planning.comm import Collectives
 from remat.planning.offload_model import EngineModel
 
-MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp")
-DERIVED = {"offload": "keep", "full+offload": "full"}
+MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "tiled", "full+tiled")
+DERIVED = {"offload": "keep", "full+offload": "full", "full+offload+tiled": "full+tiled"}
+TILED_FROM_TOKENS = 16384
+"""Tiled treatments are profiled from this many tokens a step on: below it one chunk of the
+default size holds most of the sequence, and tiling saves nothing ``mlp`` does not."""
 OPTIMIZER_STATES = {"none": (0, None), "adamw": (2, None), "adamw8bit": (2, 1)}
 """Per trainable parameter: the optimizer's state tensors and the bytes of one element of each
 (None: the parameter's own, as ``torch.optim.AdamW``'s ``zeros_like`` states are: 8 bytes a

@@ -38,7 +38,8 @@ import torch
 from remat.profiling._blocks import _block_cost
 from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
-from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, ProfileBody
+from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILED_FROM_TOKENS, ProfileBody
+from remat.planning.plans import TILED_TREATMENTS
 
 
 class MissingLoss(TypeError):
@@ -76,7 +77,12 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         block = named[index][1]
         args, kwargs = capture.inputs[index]
         costs = {}
+        hidden = _hidden_of(args, kwargs)
+        # tiled: eager only (a graph break under compile), and only where a sequence is long enough to tile
+        tiling = backend is None and hidden.numel() // hidden.shape[-1] >= TILED_FROM_TOKENS
         for treatment in MEASURED_TREATMENTS:
+            if treatment in TILED_TREATMENTS and not tiling:
+                continue
             say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment}"
                 + ("" if backend is None else " (compiling it: tens of seconds on a large block)"))
             try:

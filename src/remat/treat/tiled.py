@@ -53,6 +53,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.treat import patches
@@ -104,13 +105,14 @@ _PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens
 def _mixes_tokens(module: nn.Module) -> bool:
     """Whether ``module`` gives other rows for 8 tokens run at once than run as 3 + 5 (checked once
     per module, on random inputs of its feature size, with its RNG, buffers and grads left alone).
-    Modules on the meta device, or whose feature size cannot be read, are taken as token-wise."""
+    Modules on the meta device or with fake parameters, or whose feature size cannot be read, are
+    taken as token-wise."""
     if module in _PROBED:
         return _PROBED[module]
     param = next(module.parameters(), None)
     features = _features(module)
-    if param is None or features is None or param.device.type == "meta":
-        return False
+    if param is None or features is None or param.device.type == "meta" or isinstance(param, FakeTensor):
+        return False  # nothing to run it on (a fake-tensor profile: the real model is probed when applied)
     devices = [param.device.index or 0] if param.device.type == "cuda" else []
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     with torch.random.fork_rng(devices=devices), torch.no_grad():
