@@ -266,7 +266,11 @@ def _grad_bytes(prof, stream) -> tuple:
 
 
 def _marked(chosen: Plan, prof) -> Plan:
-    """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled."""
+    """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled,
+    and ``notes["ran_for_real"]`` when a fake profile ran steps that read values for real (a
+    vision-language model's image-token merge: :class:`remat.profiling._fake.ValuedFakeMode`)."""
+    if prof.notes.get("ran_for_real"):
+        chosen = replace(chosen, notes=dict(chosen.notes, ran_for_real=prof.notes["ran_for_real"]))
     if not prof.notes.get("compile"):
         return chosen
     extra = {"compile": True, "compile_scope": profile_scope(prof.notes),
@@ -286,7 +290,7 @@ def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
 
 
 def _allowed(prof, treatments) -> Optional[list]:
-    available = list(prof.treatments(0))
+    available = list(prof.treatments())  # any block's: a hybrid's blocks differ (solver offers each its own)
     if treatments is not None:
         return list(treatments)
     if prof.rates.name == "cpu" or not offload_available() or prof.notes.get("compile"):

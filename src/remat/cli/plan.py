@@ -5,6 +5,14 @@ tensors at the rates of ``--gpu``; see :mod:`remat.planner`. ``--out`` writes th
 JSON for ``remat.apply(model, remat.Plan.load(path))``; ``--json`` prints the same JSON
 on stdout and nothing else, for scripts.
 
+A vision-language config (LLaVA, PaliGemma, Qwen2-VL, Qwen2.5-VL) plans on image + text
+batches: ``--images`` per sequence of ``--image-size`` (Qwen2-VL: any size, rounded as its
+processor rounds it; LLaVA and PaliGemma: their tower's size), built from the config alone
+(:func:`remat.integrations.presets.image_text_batch`: the image token once per image feature,
+inside ``--seq``). The plan covers the vision tower's blocks, the language model's blocks and
+the head; the steps that read the batch's ids (the image-token merge, M-RoPE positions) run
+for real, and the ``real`` line says where.
+
 ``--compile`` plans for the model compiled after ``remat.apply`` (``model.compile()``):
 compile changes every treatment's memory and time, so each block and the head are measured
 compiled (``remat.plan(..., compile=True)``, :mod:`remat.profiling._compiled`). That cannot be
@@ -42,9 +50,12 @@ EXAMPLES = """examples:
   remat plan --model llama-1b --batch 2 --seq 4096 --budget 40GiB --optimizer adamw --ddp 8
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 1GiB --compile   # GPU
+  remat plan --model qwen2-vl-2b --batch 2 --seq 1024 --images 1 --image-size 448x448 --budget 12GiB
 
 --model takes a preset, a Hugging Face JSON config file of any name (mistral-7b.json) or a
-folder holding config.json. --json prints the plan on stdout in the format --out writes.
+folder holding config.json. A vision-language config (llava, paligemma, qwen2_vl, qwen2_5_vl)
+trains on --images images per sequence (default 1) of --image-size HxW, counted in --seq.
+--json prints the plan on stdout in the format --out writes.
 --compile plans for `remat.apply(model, plan); model.compile()`: it builds the model on the GPU
 with random weights and measures each block compiled (needs CUDA).
 """
@@ -79,11 +90,51 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")
     parser.add_argument("--phases", action="store_true", help="also print every phase of the step (timeline)")
+    add_image_arguments(parser)
     parser.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
                         help="plan for the model compiled after remat.apply: 'model' (the default; model.compile()) "
                              "or 'blocks' (block.compile() on each block, the rest eager, as FSDP2 trains "
                              "compiled): measured compiled on this machine's GPU with random weights, no offload, "
                              "and the plan run compiled before it is printed (needs CUDA; --gpu is not used)")
+
+
+def add_image_arguments(parser) -> None:
+    parser.add_argument("--images", type=int, default=None, metavar="N",
+                        help="vision-language models: images per sequence (default 1), their tokens counted in --seq")
+    parser.add_argument("--image-size", default=None, metavar="HxW",
+                        help="vision-language models: image height x width in pixels, e.g. 448x448 (default: the "
+                             "vision tower's size; Qwen2-VL 448x448, rounded as its processor rounds)")
+
+
+def image_size_of(text):
+    """``--image-size`` as ``(height, width)``: ``448x448``, or ``448`` for a square; None stays None."""
+    if text is None:
+        return None
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        size = tuple(int(p) for p in parts)
+    except ValueError:
+        size = ()
+    if len(size) == 1:
+        size = size * 2
+    if len(size) != 2 or min(size) < 1:
+        raise ValueError(f"--image-size must be HEIGHTxWIDTH in pixels, e.g. 448x448 (or 448 for a square), "
+                         f"got {text!r}")
+    return size
+
+
+def check_image_arguments(args, config) -> None:
+    """``--images`` and ``--image-size`` fit the model: a text model takes neither, a vision-language
+    model at least one image of a size its tower takes (ValueError naming the option)."""
+    from remat.integrations.presets import check_images_fit, is_vision_language
+    images, size = getattr(args, "images", None), image_size_of(getattr(args, "image_size", None))
+    if not is_vision_language(config):
+        if images is not None or size is not None:
+            given = "--images" if images is not None else "--image-size"
+            raise ValueError(f"{given} is for vision-language models; {args.model} is a "
+                             f"{type(config).__name__} (text only): leave it out")
+        return
+    check_images_fit(config, images=1 if images is None else images, seq=args.seq, image_size=size)
 
 
 def check_model_arguments(args) -> None:
@@ -151,16 +202,18 @@ def profile_from_args(args, say):
     from remat.profiling.profiler import block_param_bytes, profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = load_config(args.model)
+    check_image_arguments(args, config)
     if getattr(args, "compile", False):
         say(f"building {args.model} on {torch.cuda.get_device_name()} with random weights")
         model = build_model(config, device="cuda", dtype=dtype)
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(next(model.parameters()).device)
+        ids = batch_from_args(args, config, dtype, random=True)
+        device = next(model.parameters()).device
+        ids = {k: v.to(device) for k, v in ids.items()} if isinstance(ids, dict) else ids.to(device)
         prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=args.compile)
     else:
         say(f"building {args.model} on the meta device")
         model = build_model(config, device="meta", dtype=dtype)
-        ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        ids = batch_from_args(args, config, dtype)
         prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
     if args.fsdp != 1:
         from remat.planning.sharding import shard
@@ -171,6 +224,31 @@ def profile_from_args(args, say):
         say(f"replicating for {args.ddp} DDP ranks")
         prof = replicated(prof, model, args.ddp)
     return prof, model, ids
+
+
+def batch_from_args(args, config, dtype, random=False):
+    """The batch a plan is made for: token ids (``random``: drawn, for a real model; else zeros), or a
+    vision-language model's image + text batch (:func:`remat.integrations.presets.image_text_batch`)."""
+    import torch
+
+    from remat.integrations.presets import image_text_batch, is_vision_language
+    if is_vision_language(config):
+        return image_text_batch(config, batch=args.batch, seq=args.seq, images=getattr(args, "images", None) or 1,
+                                image_size=image_size_of(getattr(args, "image_size", None)), dtype=dtype)
+    if random:
+        return torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    return torch.zeros(args.batch, args.seq, dtype=torch.long)
+
+
+def images_line(args, config) -> str:
+    """What a vision-language plan's batch holds, in words (empty for a text model)."""
+    from remat.integrations.presets import image_geometry, is_vision_language
+    if not is_vision_language(config):
+        return ""
+    images = getattr(args, "images", None) or 1
+    (height, width), tokens = image_geometry(config, image_size_of(getattr(args, "image_size", None)))
+    return (f"{images} per sequence, {height}x{width} pixels, {tokens} image tokens each "
+            f"({images * tokens} of the {args.seq} tokens)")
 
 
 def treatments_from_args(prof, args):
@@ -325,8 +403,13 @@ def run(args) -> int:
                 if plan.notes.get("compile_scope") == "blocks" else "model.compile()")
         print(f"compiled   planned for compiled execution: remat.apply(model, plan), then {then} "
               "(costs measured compiled; run otherwise, its peak and time are not these)")
+    images = images_line(args, model.config)
+    if images:
+        print(f"images     {images}")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
+    if plan.notes.get("ran_for_real"):
+        print(f"real       {plan.notes['ran_for_real']}")
     if plan.notes.get("verified") is not None:
         print(f"measured   {measured_line(plan.notes['verified'])}")
     print(f"static     {format_size(prof.static_bytes)}")

@@ -1,10 +1,11 @@
 """Each block configuration alone per treatment: its memory marks, saved bytes and seconds (a ``BlockCost``).
 
 How (:func:`_block_cost`): the treatment is applied to the block, which runs alone on its
-captured inputs (:func:`_block_run`): a fresh input that requires grad, as inside a stack, a
-forward, an autograd sink (:class:`_Sink`) that hands back a fresh output gradient, a
-backward, with a meter mark at each boundary (forward peak and kept + output; kept for
-backward; backward peak and gradients left). Saved-tensor hooks on the warm-up run record
+captured inputs (:func:`_block_run`): a fresh input that requires grad, as inside a stack (unless
+the block has no backward in the model: :mod:`remat.profiling._capture`), a forward, an autograd
+sink (:class:`_Sink`) that hands back a fresh output gradient, a backward, with a meter mark at
+each boundary (forward peak and kept + output; kept for backward; backward peak and gradients
+left). Saved-tensor hooks on the warm-up run record
 which storages it saves: whether it keeps its input, and the bytes the offload engine would
 move (``offloadable``: saved storages of at least ``min_bytes``, parameters excluded). On a
 GPU the seconds come from :func:`_block_seconds` instead: several forwards in a row, then
@@ -20,6 +21,9 @@ Stable times (issue 11: one budget got two plans from two profiles an hour apart
 ``selective`` block's host-side time being the unstable term): a block's seconds are the
 median of every reading of ``ROUNDS`` timed chains (not of one chain), with Python's garbage
 collector held off while timing.
+
+A block with no backward (frozen parameters, an input that needs no gradient: a frozen vision
+tower) runs its forward only; it saves nothing, under any treatment.
 
 Limits: a treatment the block cannot take raises ``ValueError`` (the caller leaves it out);
 a checkpointed sub-module called with one tensor several times cannot run under the
@@ -101,8 +105,8 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
     raw marks (see the meters) and what it saved."""
     call = block if call is None else call
     hidden = _hidden_of(args, kwargs)
-    # Inside a stack every block's input requires grad (it comes from the block before).
-    x = hidden.detach().clone().requires_grad_(True)
+    # requires grad unless the block has no backward in the model (a frozen tower: _capture)
+    x = hidden.detach().clone().requires_grad_(hidden.requires_grad)
     args, kwargs = _with_hidden(args, kwargs, x)
     x_key = id(x.untyped_storage())
     saved = {}
@@ -116,19 +120,27 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
             saved[id(storage)] = storage.nbytes()
         return t
 
-    meter.begin()
-    marks = []
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if track else contextlib.nullcontext():
-        out = call(*args, **kwargs)
-    marks.append(meter.mark())                 # forward: peak, and kept + output
-    first = out if isinstance(out, torch.Tensor) else out[0]
-    out_bytes = _nbytes(first)
-    sink = _Sink.apply(first)
-    del out, first
-    marks.append(meter.mark())                 # kept for backward
-    sink.backward()
-    del sink
-    marks.append(meter.mark())                 # backward peak, grads left
+    # Garbage of earlier runs (reference cycles: a model's outputs held by a caught exception's
+    # frames) is collected before the marks, never between them, where its frees would read as this
+    # block's: a collection inside LLaVA's language block took 44 KB of vision states off its bytes kept.
+    with _gc_paused():
+        meter.begin()
+        marks = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if track else contextlib.nullcontext():
+            out = call(*args, **kwargs)
+        marks.append(meter.mark())                 # forward: peak, and kept + output
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        out_bytes = _nbytes(first)
+        sink = _Sink.apply(first) if first.requires_grad else None  # None: no backward (a frozen block)
+        if sink is None:  # what it packed (a checkpoint's inputs) dies with the output: nothing is kept
+            saved.clear()
+            input_saved[0] = False
+        del out, first
+        marks.append(meter.mark())                 # kept for backward
+        if sink is not None:
+            sink.backward()
+        del sink
+        marks.append(meter.mark())                 # backward peak, grads left
     if input_saved[0]:
         saved[x_key] = _nbytes(x)
     del x
@@ -169,7 +181,7 @@ def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
     """Per-run forward and backward seconds of one chain (see :func:`_block_seconds`)."""
     call = block if call is None else call
     hidden = _hidden_of(args, kwargs)
-    xs = [hidden.detach().clone().requires_grad_(True) for _ in range(count)]
+    xs = [hidden.detach().clone().requires_grad_(hidden.requires_grad) for _ in range(count)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * count + 1)]
     sinks = []
     torch.cuda.synchronize()
@@ -177,12 +189,14 @@ def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
     for j, x in enumerate(xs):
         a, kw = _with_hidden(args, kwargs, x)
         out = call(*a, **kw)
-        sinks.append(_Sink.apply(out if isinstance(out, torch.Tensor) else out[0]))
-        del out
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        sinks.append(_Sink.apply(first) if first.requires_grad else None)
+        del out, first
         events[j + 1].record()
     for m, j in enumerate(reversed(range(count))):
         block.zero_grad(set_to_none=True)  # each backward makes fresh gradients, as in a step
-        sinks[j].backward()
+        if sinks[j] is not None:
+            sinks[j].backward()
         sinks[j] = None
         events[count + m + 1].record()
     torch.cuda.synchronize()

@@ -1,9 +1,12 @@
 """The capture forward: what each block is, what it takes and what it returns, before any block is measured.
 
-How: one forward without gradients (:func:`_capture`) through the user's loss, with hooks on
-every block. A pre-hook records, for every block, its configuration (:func:`_signature`:
-class, parameter shapes, attention kind, input shape) and keeps the inputs (args and kwargs,
-detached, caches dropped: :func:`_without_cache`) of the first block of each configuration;
+How: one forward (:func:`_capture`) through the user's loss, with hooks on every block, that
+builds the autograd graph but keeps no saved tensor (saved-tensor hooks pack them to nothing),
+so that each block's input says whether it requires grad at no cost in memory. A pre-hook
+records, for every block, its configuration (:func:`_signature`: class, parameter shapes,
+attention kind, input shape, whether it has a backward) and keeps the inputs (args and kwargs,
+detached, caches dropped: :func:`_without_cache`; the hidden state a leaf that requires grad
+unless the block has no backward) of the first block of each configuration;
 a post-hook records the shape of its output (:class:`_Template`); hooks on the blocks'
 sub-modules record their outputs' structure, which the stubbed step replays to whoever hooked
 them (:mod:`remat.profiling._head`). It stops once every block has run: the post-hook that
@@ -15,7 +18,12 @@ Why one real forward with hooks rather than building each block's inputs: the bl
 exactly the tensors and keyword arguments (masks, position embeddings) that the model's own
 forward makes for them. Why a signature rather than the class alone: blocks of one class can
 cost differently (Gemma-2's sliding-window and global layers, encoder and decoder), so they
-are profiled apart.
+are profiled apart. Why the graph: a block whose input needs no gradient and whose parameters
+are frozen (a vision-language model's frozen vision tower, the usual way to fine-tune one) saves
+nothing for backward and has no backward; run with an input that requires grad, as every block
+once was, it was charged the memory of a trained one. A block with trainable parameters is run
+with an input that requires grad, as before, even where its input does not (the first block of
+LoRA over frozen embeddings): its one input gradient more is not worth a block class of its own.
 
 Limits: a block must take its hidden state as the first floating-point positional argument
 or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
@@ -25,6 +33,7 @@ only there share one profile; a block that the forward never calls is a ``ValueE
 """
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -40,8 +49,8 @@ CONFIG_ATTRIBUTES = ("attention_type", "layer_type", "is_sliding", "sliding_wind
 
 def _signature(block: nn.Module, hidden=None) -> tuple:
     """What makes two blocks cost the same: class, parameters, the configuration attributes of
-    the block and its direct children (sliding-window or global attention ...) and the shape and
-    dtype of its input."""
+    the block and its direct children (sliding-window or global attention ...), the shape and
+    dtype of its input and whether the block has a backward (:func:`_has_backward`)."""
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
     config = []
     for prefix, module in [("", block)] + [(f"{n}.", m) for n, m in block.named_children()]:
@@ -49,7 +58,7 @@ def _signature(block: nn.Module, hidden=None) -> tuple:
             value = module.__dict__.get(attribute)
             if value is not None and isinstance(value, (bool, int, float, str)):
                 config.append((prefix + attribute, value))
-    shape = None if hidden is None else (tuple(hidden.shape), hidden.dtype)
+    shape = None if hidden is None else (tuple(hidden.shape), hidden.dtype, _has_backward(block, hidden))
     return (type(block), params, tuple(config), shape)
 
 
@@ -121,7 +130,7 @@ class _Capture:
 
 
 def _capture(model, batch, loss_fn, named) -> _Capture:
-    """One forward without gradients, stopped once every block has run (see the module doc)."""
+    """One forward that saves nothing for backward, stopped once every block has run (see the module doc)."""
     n = len(named)
     signatures, outputs, replays = [None] * n, [None] * n, [None] * n
     inputs, seen, order, sub_outputs = {}, set(), [], {}
@@ -133,8 +142,10 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
             signatures[index] = sig
             if sig not in seen:
                 seen.add(sig)
-                inputs[index] = _without_cache(*tree_map(
-                    lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs)))
+                kept = _without_cache(*tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                                                (args, kwargs)))
+                _hidden_of(*kept).requires_grad_(_has_backward(module, _hidden_of(args, kwargs)))
+                inputs[index] = kept
             order.append(index)
 
     def post(index, module, args, kwargs, out):
@@ -154,13 +165,15 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
             for sub in block.modules():
                 if sub is not block:
                     handles.append(sub.register_forward_hook(sub_post))
-        with torch.no_grad():
+        # the graph, for whether each block's input requires grad; no saved tensor, for memory
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_nothing, _nothing):
             loss_fn(model, batch)
     except _Captured:
         pass
     finally:
         for handle in handles:
             handle.remove()
+    gc.collect()  # the forward stopped by an exception leaves reference cycles holding its tensors: free them now
     missing = [named[i][0] for i in range(n) if outputs[i] is None]
     if missing:
         raise ValueError(f"{len(missing)} block(s) were never called in the model's forward ({missing[:3]}); "
@@ -169,6 +182,16 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
         replays[index] = [(sub, sub_outputs[id(sub)]) for sub in block.modules()
                           if sub is not block and sub._forward_hooks and id(sub) in sub_outputs]
     return _Capture(signatures=signatures, inputs=inputs, outputs=outputs, replays=replays, order=order)
+
+
+def _has_backward(block: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether ``block``, given ``hidden`` (from the graph-building capture), has a backward: its
+    input requires grad or it has trainable parameters."""
+    return hidden.requires_grad or any(p.requires_grad for p in block.parameters())
+
+
+def _nothing(_):
+    return None
 
 
 def _without_cache(args, kwargs):

@@ -14,17 +14,24 @@ dtypes its CPU kernel takes (its fake-tensor (meta) function copies the CUDA ker
 refuses anything but bf16, so an fp32 MoE that trains on the CPU could not be profiled), and
 ``aten.bincount`` with a ``minlength`` (tokens per expert, in transformers 5.x before its switch to
 ``histc``) is shaped ``minlength`` (its size depends on the values: no fake run could go on).
+:class:`ValuedFakeMode` is the fake mode itself: the batch's integer tensors (token ids, masks, a
+vision-language model's image grids) keep their values, so the steps that read them (the
+image-token merge, M-RoPE positions) run for real on those small tensors and are recorded for the
+plan's notes; :func:`_tensors_of_values` lets ``torch.tensor([...])`` read such values, and
+:func:`fake_attributes_restored` takes back the fake tensors a forward leaves on the model's
+modules (Qwen2-VL's ``rope_deltas``). ``F.scaled_dot_product_attention``, transformers' packing
+and mask checks and ``torch.tensor`` are replaced only for the length of a fake run, and put back.
 
 Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
 tracker could not tell a view from a new tensor; fake tensors keep storages.
 
-Limits: only SDPA, the grouped matmul and ``bincount`` are redirected (a ``bincount`` whose ids
-reach past ``minlength``, which expert routing never does, would be shaped too small); a model
-calling its own attention kernels is measured with whatever those do on CPU. The flash
-stand-in takes head sizes up to 256 without a mask, the efficient one equal query and key
-heads; anything else falls back to the CPU
-op. Hugging Face's packed-sequence check is told "not packed" unless the batch passes
-``position_ids``.
+Limits: values derived from weights or activations are never known (a forward that reads one
+raises, as MoE routing on transformers 4.x does); only SDPA, the grouped matmul and ``bincount``
+are redirected (a ``bincount`` whose ids reach past ``minlength``, which expert routing never
+does, would be shaped too small); a model calling its own attention kernels is measured with
+whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a mask, the
+efficient one equal query and key heads; anything else falls back to the CPU op. Hugging Face's
+packed-sequence check is told "not packed" unless the batch passes ``position_ids``.
 """
 from __future__ import annotations
 
@@ -34,7 +41,11 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 @contextlib.contextmanager
@@ -197,3 +208,177 @@ class _KernelStandIns(TorchDispatchMode):
             if bound.get("minlength", 0) > 0 and bound.get("weights") is None:
                 return torch.zeros(bound["minlength"], dtype=torch.int64, device=bound["self"].device)
         return func(*args, **kwargs)
+
+
+VALUE_LIMIT = 2**22
+"""Elements (of its storage) up to which a tensor keeps its values in a fake run
+(:class:`ValuedFakeMode`): the token ids, masks and image grids of any training batch (4M tokens)
+and what the model derives from them alone, but never a quadratic mask of a long sequence."""
+
+# integer factories whose values the model's bookkeeping reads (``arange`` positions, ``zeros`` to
+# fill); ``empty`` is left out: its values are undefined, as on a GPU
+_FACTORIES = {torch.ops.aten.arange, torch.ops.aten.zeros, torch.ops.aten.ones, torch.ops.aten.full,
+              torch.ops.aten.scalar_tensor}
+_READS_VALUES = object()  # a fake kernel that could not run without its inputs' values
+
+
+def _small(t: torch.Tensor) -> bool:
+    """A small tensor on the CPU: one that may keep its values (see :data:`VALUE_LIMIT`)."""
+    return (not t.is_complex() and t.device.type == "cpu"
+            and t.untyped_storage().nbytes() <= VALUE_LIMIT * t.element_size())
+
+
+class ValuedFakeMode(FakeTensorMode):
+    """Fake tensors, except that the batch's integer data keeps its values: the steps of a
+    forward that read them (the image-token merge, M-RoPE positions, a vision tower's image
+    lengths) run for real, on small tensors; everything else stays fake.
+
+    How: a ``FakeTensor`` can carry a real ``constant``, and ``FakeTensorMode`` runs an op for
+    real when every fake input has one (torch uses this for ``torch.tensor(3)``), handing back a
+    constant when the output is small enough. Values enter with the batch's integer tensors
+    (:meth:`valued`: ids, masks, image grids; never pixels) and integer factories (``arange``,
+    ``zeros``), and flow through every op whose inputs all have values while its outputs stay
+    within :data:`VALUE_LIMIT` elements (torch: one element): the fake kernel runs first, values
+    hidden, and only a small result is computed for real (a ``seq x seq`` mask of a long
+    sequence stays fake). Weights and activations never have values, so no model math runs for
+    real: only the bookkeeping derived from the batch's ids. Every op whose fake kernel cannot run
+    without values (``.item()``, ``nonzero``, boolean indexing, ``repeat_interleave`` by counts) is
+    recorded in :attr:`reads`, by the model's module and method that asked (:meth:`watch`), for
+    the profile's notes.
+
+    Why not ``FakeTensorMode(shape_env=...)`` with unbacked symbolic sizes: the sizes that follow
+    (image tokens, positions per image) would stay symbols, which the byte tracker cannot add
+    up; and the step cannot be skipped, the blocks' inputs (M-RoPE positions) are made by it.
+
+    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x, random
+    layer drop) are still unknown: such a forward raises, as before. A value written into a
+    tensor by an op without values is forgotten (torch invalidates the constant).
+    """
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.reads = {}          # "module (Class.method)" -> number of value reads there
+        self._names = {}         # id(module) -> qualified name, of the model watched
+
+    def watch(self, model: nn.Module) -> None:
+        """Attribute value reads to ``model``'s modules (by qualified name)."""
+        self._names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+    def valued(self, tensor: torch.Tensor):
+        """A fake copy of ``tensor`` that keeps its values (integer data of the batch), or None
+        where it cannot (floating point, on ``meta``, larger than :data:`VALUE_LIMIT`)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.is_floating_point() \
+                or tensor.is_complex() or tensor.numel() > VALUE_LIMIT:
+            return None
+        with unset_fake_temporarily():
+            real = tensor.detach().to("cpu", copy=True)  # a copy: a model's in-place op must not write the batch
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        return super().may_turn_const(t) or (not self.is_our_fake(t) and _small(t))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
+        if any(has_values) and _makes_new(func) and torch.Tag.nondeterministic_seeded not in func.tags:
+            return self._with_values(func, types, args, kwargs, tensors, all(has_values))
+        # views keep their base's values, in-place ops write them or forget them: torch's own rules
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if (not tensors and func.overloadpacket in _FACTORIES and isinstance(out, torch.Tensor)
+                and not out.is_floating_point() and _small(out)):
+            with no_dispatch():
+                real = func(*args, **kwargs)
+            return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
+        return out
+
+    def _with_values(self, func, types, args, kwargs, tensors, every):
+        """An op that makes new tensors from inputs of which some have values (``every``: all).
+
+        Its fake kernel runs first, values hidden: the product of two small masks can be large.
+        A kernel that needs the values (``.item()``, ``nonzero``, a boolean index) is a read: it
+        runs as torch runs it with values (for real where every input has them) and is recorded.
+        Otherwise, where every input has values and every output is small, the op runs for real
+        and its outputs keep their values; else the fake outputs stand."""
+        held = [(t, t.constant) for t in tensors if isinstance(t, FakeTensor) and t.constant is not None]
+        for t, _ in held:
+            t.constant = None
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            out = _READS_VALUES
+        finally:
+            for t, constant in held:
+                t.constant = constant
+        if out is _READS_VALUES:
+            self._read()
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not every or not outputs or not all(not t.is_complex() and t.numel() <= VALUE_LIMIT for t in outputs):
+            return out
+        real_args, real_kwargs = tree_map(lambda a: a.constant if isinstance(a, FakeTensor) else a, (args, kwargs))
+        with no_dispatch():
+            real = func(*real_args, **real_kwargs)
+        return tree_map(lambda t: self.fake_tensor_converter.from_real_tensor(self, t, make_constant=True)
+                        if isinstance(t, torch.Tensor) else t, real)
+
+    def _read(self) -> None:
+        where = self._caller()
+        self.reads[where] = self.reads.get(where, 0) + 1
+
+    def _caller(self) -> str:
+        """The innermost method of a watched module on the stack: ``name (Class.method)``, block
+        indices as ``*`` (every block reads the same way)."""
+        frame = sys._getframe(2)  # past this method and _read: a frame reading its own locals is a cycle
+        try:
+            while frame is not None:
+                name = self._names.get(id(frame.f_locals.get("self")))
+                if name is not None:
+                    name = ".".join("*" if part.isdigit() else part for part in name.split(".")) or "the model"
+                    return f"{name} ({getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)})"
+                frame = frame.f_back
+            return "outside the model's modules"
+        finally:
+            del frame  # a frame held past its return keeps the model's tensors alive
+
+
+@contextlib.contextmanager
+def _tensors_of_values():
+    """``torch.tensor`` of a list that holds tensors with values (Qwen2-VL's
+    ``torch.tensor([positions.max() + 1 - length, ...])``) reads their values as numbers first:
+    ``torch.tensor`` copies its elements' memory directly, which a fake tensor does not have."""
+    original = torch.tensor
+
+    def tensor(data, *args, **kwargs):
+        if isinstance(data, (list, tuple)):
+            data = tree_map(lambda v: v.tolist() if isinstance(v, FakeTensor) and v.constant is not None else v, data)
+        return original(data, *args, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
+def _makes_new(func) -> bool:
+    """Whether ``func`` returns new tensors (no view of, nor write to, its inputs)."""
+    schema = func._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def fake_attributes_restored(model: nn.Module):
+    """Undo for the plain attributes a fake forward leaves on ``model``'s modules: a fake tensor
+    that a forward stored (Qwen2-VL keeps its M-RoPE ``rope_deltas``) is put back to what was there
+    before (or removed). Parameters and buffers are :func:`_swap_to_fake`'s."""
+    before = {id(m): (m, dict(m.__dict__)) for m in model.modules()}
+
+    def undo():
+        for module, attributes in before.values():
+            for key, value in list(module.__dict__.items()):
+                if isinstance(value, FakeTensor):
+                    if key in attributes:
+                        module.__dict__[key] = attributes[key]
+                    else:
+                        del module.__dict__[key]
+    return undo

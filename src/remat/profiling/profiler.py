@@ -15,7 +15,10 @@ or a Hugging Face model's ``.loss``. Profiling changes nothing in the model: see
 one block, so it is profiled as one block plus its head.
 
 Two meters. Without a GPU (or with ``device="fake"``) parameters and inputs are replaced by
-``FakeTensor``s (no memory, no weights needed; a model on the ``meta`` device works) and a
+``FakeTensor``s (no memory, no weights needed; a model on the ``meta`` device works), the
+batch's integer tensors keeping their values so that steps that read them (a vision-language
+model's image-token merge) run for real on them and are named in ``notes["ran_for_real"]``
+(:class:`~remat.profiling._fake.ValuedFakeMode`), and a
 ``TorchDispatchMode`` counts every new storage once, freed through a weak reference when
 it dies; times are a roofline per op: FLOPs from ``torch.utils.flop_counter``'s formulas
 over the matmul rate, bytes read and written over HBM bandwidth, whichever is larger,
@@ -65,6 +68,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
+from functools import partial
 from typing import Optional
 
 import torch
@@ -74,7 +78,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled, compile_scope
-from remat.profiling._fake import _KernelStandIns, _cuda_attention, _swap_to_fake, padded_mask
+from remat.profiling._fake import (ValuedFakeMode, _KernelStandIns, _cuda_attention, _swap_to_fake,
+                                  _tensors_of_values, fake_attributes_restored, padded_mask)
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
@@ -233,9 +238,14 @@ def _batch_shape(batch) -> tuple:
     return int(first.shape[0]), int(first.shape[1]) if first.dim() in (2, 3) else 1
 
 
-def _to_fake(value):
+def _to_fake(fake_mode, value):
+    """A batch entry as the fake run sees it: integer data with its values (see
+    :class:`ValuedFakeMode`), any other tensor as a fake of its shape."""
     if not isinstance(value, torch.Tensor):
         return value
+    valued = fake_mode.valued(value)
+    if valued is not None:
+        return valued
     fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
     return fake.requires_grad_(value.requires_grad) if value.is_floating_point() else fake
 
@@ -254,15 +264,17 @@ def _value_dependent_errors() -> tuple:
 
 
 def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = ValuedFakeMode()
+    fake_mode.watch(model)
     param_bytes = _storage_bytes(model.parameters())
     buffer_bytes = _storage_bytes(model.buffers())
     padded = padded_mask(batch)  # read while the mask is still real
     restore = _swap_to_fake(model, fake_mode)
+    restore_attributes = fake_attributes_restored(model)
     try:
-        with fake_mode, _KernelStandIns():
-            fbatch = tree_map(_to_fake, batch)
+        with fake_mode, _KernelStandIns(), _tensors_of_values():
+            # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
+            fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(rates)
             with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded):
                 meter = _TrackerMeter(tracker)
@@ -271,15 +283,25 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     except _value_dependent_errors() as error:
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
-            f"values ({type(error).__name__}: {str(error).strip()[:200]}), e.g. token routing in a transformers "
-            "4.x MoE or random layer drop, which a profile without data cannot follow. Profile on a GPU "
-            "(remat.plan or remat.profile with the model and batch on CUDA), or use transformers >= 5, whose "
-            "models run on fake tensors") from error
+            f"values ({type(error).__name__}: {str(error).strip()[:200]}) that do not come from the batch's integer "
+            "tensors, e.g. token routing in a transformers 4.x MoE or random layer drop, which a profile without "
+            "data cannot follow. Profile on a GPU (remat.plan or remat.profile with the model and batch on CUDA), "
+            "or use transformers >= 5, whose models run on fake tensors") from error
     finally:
+        restore_attributes()
         restore()
+    if fake_mode.reads:
+        body = replace(body, notes=dict(body.notes, ran_for_real=ran_for_real(fake_mode.reads)))
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
     return _finish(model, body, batch, rates, "fake", optimizer, optimizer_bytes, param_bytes,
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
+
+
+def ran_for_real(reads: dict) -> str:
+    """The profile's note on the steps a fake profile ran for real (:class:`ValuedFakeMode`'s reads)."""
+    return ("steps that read tensor values ran for real, on the batch's integer tensors (token ids, masks, image "
+            "grids) and what the model derived from them alone; everything else on fake tensors. Read in: "
+            + "; ".join(reads))
 
 
 def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
