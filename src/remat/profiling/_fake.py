@@ -220,6 +220,7 @@ and what the model derives from them alone, but never a quadratic mask of a long
 _FACTORIES = {torch.ops.aten.arange, torch.ops.aten.zeros, torch.ops.aten.ones, torch.ops.aten.full,
               torch.ops.aten.scalar_tensor}
 _READS_VALUES = object()  # a fake kernel that could not run without its inputs' values
+_RANDOM_LIMIT = 16  # random numbers drawn from no input up to which a fake run takes them as 1.0
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -250,8 +251,11 @@ class ValuedFakeMode(FakeTensorMode):
     (image tokens, positions per image) would stay symbols, which the byte tracker cannot add
     up; and the step cannot be skipped, the blocks' inputs (M-RoPE positions) are made by it.
 
-    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x, random
-    layer drop) are still unknown: such a forward raises, as before. A value written into a
+    A few random numbers drawn from no input (LayerDrop's per-layer ``torch.rand([])``) are taken
+    as 1.0, so every layer runs (:meth:`_drawn_high`).
+
+    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x) are still
+    unknown: such a forward raises, as before. A value written into a
     tensor by an op without values is forgotten (torch invalidates the constant).
     """
 
@@ -283,6 +287,11 @@ class ValuedFakeMode(FakeTensorMode):
         has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
         if any(has_values) and _makes_new(func) and torch.Tag.nondeterministic_seeded not in func.tags:
             return self._with_values(func, types, args, kwargs, tensors, all(has_values))
+        if not tensors and torch.Tag.nondeterministic_seeded in func.tags:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() <= _RANDOM_LIMIT:
+                return self._drawn_high(out)
+            return out
         # views keep their base's values, in-place ops write them or forget them: torch's own rules
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if (not tensors and func.overloadpacket in _FACTORIES and isinstance(out, torch.Tensor)
@@ -321,6 +330,16 @@ class ValuedFakeMode(FakeTensorMode):
             real = func(*real_args, **real_kwargs)
         return tree_map(lambda t: self.fake_tensor_converter.from_real_tensor(self, t, make_constant=True)
                         if isinstance(t, torch.Tensor) else t, real)
+
+    def _drawn_high(self, out: torch.Tensor) -> torch.Tensor:
+        """A few random numbers drawn from nothing (LayerDrop's ``torch.rand([])`` per layer) are
+        taken as 1.0, the top of ``rand``'s range: every layer runs, the step that costs the most
+        memory, and the profile goes on instead of stopping at the comparison. Recorded as a read."""
+        where = f"{self._caller()}: random draws taken as 1.0 (layer drop: every layer runs)"
+        self.reads[where] = self.reads.get(where, 0) + 1
+        with unset_fake_temporarily():
+            real = torch.ones(out.shape, dtype=out.dtype)
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
 
     def _read(self) -> None:
         where = self._caller()
