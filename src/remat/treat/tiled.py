@@ -216,6 +216,14 @@ class _Recorded:
     def __init__(self, module: nn.Module):
         self.hooked = [m for m in module.modules() if m._forward_hooks]
         self.collector = _collector() if self.hooked else None
+        if self.hooked and "transformers.utils.output_capturing" not in sys.modules and any(
+                getattr(hook, "__module__", "").startswith("transformers")
+                for m in self.hooked for hook in m._forward_hooks.values()):
+            raise ValueError(
+                f"a tiled {type(module).__name__} holds modules whose outputs this transformers records through "
+                "hooks remat cannot follow (MoE router logits for the auxiliary loss); run in chunks they "
+                "would be recorded per chunk and without gradient. Set output_router_logits=False, use "
+                "'full'/'mlp' for these blocks, or a transformers whose recording remat follows (5.24 is one).")
         self.sources = []     # per record, in call order within a chunk: (module, index in its output)
         self.slots = []       # per record: (list, [positions]) in the collector, one position per chunk
 
