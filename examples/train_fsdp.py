@@ -53,6 +53,7 @@ import remat
 from remat.integrations.collector import StepCollector
 from remat.integrations.presets import build_model, load_config, materialise
 from remat.planning.costs import MEASURED_TREATMENTS
+from remat.planning.plans import TILED_TREATMENTS
 
 
 def main(argv=None):
@@ -185,7 +186,9 @@ def _fake_plan(model, args, world, cuda):
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     gpu = args.gpu or (_gpu_name() if cuda else "cpu")
     # no offload (it splits a compiled graph); an eager profile sharded for FSDP2 has no selective
-    treatments = [t for t in MEASURED_TREATMENTS if t != "selective"] if args.compile else None
+    # compiled: no selective (its policy under per-block compile), no tiled (eager only)
+    treatments = [t for t in MEASURED_TREATMENTS if t != "selective" and t not in TILED_TREATMENTS] \
+        if args.compile else None
     return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
 
 

@@ -14,12 +14,26 @@ materialised mask, process-wide while the model lives); ``remove`` gives that ba
 Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
 plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
 made fresh at each apply.
+
+A plan from :func:`remat.plan` knows what it was made for (:attr:`remat.Plan.made_for`). ``apply``
+refuses one whose blocks are not this model's, one for one (a plan for 4 blocks on a model of 8,
+a name the model lacks), or whose model class is nowhere in this model, naming the first
+difference; a wrapper's prefix is looked through (a base model's plan on its PEFT wrapper and
+back). ``strict=False`` applies the blocks the plan names, by suffix, and keeps the rest. The batch
+shape can only be seen when the model runs: the first training forward after ``apply`` is compared
+with the plan's ``batch x seq`` and a difference is warned once (the plan's peak and time were
+predicted for its own shape); a model run compiled is not checked (the check would split the graph).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+import warnings
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
@@ -29,11 +43,13 @@ from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
 
 _PLAN = "_remat_plan"
+_BATCH_TAG = "batch-check"
 
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
-          tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None) -> nn.Module:
+          tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None,
+          strict: bool = True) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
@@ -46,18 +62,22 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     tokens at a time; see :mod:`remat.treat.head`. ``tile_tokens``: tokens per chunk of the
     tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`; default: the plan's, else
     8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
-    them in ``notes["offload_options"]``).
+    them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
+    this model, block for block (module docstring); False applies the blocks it names, by suffix.
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
     was, its previous plan included.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remat.apply expects a torch.nn.Module as its first argument, got "
-                        f"{type(model).__name__}; call remat.apply(model, spec)")
+    _check_module(model, "apply", "remat.apply(model, spec)")
     _refuse_hf_checkpointing(model)
     structure = discover(model, blocks)
-    plan = resolve(spec, structure.block_names)
+    plan = resolve(spec, structure.block_names, strict=strict)
+    if strict:
+        problem = model_mismatch(model, plan, structure.block_names)
+        if problem:
+            raise ValueError(f"{problem}; plan this model with remat.plan(model, batch, budget), or pass "
+                             "strict=False to apply the plan anyway")
     if head is not None or chunk_tokens is not None or tile_tokens is not None:
         plan = dataclasses.replace(plan, head=head if head is not None else plan.head,
                                    chunk_tokens=chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
@@ -88,6 +108,8 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
         _guard_hf_checkpointing(model)
         patches.install_value(model, _PLAN, plan, tag="plan")
+        if "batch" in plan.notes and "seq" in plan.notes:
+            patches.install(model, "forward", _check_batch, tag=_BATCH_TAG, state=_BatchCheck(plan))
     except BaseException:
         patches.remove(model)
         patches.reinstall(previous)
@@ -100,6 +122,7 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every change remat made is undone, newest first. A wrapper that
     another library installed over remat's (accelerate's autocast ``forward``) stays, and
     remat's part inside it passes calls straight through."""
+    _check_module(model, "remove", "remat.remove(model)")
     patches.remove(model)
     mask_skip.release(model)
     return model
@@ -107,13 +130,110 @@ def remove(model: nn.Module) -> nn.Module:
 
 def current_plan(model: nn.Module) -> Optional[Plan]:
     """The plan last applied to ``model`` by :func:`apply`, or None."""
+    _check_module(model, "current_plan", "remat.current_plan(model)")
     return model.__dict__.get(_PLAN)
 
 
 def treatments(model: nn.Module, blocks: BlockSelector = None) -> dict:
     """``{block_name: treatment}`` as the model is now."""
+    _check_module(model, "api.treatments", "remat.api.treatments(model)")
     structure = discover(model, blocks)
     return {name: treatment_of(block) for name, block in structure.blocks(model)}
+
+
+def _check_module(model, verb: str, call: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.{verb} expects a torch.nn.Module as its first argument, got "
+                        f"{type(model).__name__} ({_short(model)}); call {call} with the model object")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def model_mismatch(model: nn.Module, plan: Plan, block_names) -> Optional[str]:
+    """Why ``plan`` (resolved over ``block_names``, ``model``'s blocks) was not made for ``model``, or
+    None: a solved plan that does not name every block, or whose model class is nowhere in ``model``
+    (a PEFT wrapper holds its base model's class; a plan made on a wrapper names the wrapper's)."""
+    made = plan.made_for
+    if not made:
+        return None
+    names = list(block_names)
+    missing = [n for n in names if n not in plan.blocks]
+    if missing:
+        return (f"the plan was made for {made.get('model', 'a model')} with {made['blocks']} blocks; this "
+                f"{type(model).__name__} has {len(names)}, and the first the plan does not name is {missing[0]!r}")
+    wanted = made.get("model")
+    classes = {c.__name__ for m in model.modules() for c in type(m).__mro__}   # FSDP2's FSDPLlama... too
+    if wanted and wanted not in classes and not wanted.startswith("Peft"):
+        return (f"the plan was made for a {wanted}, and this model ({type(model).__name__}) holds none: its "
+                f"{len(plan.blocks)} blocks match by name only")
+    return None
+
+
+@dataclass(eq=False)
+class _BatchCheck:
+    """The batch-shape check's state: the plan's shape, and whether the first training forward ran."""
+
+    plan: Plan
+    checked: bool = False
+
+
+def _check_batch(patch, *args, **kwargs):
+    """The model's ``forward`` until its first training call: warns if that batch's shape is not the
+    plan's (module docstring), then passes calls straight through."""
+    state = patch.state
+    if not state.checked and patch.module.training and torch.is_grad_enabled() and not _compiling():
+        state.checked = True
+        shape = batch_shape(args, kwargs)
+        want = (state.plan.notes["batch"], state.plan.notes["seq"])
+        if shape is not None and shape != want:
+            warnings.warn(
+                f"remat: the plan applied to {type(patch.module).__name__} was made for a batch of {want[0]} x "
+                f"{want[1]} tokens, and it trains on {shape[0]} x {shape[1]}: its predicted peak "
+                f"({_gib(state.plan.notes.get('predicted_peak_bytes'))}) and step time are for the other shape. "
+                "Re-plan at this shape (remat.plan(model, batch, budget)), or let remat.Guard / RematCallback "
+                "plan from the batches that run", UserWarning, stacklevel=3)
+    return patch.call_previous(*args, **kwargs)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+def batch_shape(args, kwargs) -> Optional[tuple]:
+    """(sequences, tokens) as the profiler reads a batch: ``input_ids``/``inputs_embeds``, else the
+    first tensor argument's first two dimensions; None when there is no such tensor."""
+    for key in ("input_ids", "inputs_embeds"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 1), None)
+    if first is None:
+        return None
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() in (2, 3) else 1
+
+
+def _gib(nbytes) -> str:
+    from remat.units import format_size
+    return "unknown" if nbytes is None else format_size(nbytes)
+
+
+@contextlib.contextmanager
+def batch_check_held(model: nn.Module):
+    """Inside the block the model's first training forward is not compared with its plan's batch
+    (``remat doctor`` runs a step of its own, which must not use up the user's check)."""
+    states = [p.state for p in patches.patches(model, tag=_BATCH_TAG)]
+    before = [state.checked for state in states]
+    for state in states:
+        state.checked = True
+    try:
+        yield
+    finally:
+        for state, value in zip(states, before):
+            state.checked = value
 
 
 def _refuse_hf_checkpointing(model: nn.Module) -> None:
@@ -123,8 +243,24 @@ def _refuse_hf_checkpointing(model: nn.Module) -> None:
         raise ValueError(
             "Hugging Face gradient checkpointing is on for this model "
             f"({', '.join(on[:3])}{' ...' if len(on) > 3 else ''}); remat would checkpoint on top of "
-            "it. Call model.gradient_checkpointing_disable() first (Trainer: gradient_checkpointing="
-            "False), then remat.apply(model, ...) gives the same memory saving and more.")
+            f"it. Call model.{hf_disable_name(model)}() first (Trainer: {hf_argument_name()}=False), then "
+            "remat.apply(model, ...) gives the same memory saving and more.")
+
+
+def hf_disable_name(model: nn.Module) -> str:
+    """The method that turns Hugging Face checkpointing off on ``model``: ``activation_checkpointing_disable``
+    (transformers 5; ``gradient_checkpointing_disable`` is its deprecated alias there), else the old name."""
+    return ("activation_checkpointing_disable" if callable(getattr(model, "activation_checkpointing_disable", None))
+            else "gradient_checkpointing_disable")
+
+
+def hf_argument_name() -> str:
+    """``TrainingArguments``' switch for Hugging Face checkpointing in the installed transformers:
+    ``activation_checkpointing`` where it exists (transformers 5), else ``gradient_checkpointing``."""
+    transformers = sys.modules.get("transformers")
+    args = getattr(transformers, "TrainingArguments", None) if transformers is not None else None
+    fields = getattr(args, "__dataclass_fields__", {}) if args is not None else {}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 # transformers 5.x renamed the switch; both names stay guarded while either exists
@@ -140,7 +276,7 @@ def _guard_hf_checkpointing(model: nn.Module) -> None:
 
 def _refuse_enable(patch, *args, **kwargs):
     raise ValueError(
-        "remat is applied to this model, so Hugging Face gradient checkpointing must stay off: "
-        "it would checkpoint every block a second time. Set gradient_checkpointing=False in "
-        "TrainingArguments (or don't call gradient_checkpointing_enable), or call "
-        "remat.remove(model) first if you want Hugging Face's checkpointing instead.")
+        "remat is applied to this model, so Hugging Face gradient (activation) checkpointing must stay off: "
+        f"it would checkpoint every block a second time. Set {hf_argument_name()}=False in TrainingArguments "
+        f"(or don't call {patch.attribute}), or call remat.remove(model) first if you want Hugging Face's "
+        "checkpointing instead.")

@@ -22,6 +22,10 @@ What it does, per call:
   of a run that never hit the limit (treatments are exact; the head mode is kept as it was,
   so the loss is computed the same way; a re-plan for a longer batch may change the head).
   After ``max_retries`` it raises a RuntimeError naming the budgets tried.
+- A budget no plan fits: the first batch (or a longer one, before any out-of-memory step)
+  raises :class:`remat.NoPlanFits` with the smallest budget that fits, as :func:`remat.plan`
+  does; after an out-of-memory step, at the budget the guard lowered itself, the smallest plan
+  is used (the best left to try).
   :func:`redo_out_of_memory` is that loop alone; the Hugging Face Trainer's
   ``guard_trainer`` runs ``training_step`` through it.
 
@@ -109,26 +113,27 @@ class Guard:
     def __call__(self, step: Callable, batch):
         """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
         tokens = batch_tokens(batch)
-        if tokens > self.planned_tokens:
-            self._replan(batch, self.budget, f"a batch of {tokens} tokens", keep_head=False)
+        if tokens > self.planned_tokens:   # at the budget given (never shrunk yet), nothing fitting is an error
+            self._replan(batch, self.budget, f"a batch of {tokens} tokens", keep_head=False,
+                         refuse=self.recovered == 0)
             self.planned_tokens = tokens
         return redo_out_of_memory(self.model, lambda: step(batch), lambda: self._shrink(batch),
                                   budget=self.budget, max_retries=self.max_retries, who="remat.Guard")
 
     def _shrink(self, batch) -> int:
         self.budget = int(self.budget * self.shrink)
-        self._replan(batch, self.budget, "an out-of-memory step", keep_head=True)
+        self._replan(batch, self.budget, "an out-of-memory step", keep_head=True, refuse=False)
         self.recovered += 1
         return self.budget
 
-    def _replan(self, batch, budget, why: str, *, keep_head: bool) -> None:
+    def _replan(self, batch, budget, why: str, *, keep_head: bool, refuse: bool) -> None:
         from remat.api import current_plan
         options = dict(self.plan_options)
         previous = current_plan(self.model)
         if keep_head and previous is not None and "heads" not in options:
             options["heads"] = [previous.head]          # the redone step computes its loss the same way
         self.plan = plan_and_apply(self.model, batch, budget, options, profile_device=self.profile_device,
-                                   first=self.replans == 0, say=self.say)
+                                   first=self.replans == 0, say=self.say, refuse="remat.Guard" if refuse else None)
         self.replans += 1
         self.say(f"remat.Guard: planned for {why} at {format_size(budget)}: {self.plan.summary()}")
 
@@ -177,14 +182,21 @@ def redo_out_of_memory(model: nn.Module, run: Callable, shrink: Callable[[], int
 
 
 def plan_and_apply(model: nn.Module, batch, budget: int, options: dict, *, profile_device: str = "auto",
-                   first: bool = False, say: Callable[[str], None] = lambda message: None):
+                   first: bool = False, say: Callable[[str], None] = lambda message: None,
+                   refuse: Optional[str] = None):
     """Plan ``model`` for ``batch`` within ``budget`` without using more GPU memory than it
-    (module docstring), apply the plan and return it; the smallest plan when nothing fits."""
+    (module docstring), apply the plan and return it. When nothing fits: with ``refuse`` (who is
+    planning, for the message) the :class:`~remat.NoPlanFits` error, as :func:`remat.plan` raises it
+    -- a budget the user gave that nothing fits; without, the smallest plan (a budget remat lowered
+    itself after an out-of-memory step, where the smallest plan is the best left to try)."""
     from remat.api import apply
     from remat.planning.solver import NoPlanFits
     try:
         chosen = _plan(model, batch, budget, options, profile_device, first, say)
     except NoPlanFits as e:
+        if refuse is not None and e.plan is not None:
+            raise NoPlanFits(f"{refuse}(budget='{format_size(budget)}') cannot train this batch: {e}",
+                             e.smallest_peak, e.plan) from None
         if e.plan is None:
             raise
         chosen = e.plan                             # the smallest peak there is: better than none

@@ -1,11 +1,16 @@
 """``remat bench``: measure remat's plans beside the stock strategies, in one process.
 
 The measuring is :mod:`remat.prove.bench`; this module picks defaults for the device
-(the DESIGN.md bench model on a GPU, ``llama-tiny`` in about a minute on the CPU),
-checks every option before any model is built (budgets with
-:func:`remat.units.parse_budget`, counts >= 1, ``--only`` names), and writes the
-records, a markdown table and a plot into ``--out``. Progress goes to stderr, the
-table to stdout.
+(the DESIGN.md bench model on a GPU), checks every option before any model is built (budgets
+with :func:`remat.units.parse_budget`, counts >= 1, ``--only`` and ``--anchors`` names, each
+``--uniform`` spec), and writes the records, a markdown table and a plot into ``--out``.
+Progress goes to stderr, the table to stdout.
+
+Without a GPU and without options that ask for the measuring bench, ``remat bench`` (``make
+demo``) shows what a CPU proves instead (:mod:`remat.prove.demo`): bitwise-equal gradients per
+treatment, the measured CPU peak beside the prediction, and the planner's predicted frontier for
+``llama-1b`` on an H100. ``--device cpu`` (or a model, shapes, ``--only`` ...) runs the measuring
+bench on the CPU; its step times are labelled as what they are on a CPU.
 """
 from __future__ import annotations
 
@@ -18,15 +23,17 @@ HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpoint
         "op-level SAC, save_on_cpu, HF every-N/offload, torch.compile budgets, fused losses) on one "
         "model and batch")
 EXAMPLES = """examples:
-  remat bench                 # llama-tiny on the CPU (a minute); on a GPU, the bench model
+  remat bench                 # on a GPU, the bench model; without one, what a CPU proves (under a minute)
   remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/  # GPU
   remat bench --model qwen-1.5b --batch 8 --seq 2048 --compile                                  # GPU
   remat bench --only eager,hf_full,remat:full,remat:selective
   remat bench --compile --anchors liger,cce --out results/   # GPU: remat+compile@ plans, fused-loss anchors
-  remat bench --json > records.jsonl                         # records on stdout, nothing else
+  remat bench --only eager,remat:full --json > records.jsonl   # records on stdout, nothing else
 
 Writes bench.jsonl (one JSON record per strategy), bench.md (a table) and bench.png (peak GiB
 on x, tokens/s on y) into --out. An out-of-memory is recorded as 'oom', not a crash.
+Without a GPU, plain `remat bench` proves gradients and CPU peaks per treatment and predicts
+llama-1b's frontier on an H100 (labelled as predictions); --device cpu times the CPU instead.
 --compile adds torch.compile at activation_memory_budget 1.0/0.5/0.2 and, at every budget, a
 remat+compile@<budget> row: remat.plan(model, batch, budget, compile=True), applied, then
 model.compile(). benchmarks/frontier.py runs the whole bench N times in fresh processes.
@@ -35,6 +42,7 @@ model.compile(). benchmarks/frontier.py runs the whole bench N times in fresh pr
 GPU_DEFAULTS = dict(model="llama-1b", batch=4, seq=4096, budgets="10,16,25,32,45GiB")
 CPU_DEFAULTS = dict(model="llama-tiny", batch=2, seq=128, budgets="auto")
 AUTO_FRACTIONS = (0.45, 0.65, 0.85)  # of what eager adds above weights + gradients (see run)
+DEFAULT_UNIFORM = "full,selective"
 
 
 def add_arguments(parser) -> None:
@@ -45,8 +53,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budgets", help="comma-separated memory budgets (e.g. 10,16,32GiB), or 'auto' "
                                           f"(weights and gradients + fractions {AUTO_FRACTIONS} of what "
                                           "eager's measured peak adds above them)")
-    parser.add_argument("--uniform", default="full,selective",
-                        help="remat specs measured on every block (default: full,selective)")
+    parser.add_argument("--uniform", default=DEFAULT_UNIFORM,
+                        help="remat specs measured on every block, comma-separated (default: full,selective; any "
+                             "spec remat.apply takes: every:2, segments:4, ...)")
     parser.add_argument("--only", help="comma-separated strategy names to run (e.g. eager,remat:full)")
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile with activation_memory_budget 1.0/0.5/0.2 and a "
@@ -68,11 +77,14 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from remat.prove import bench, report, strategies
+    from remat.prove import bench, demo, report, strategies
     from remat.prove.anchors import FUSED_LOSSES
     from remat.units import parse_budget
 
     _check_counts(args)
+    _check_specs(args)
+    if demo.is_requested(args, defaults=dict(uniform=DEFAULT_UNIFORM, steps=5, warmup=2)):
+        return _demo(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA GPU is visible; leave --device out to run on the CPU")
@@ -130,6 +142,11 @@ def run(args) -> int:
                                  progress=sys.stderr)
             bench.relate_all(records)
     table = report.markdown(records, title="remat bench")
+    if device == "cpu":
+        table += (f"\nCPU step times: the median and spread of {args.steps} timed steps after {args.warmup} warm-up "
+                  "steps. On a CPU, and more on a shared one, they measure the machine's load as much as remat "
+                  "(two runs can differ several-fold); the peaks and `loss = eager` are exact. Plain `remat bench` "
+                  "without a GPU shows what a CPU proves instead.\n")
     per_budget = report.budget_table(records)
     if per_budget:
         table += "\n### At each budget\n\n" + per_budget
@@ -144,6 +161,42 @@ def run(args) -> int:
     print(f"records: {jsonl}\ntable:   {os.path.join(args.out, 'bench.md')}")
     print(f"plot:    {os.path.join(args.out, 'bench.png')}" if why_not is None else f"no plot: {why_not}")
     return 0
+
+
+def _demo(args) -> int:
+    """No GPU, no options for the measuring bench: what a CPU proves (:mod:`remat.prove.demo`)."""
+    from remat.prove import demo
+    print("remat bench: no CUDA GPU here, so this shows what a CPU proves (gradients, CPU peaks, and the "
+          "planner's predictions for llama-1b on an H100); `remat bench --device cpu` times the CPU instead",
+          file=sys.stderr)
+    result = demo.run(args.out, say=lambda message: print(f"remat bench: {message}", file=sys.stderr, flush=True))
+    if args.json:
+        for record in result["records"]:
+            print(json.dumps(record))
+        return 0
+    print(result["table"])
+    out = args.out
+    print(f"records: {os.path.join(out, 'bench.jsonl')}\ntable:   {os.path.join(out, 'bench.md')}")
+    print(f"plot:    {result['plot']} (predicted frontier)" if result["plot"] else f"no plot: {result['why_no_plot']}")
+    print(f"time:    {result['seconds']:.0f} s")
+    failed = [r["strategy"] for r in result["records"] if r.get("grads_equal") is False]
+    if failed:
+        print(f"remat bench: gradients differ from the untouched model's for {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_specs(args) -> None:
+    """Every ``--uniform`` spec (and ``--only remat:<spec>``) is one remat.apply reads, checked on
+    stand-in block names before any model is built."""
+    from remat.planning.plans import resolve
+    specs = [(f"--uniform {s}", s) for s in args.uniform.split(",") if s]
+    specs += [(f"--only {n}", n[len("remat:"):]) for n in (args.only or "").split(",") if n.startswith("remat:")]
+    for option, spec in specs:
+        try:
+            resolve(spec, [f"model.layers.{i}" for i in range(4)])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{option}: {e}") from None
 
 
 def _check_counts(args) -> None:

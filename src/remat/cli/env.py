@@ -2,8 +2,12 @@
 
 Sizes are collected as byte counts (``*_bytes`` keys, so ``--json`` gives numbers a
 script can compare) and printed with :func:`remat.units.format_size`, so an 8 MiB
-memlock limit reads ``8.00 MiB``, not ``0.01 GiB``. The memlock limit bounds how much
-memory a process may pin; offload needs pinned host memory, so a small limit matters.
+memlock limit reads ``8.00 MiB``, not ``0.01 GiB``. Below the values, lines say what they mean
+for remat (:func:`meaning`): how much pinned host memory offload may take (its pool's limit,
+60% of available host memory: :mod:`remat.offload.pinned`), whether offload runs at all (it
+needs CUDA), and what the memlock limit bounds. That limit is ``mlock``'s: CUDA's pinned
+buffers, which offload uses, are pinned by the driver and are not counted against it; what a
+small one breaks is RDMA (NCCL over InfiniBand registers memory under it).
 """
 from __future__ import annotations
 
@@ -49,9 +53,31 @@ def collect() -> dict:
 
 def _host_memory() -> dict:
     # MemAvailable bounds how much pinned host memory offload can take
-    from remat.offload.pinned import host_memory
+    from remat.offload.pinned import _HOST_FRACTION, host_memory
     memory = host_memory()
-    return {"host_memory_bytes": memory["total"] or 0, "host_available_bytes": memory["available"]}
+    return {"host_memory_bytes": memory["total"] or 0, "host_available_bytes": memory["available"],
+            "offload_pinned_limit_bytes": int(memory["available"] * _HOST_FRACTION)}
+
+
+def meaning(info: dict) -> list:
+    """What the values mean for remat, one line each (offload, pinned memory, memlock)."""
+    from remat.units import format_size
+    lines = []
+    limit = info.get("offload_pinned_limit_bytes")
+    if info.get("cuda_available"):
+        lines.append(f"offload: pins at most {format_size(limit)} of host memory (60% of what is available now); "
+                     "a plan that offloads more stops with an error naming the bytes")
+    else:
+        lines.append("offload: needs CUDA; on this machine offloaded blocks keep their tensors in place (no host "
+                     "copies, no memory saved). Plans made here for a GPU (--gpu h100) offload on that GPU")
+    memlock = info.get("memlock_limit_bytes")
+    if memlock is None:
+        lines.append("memlock: unlimited")
+    else:
+        lines.append(f"memlock: {format_size(memlock)} is mlock()'s limit; CUDA's pinned buffers, which offload uses, "
+                     "are pinned by the driver and not counted against it. Raise it (ulimit -l unlimited) for NCCL "
+                     "over InfiniBand, which registers memory under it")
+    return lines
 
 
 def text_lines(info: dict) -> list:
@@ -73,5 +99,8 @@ def run(args) -> int:
         print(json.dumps(info))
         return 0
     for line in text_lines(info):
+        print(line)
+    print()
+    for line in meaning(info):
         print(line)
     return 0

@@ -10,8 +10,10 @@ which both inherit beside their framework's callback base:
 - planning: :meth:`BatchPlanner.plan_if_longer` plans before the first batch and before every
   batch with more tokens than any planned so far (:func:`remat.guard.batch_tokens`, the rule
   :class:`remat.Guard` uses), keeping the head mode so the loss is computed the same way; when
-  nothing fits the budget the smallest plan is used, with a message; planning itself stays
-  within the budget as the guard's does (:func:`remat.guard.plan_and_apply`);
+  nothing fits the budget the callback stops with :class:`remat.NoPlanFits`, as :func:`remat.plan`
+  does (after an out-of-memory step, at the budget remat lowered itself, the smallest plan is
+  used instead); planning itself stays within the budget as the guard's does
+  (:func:`remat.guard.plan_and_apply`); a plan applied before training is replaced, with a message;
 - applying a ``spec`` as given, and reporting the measured CUDA peak beside the prediction.
 
 A callback changes one small method: :meth:`BatchPlanner._options` (what the planner needs
@@ -103,11 +105,13 @@ class BatchPlanner:
         if tokens <= self.planned_tokens:
             return False
         why = "the first batch" if self.planned_tokens == 0 else "a longer batch"
-        self._plan(module, batch, f"{why} ({tokens} tokens)")
+        self._plan(module, batch, f"{why} ({tokens} tokens)", refuse=not getattr(self, "recovered", 0))
         self.planned_tokens = tokens
         return True
 
-    def _plan(self, module: nn.Module, batch, why: str) -> None:
+    def _plan(self, module: nn.Module, batch, why: str, refuse: bool = True) -> None:
+        """Plan and apply for ``batch``. ``refuse``: a budget nothing fits raises, as remat.plan does
+        (False only where remat lowered the budget itself, after an out-of-memory step)."""
         from remat.api import current_plan
         from remat.guard import plan_and_apply
         from remat.units import format_size
@@ -120,7 +124,10 @@ class BatchPlanner:
             elif previous is not None:
                 options["heads"] = [previous.head]   # the loss is computed the same way after a re-plan
         chosen = plan_and_apply(module, batch, budget, options, profile_device=self.profile_device,
-                                first=self.replans == 0, say=self.say)
+                                first=self.replans == 0, say=self.say, refuse="RematCallback" if refuse else None)
+        if previous is not None and self.plan is None:
+            self.say(f"remat: the plan applied before training ({previous.summary()}) is replaced by the "
+                     "callback's, made from the batches that run")
         self.plan = chosen
         self.replans += 1
         peak = chosen.notes.get("predicted_peak_bytes")

@@ -11,10 +11,24 @@ model's parameters, gradients, buffers and RNG put back afterwards: see
 :func:`remat.profiling.snapshot.preserved`); with a budget, remat's profile of the model at
 that batch. A good setup gets an empty list. The checks, cheapest to state first:
 
+- ``does-not-fit``: (with a budget) the setup's predicted peak is above the budget -- the model as
+  it is, with Hugging Face checkpointing, with its applied plan, or with the plan a ``callback``
+  (:class:`~remat.integrations.hf.RematCallback`) will make. The peak is remat's simulation on the
+  profile ``remat estimate`` makes (the two agree to the byte); the fix is the plan that fits, or,
+  when none does, the floor and what lowers it. A callback whose budget nothing fits is this error
+  too: it stops at its first batch, as ``remat.plan`` does.
+- ``plan-mismatch``: the applied plan was made for another model (another class, another number of
+  blocks: applied with ``strict=False``); what it predicts is another model's.
+- ``plan-batch`` / ``plan-dtype``: the applied plan was made for another batch shape or dtype than
+  the step's: its peak and time are for those.
+- ``plan-gpu`` (a note): the plan's times are another GPU's, or it runs on the CPU, where attention
+  kernels keep other tensors than the CUDA ones the plan counts (with attention dropout the CPU's
+  math kernel keeps the [seq x seq] probabilities: CPU peaks 1.4-2x such a plan's).
+- ``plan-versions`` (a note): the plan was made under another torch or transformers (minor version).
 - ``no-grad``: a parameter with ``requires_grad`` gets no gradient in the step (an adapter cut
   off by reentrant checkpointing, a module the forward never reaches).
-- ``use-cache``: ``config.use_cache`` is on while training: transformers warns and turns it off
-  under its checkpointing; remat drops the cache in treated blocks, untreated ones build it.
+- ``use-cache``: ``config.use_cache`` is on while training a model without remat: the forward
+  builds a cache nobody reads (with remat applied this is fine, and not reported).
 - ``hf-and-fsdp-checkpointing``: ``gradient_checkpointing`` / ``activation_checkpointing`` and
   FSDP's ``activation_checkpointing`` both on: every block recomputed twice (transformers 5
   refuses the pair when it builds the accelerator).
@@ -90,6 +104,10 @@ class Finding:
     """Why it matters."""
     fix: str
     """What to change."""
+    predicted_peak_bytes: Optional[int] = None
+    """The predicted peak the finding is about (``does-not-fit``, ``keep-fits``, ``faster-plan``)."""
+    budget_bytes: Optional[int] = None
+    """The budget it was compared with."""
 
     def __str__(self):
         return f"[{self.severity}] {self.what}\n    why: {self.why}\n    fix: {self.fix}"
@@ -97,7 +115,7 @@ class Finding:
 
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
            accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
-           compiled: Optional[bool] = None) -> list:
+           compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1) -> list:
     """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
 
     ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
@@ -107,11 +125,19 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     time against its prediction. ``loss_fn(model, batch)``: the step's loss (default: a Hugging
     Face model's ``.loss``, labels = input_ids when absent). ``compiled``: whether training runs
     the model compiled; default: as it is now (a ``torch.compile`` wrapper, or ``Module.compile()``
-    called on it or its blocks); pass True for a model compiled after this call. Empty list:
-    nothing found.
+    called on it or its blocks); pass True for a model compiled after this call. ``callback``: the
+    :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train the model: the
+    setup judged is the plan it makes at its budget (default ``budget``). ``fsdp_world``: the model
+    is sharded over that many FSDP2 ranks (the budget is one rank's). Empty list: nothing found.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"doctor expects a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"doctor expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                        "call doctor(model, batch, budget=...)")
+    if callback is not None and not hasattr(callback, "plan_if_longer"):
+        raise TypeError(f"doctor's callback= takes a remat RematCallback (Hugging Face or Lightning), got "
+                        f"{type(callback).__name__}")
+    if budget is None and callback is not None and getattr(callback, "budget", None) is not None:
+        budget = callback.budget
     from remat.integrations import doctor_compile as compiling, doctor_runs as runs
     scope = compile_scope_of(model) if compiled is None else None   # told, not seen: its scope is unknown
     compiled = bool(scope) if compiled is None else bool(compiled)
@@ -126,10 +152,14 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     findings += compiling.check_fsdp_selective(inner, compiled)
     findings += compiling.check_compiled_blocks_cache(inner, scope)
     findings += compiling.check_compiled_mask(inner, batch, compiled)
+    findings += compiling.check_made_for(inner, batch)
     if batch is not None and not _on_meta(inner):
         findings += runs.check_step(inner, batch, loss_fn)
     if batch is not None and budget is not None:
-        findings += runs.check_plans(inner, batch, budget, training_args, loss_fn, gpu, optimizer, compiled)
+        findings += runs.check_plans(inner, batch, budget, training_args, loss_fn, gpu, optimizer, compiled,
+                                     callback=callback, fsdp_world=fsdp_world)
+    elif budget is not None:
+        findings += runs.check_static(inner, budget, optimizer)
     if run_step and batch is not None and _on_cuda(inner):
         findings += runs.check_prediction(model, batch, loss_fn)
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), -f.cost))
@@ -201,8 +231,9 @@ def _check_training_args(training_args, accelerate_config) -> list:
              "FSDP's activation_checkpointing as well",
         why="each block would be recomputed twice in backward (transformers 5 refuses the pair when it builds "
             "the accelerator)",
-        fix="keep one: fsdp_config={'activation_checkpointing': True} with gradient_checkpointing=False, or "
-            "remat (RematCallback / remat.apply before FSDP) with both off")]
+        fix="keep one: fsdp_config={'activation_checkpointing': True} with activation_checkpointing=False "
+            "(gradient_checkpointing in transformers 4), or remat (RematCallback / remat.apply before FSDP) with "
+            "both off")]
 
 
 def _truthy(value) -> bool:
@@ -261,7 +292,8 @@ def _check_reentrant(model, training_args, kwargs) -> list:
              "and no enable_input_require_grads()",
         why="a reentrant checkpoint only back-propagates into its tensor inputs that require grad; the hidden "
             "states do not, so the adapters inside checkpointed blocks get no gradient and do not train",
-        fix="use_reentrant=False in gradient_checkpointing_kwargs, or call model.enable_input_require_grads(), "
+        fix="use_reentrant=False in activation_checkpointing_kwargs (gradient_checkpointing_kwargs in "
+            "transformers 4), or call model.enable_input_require_grads(), "
             "or use remat (non-reentrant, frozen inputs handled)")]
 
 
@@ -284,7 +316,8 @@ def _check_rng(model, training_args, kwargs) -> list:
         what="checkpointing with preserve_rng_state=False on a model with dropout",
         why="the recomputed forward draws other dropout masks than the forward did, so the gradients belong "
             "to no forward that ran",
-        fix="drop preserve_rng_state from gradient_checkpointing_kwargs (the default, True, is right), or use "
+        fix="drop preserve_rng_state from activation_checkpointing_kwargs (gradient_checkpointing_kwargs in "
+            "transformers 4; the default, True, is right), or use "
             "remat, which always preserves it")]
 
 

@@ -21,7 +21,9 @@ import time
 
 import torch
 
+from remat.api import batch_check_held, hf_argument_name
 from remat.integrations.doctor import Finding, applied_plan, hf_checkpointing_on
+from remat.planning.plans import Plan
 
 FASTER = 0.05      # a plan this much faster than the applied one is worth a finding
 OFF = 0.10         # measured vs predicted
@@ -58,7 +60,7 @@ def step_loss(model, batch, loss_fn):
 def check_step(model, batch, loss_fn) -> list:
     from remat.profiling.snapshot import preserved
     findings = []
-    with preserved(model), eager(model):
+    with preserved(model), eager(model), batch_check_held(model):
         model.train()
         out_loss = step_loss(model, batch, loss_fn)
         if out_loss.requires_grad:   # else nothing trainable reaches the loss: every parameter is missing
@@ -74,13 +76,15 @@ def check_step(model, batch, loss_fn) -> list:
             fix="freeze what should not train (requires_grad_(False)); for adapters inside checkpointed blocks use "
                 "non-reentrant checkpointing (use_reentrant=False) or enable_input_require_grads()"))
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
+    if getattr(config, "use_cache", False) is True and applied_plan(model) is None:   # with remat: fine (README)
         findings.append(Finding(
             check="use-cache", severity="note", cost=0.01,
-            what=f"{type(model).__name__}.config.use_cache is True during training",
-            why="a training forward builds a key/value cache nobody reads: transformers warns and turns it off "
-                "under its checkpointing, remat drops it in treated blocks, untreated blocks still build it",
-            fix="model.config.use_cache = False before training (TRL's SFTTrainer passes use_cache=False itself)"))
+            what=f"{type(model).__name__}.config.use_cache is True during training, without remat",
+            why="a training forward builds a key/value cache nobody reads (transformers warns and turns it off "
+                "under its own checkpointing); with remat applied it is fine: a treated block gets an empty cache "
+                "of its own at each call",
+            fix="model.config.use_cache = False before training (TRL's SFTTrainer passes use_cache=False itself), "
+                "or apply remat"))
     return findings
 
 
@@ -97,40 +101,39 @@ def _hf_checkpointing_off(model):
             m.gradient_checkpointing = True
 
 
-def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, compiled: bool) -> list:
-    from remat.integrations.doctor import args_checkpointing
-    from remat.planning.plans import Plan, segment_of
+def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, compiled: bool, callback=None,
+                fsdp_world: int = 1) -> list:
+    """The setup's predicted peak against ``budget`` (``does-not-fit``), then whether its recomputation
+    is needed (``keep-fits``) or a faster plan fits (``faster-plan``). The setup is, first that applies:
+    ``callback`` (the plan a ``RematCallback`` makes for this batch at its budget, or its spec), Hugging
+    Face checkpointing (``full`` on every block, the model's own head), the applied remat plan, or the
+    model untouched (``keep``, its own head). Its peak is :func:`remat.simulate`'s on the profile that
+    ``remat estimate`` makes of the same model and batch, so the two agree to the byte."""
+    from remat.planning.plans import segment_of
     from remat.planning.simulator import simulate
-    from remat.planning.solver import NoPlanFits, solve
-    from remat.profiling.profiler import profile
     from remat.units import format_size, parse_budget
     budget = parse_budget(budget)
-    applied = applied_plan(model)
-    hf = hf_checkpointing_on(model) or args_checkpointing(training_args)
-    if applied is None and not hf:
-        return []
     if compiled:
         return [_not_checked(
-            "keep-fits, faster-plan", "the model runs compiled and remat's profile here is eager",
+            "does-not-fit, keep-fits, faster-plan", "the model runs compiled and remat's profile here is eager",
             "compile changes every treatment's memory and time, so eager numbers would judge the wrong step",
             f"on the GPU, remat.plan(model, batch, budget='{format_size(budget)}', compile=True) (remat plan "
             "--compile) gives the fastest plan for a compiled step; compare its notes['predicted_step_s']")]
-    with _hf_checkpointing_off(model), eager(model):
-        prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer)
-    if applied is None or hf:
-        applied = Plan(blocks={name: "full" for name in prof.block_names}, head="plain")
-        source = "Hugging Face checkpointing (full on every block)"
-    else:
-        source = f"the applied remat plan ({applied.summary()})"
-    if all(t == "keep" for t in applied.blocks.values()):
-        return []
-    segmented = any(segment_of(t) is not None for t in applied.blocks.values())
+    prof = _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world)
+    setup, source, refused = _setup(model, batch, prof, budget, training_args, callback)
+    if refused is not None:
+        return [refused]
+    segmented = any(segment_of(t) is not None for t in setup.blocks.values())
     if segmented:   # not simulated; its time is full's (every block recomputed once), its peak unknown
-        applied = Plan(blocks={n: "full" if segment_of(t) is not None else t for n, t in applied.blocks.items()},
-                       head=applied.head, chunk_tokens=applied.chunk_tokens)
-    now = simulate(prof, applied)
-    keep = simulate(prof, Plan(blocks={n: "keep" for n in prof.block_names}, head=applied.head,
-                               chunk_tokens=applied.chunk_tokens))
+        setup = Plan(blocks={n: "full" if segment_of(t) is not None else t for n, t in setup.blocks.items()},
+                     head=setup.head, chunk_tokens=setup.chunk_tokens)
+    now = simulate(prof, setup)
+    if now.peak_bytes > budget and not segmented:
+        return [_does_not_fit(model, batch, prof, budget, source, now)]
+    if all(t == "keep" for t in setup.blocks.values()):
+        return []
+    keep = simulate(prof, Plan(blocks={n: "keep" for n in prof.block_names}, head=setup.head,
+                               chunk_tokens=setup.chunk_tokens))
     if keep.peak_bytes <= budget:
         lost = max(0.0, 1 - keep.step_s / now.step_s) if now.step_s else 0.0
         return [Finding(
@@ -140,30 +143,130 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
             why=f"the recomputation buys nothing here: about {lost:.0%} of the step time is thrown away "
                 f"({now.step_s * 1e3:.1f} ms against {keep.step_s * 1e3:.1f} ms predicted"
                 + (", the segments timed as full: each block recomputed once" if segmented else "") + ")",
-            fix="turn checkpointing off (gradient_checkpointing=False / remat.remove(model)), or let remat plan it: "
-                f"remat.auto(model, batch, budget='{format_size(budget)}')")]
+            fix=f"turn checkpointing off ({hf_argument_name()}=False / remat.remove(model)), or let remat plan it: "
+                f"remat.auto(model, batch, budget='{format_size(budget)}')",
+            predicted_peak_bytes=keep.peak_bytes, budget_bytes=budget)]
     if segmented:
         return [_not_checked(
-            "faster-plan", f"{source} is a segments plan, which remat applies as given and does not simulate",
+            "does-not-fit, faster-plan", f"{source} is a segments plan, which remat applies as given and does "
+                                         "not simulate",
             "there is no predicted peak or step time to compare another plan with (no block cost describes K "
             "blocks recomputed at once)",
             f"to compare, plan per block: remat.plan(model, batch, budget='{format_size(budget)}') gives the "
             "fastest plan that fits with its predicted peak and time")]
-    try:
-        best = solve(prof, budget)
-    except NoPlanFits:
+    best = _best_plan(model, batch, prof, budget)
+    if best is None:
         return []
     best_s = best.notes["predicted_step_s"]
     if now.step_s and best_s < now.step_s * (1 - FASTER):
         gain = 1 - best_s / now.step_s
         return [Finding(
             check="faster-plan", severity="warning", cost=gain,
-            what=f"{source} fits {format_size(budget)}, but the plan {best.summary()} fits it too and is "
-                 f"predicted {gain:.0%} faster",
+            what=f"{source} fits {format_size(budget)} (predicted peak {format_size(now.peak_bytes)}), but the "
+                 f"plan {best.summary()} fits it too and is predicted {gain:.0%} faster",
             why=f"predicted step {now.step_s * 1e3:.1f} ms now against {best_s * 1e3:.1f} ms "
                 f"(peak {format_size(best.notes['predicted_peak_bytes'])})",
-            fix=f"remat.auto(model, batch, budget='{format_size(budget)}') (or RematCallback(budget=...) in a Trainer)")]
+            fix=f"remat.auto(model, batch, budget='{format_size(budget)}') (or RematCallback(budget=...) in a Trainer)",
+            predicted_peak_bytes=now.peak_bytes, budget_bytes=budget)]
     return []
+
+
+def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
+    """remat's profile of the model as it would train, Hugging Face checkpointing and any compile set
+    aside (the profile measures each treatment itself), sharded for ``fsdp_world`` ranks."""
+    from remat.profiling.profiler import block_param_bytes, profile
+    with _hf_checkpointing_off(model), eager(model), batch_check_held(model):
+        prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer)
+    if fsdp_world != 1:
+        from remat.planning.sharding import shard
+        prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
+    return prof
+
+
+def _setup(model, batch, prof, budget, training_args, callback):
+    """``(plan, words, finding)``: the plan that will run and how to name it, or a finding when the
+    setup will refuse to run (a callback whose budget nothing fits)."""
+    from remat.integrations.doctor import args_checkpointing
+    from remat.planning.plans import resolve
+    from remat.planning.solver import NoPlanFits
+    from remat.units import format_size
+    if callback is not None:
+        if getattr(callback, "spec", None) is not None:
+            plan = resolve(callback.spec, prof.block_names, strict=False)
+            head = callback.head or "plain"
+            return (Plan(blocks=plan.blocks, head=head, chunk_tokens=plan.chunk_tokens if head == "chunked" else None),
+                    f"the callback's spec ({plan.summary()})", None)
+        wanted = callback.budget if getattr(callback, "budget", None) is not None else budget
+        heads = [callback.head] if getattr(callback, "head", None) else None
+        try:
+            plan = _plan_profiled(model, batch, prof, wanted, heads=heads)
+        except NoPlanFits as e:
+            return None, None, Finding(
+                check="does-not-fit", severity="error", cost=1.0,
+                what=f"does not fit: RematCallback(budget='{format_size(wanted)}') finds no plan for this batch "
+                     f"({prof.batch} x {prof.seq}); it stops at the first training batch, as remat.plan does",
+                why=f"the smallest predicted peak of any plan is {format_size(e.smallest_peak)} ({e.plan.summary()}), "
+                    f"static memory alone {format_size(prof.static_bytes)}",
+                fix=_floor_fix(e, prof),
+                predicted_peak_bytes=e.smallest_peak, budget_bytes=wanted)
+        return plan, f"RematCallback's plan at {format_size(wanted)} ({plan.summary()})", None
+    applied = applied_plan(model)
+    if hf_checkpointing_on(model) or args_checkpointing(training_args):
+        return (Plan(blocks={name: "full" for name in prof.block_names}, head="plain"),
+                "Hugging Face checkpointing (full on every block)", None)
+    if applied is not None:
+        return applied, f"the applied remat plan ({applied.summary()})", None
+    return (Plan(blocks={name: "keep" for name in prof.block_names}, head="plain"),
+            "the model as it is (no checkpointing)", None)
+
+
+def _plan_profiled(model, batch, prof, budget, heads=None):
+    """What remat.plan gives for ``budget`` from ``prof`` (no second profile)."""
+    from remat.planner import plan
+    return plan(model, batch, budget, profiled=prof, heads=heads)
+
+
+def _best_plan(model, batch, prof, budget):
+    from remat.planning.solver import NoPlanFits
+    try:
+        return _plan_profiled(model, batch, prof, budget)
+    except NoPlanFits:
+        return None
+
+
+def _does_not_fit(model, batch, prof, budget, source, now) -> Finding:
+    from remat.planning.solver import NoPlanFits
+    from remat.units import format_size as f
+    terms = now.peak_terms()
+    why = (f"the step would run out of memory: the peak is set in {now.peak_at}, static {f(terms['static'])} "
+           f"(parameters, buffers, optimizer state) + {f(terms['carried'])} kept by earlier phases + "
+           f"{f(terms['phase'])} of its own")
+    try:
+        best = _plan_profiled(model, batch, prof, budget)
+    except NoPlanFits as e:
+        fix = _floor_fix(e, prof)
+    else:
+        n = best.notes
+        fix = (f"the plan {best.summary()} fits: predicted peak {f(n['predicted_peak_bytes'])}, step "
+               f"{n['predicted_step_s'] * 1e3:.0f} ms (the setup that does not fit: {now.step_s * 1e3:.0f} ms). "
+               f"remat.auto(model, batch, budget='{f(budget)}'), RematCallback(budget='{f(budget)}') in a Trainer, "
+               f"or `remat plan ... --budget {f(budget).replace(' ', '')} --out plan.json`")
+    return Finding(
+        check="does-not-fit", severity="error", cost=1.0,
+        what=f"does not fit: predicted {f(now.peak_bytes)} > budget {f(budget)} for {source} at batch "
+             f"{prof.batch} x {prof.seq}",
+        why=why, fix=fix, predicted_peak_bytes=now.peak_bytes, budget_bytes=budget)
+
+
+def _floor_fix(error, prof) -> str:
+    from remat.units import format_size as f
+    fixes = [f"raise the budget to at least {f(error.smallest_peak)}", "shorten the batch or sequence"]
+    if prof.optimizer == "adamw":
+        fixes.append("count 8-bit optimizer state (adamw8bit)")
+    if prof.comm is None:
+        fixes.append("shard the model over ranks (remat.plan(..., fsdp_world=N) / --fsdp N)")
+    return (f"no plan fits: the floor is {f(error.smallest_peak)} ({error.plan.summary()}). To fit: "
+            + ", ".join(fixes))
 
 
 def _not_checked(checks, what, why, fix) -> Finding:
@@ -218,3 +321,29 @@ def check_prediction(model, batch, loss_fn) -> list:
                 why="the plan's choice between treatments rests on the predicted times",
                 fix="plan on the GPU that trains (its rates are measured there), at the batch that runs"))
     return findings
+
+
+# -- no batch: what every plan keeps --------------------------------------------------------
+def check_static(model, budget, optimizer) -> list:
+    """Without a batch: parameters, buffers, their gradients and the optimizer state against the
+    budget -- what every plan keeps, whatever it recomputes."""
+    from remat.planning.costs import optimizer_state_bytes
+    from remat.profiling.profiler import trainable_shapes
+    from remat.units import format_size as f, parse_budget
+    budget = parse_budget(budget)
+    params = list({id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in params) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    state = optimizer_state_bytes(optimizer, trainable_shapes(model))
+    floor = weights + grads + state
+    if floor <= budget:
+        return []
+    return [Finding(
+        check="does-not-fit", severity="error", cost=1.0,
+        what=f"does not fit: weights {f(weights)}, their gradients {f(grads)} and optimizer state {f(state)} "
+             f"alone are {f(floor)} > budget {f(budget)}",
+        why="every plan keeps these for the whole step, whatever it recomputes; activations come on top",
+        fix="a larger budget, sharding over ranks (remat.plan(..., fsdp_world=N) / --fsdp N), fewer trainable "
+            "parameters (LoRA) or 8-bit optimizer state; pass a batch to see the whole step's peak",
+        predicted_peak_bytes=floor, budget_bytes=budget)]

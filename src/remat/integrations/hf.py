@@ -8,7 +8,9 @@ How it fits the Trainer's order of events (transformers 5.x, ``Trainer.train``):
 1. ``Trainer.__init__`` ends with ``on_init_end``. If ``TrainingArguments`` ask for Hugging
    Face checkpointing (``gradient_checkpointing=True``, renamed ``activation_checkpointing``
    in transformers 5; TRL's ``SFTConfig`` turns it on by default), the callback takes it
-   over here: both switches are set to False and one message says so. ``train()`` calls
+   over here: both switches are set to False and one message says so (a model with it already
+   on is switched off with ``activation_checkpointing_disable``, transformers 5's name, where
+   it exists: the old name warns there). ``train()`` calls
    ``activation_checkpointing_enable`` *before* any callback's ``on_train_begin``, so this is
    the last moment at which the Trainer can be stopped from checkpointing every block a
    second time (``remat.apply`` guards that method and would raise). A callback added later
@@ -49,7 +51,11 @@ chunked head was applied before the trainer was built, takes it off with a messa
 than leave it silently bypassed.
 
 Budget: ``budget=None`` on CUDA is 90% of what the device can give this process (free memory
-plus what torch already holds); on the CPU a budget or a ``spec`` must be given. The optimizer
+plus what torch already holds); on the CPU a budget or a ``spec`` must be given. A budget no
+plan fits stops training at the first batch with :class:`remat.NoPlanFits` naming the smallest
+budget that fits, as :func:`remat.plan` does (``remat doctor --callback`` says so beforehand);
+only after an out-of-memory step, at a budget remat lowered itself, is the smallest plan used.
+A plan applied before the Trainer was built is replaced by the callback's, with a message. The optimizer
 state counted is ``adamw`` for the Trainer's AdamW optimizers (``adamw8bit`` for 8-bit ones),
 none otherwise.
 
@@ -199,7 +205,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
 
     def _shrink(self, inputs) -> int:
         self._budget_bytes = int(self._budget_bytes * self.shrink)
-        self._plan(self._model, _tensors(inputs), "an out-of-memory step")   # the head mode is kept
+        self._plan(self._model, _tensors(inputs), "an out-of-memory step", refuse=False)   # the head mode is kept
         self.recovered += 1
         self._rewatch()
         return self._budget_bytes
@@ -224,10 +230,12 @@ class RematCallback(BatchPlanner, TrainerCallback):
     def _take_over_model(self, model: nn.Module) -> None:
         if not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
             return
-        disable = getattr(model, "gradient_checkpointing_disable", None)
+        from remat.api import hf_disable_name
+        disable = getattr(model, hf_disable_name(model), None)   # transformers 5's name where it exists
         if disable is None:
             raise ValueError(f"Hugging Face checkpointing is on in {type(model).__name__} and it has no "
-                             "gradient_checkpointing_disable(); switch it off before training with RematCallback")
+                             "activation_checkpointing_disable() / gradient_checkpointing_disable(); switch it off "
+                             "before training with RematCallback")
         disable()
         self._say_take_over()
 
@@ -247,9 +255,12 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self.head = "plain"
         applied = current_plan(model)
         if applied is not None and applied.head == "chunked":
-            apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes))
+            apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes),
+                  strict=False)
+            then = ("the callback's spec replaces the blocks' plan now" if self.spec is not None else
+                    "the blocks keep their plan until the callback plans them from the first batch")
             self.say("remat: TRL's fused LM head computes the loss here, so remat's chunked head (applied before "
-                     "the trainer was built) would never be called: it is taken off; the blocks keep their plan")
+                     f"the trainer was built) would never be called: it is taken off; {then}")
         self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
 
     # -- what differs from the shared planner ---------------------------------------------

@@ -26,6 +26,14 @@ treatment, a ``head`` that is not ``plain``/``chunked``, a ``chunk_tokens`` of `
 ``0``, ``False`` or ``2.5``, an unknown top-level field) with a ValueError that names the
 file, the field, what it must be and what it was. ``chunk_tokens=None`` is the only way
 to ask for the default chunk; no other falsy value stands in for it.
+
+What a plan was made for rides in ``notes`` too (:func:`made_for_notes`, written by the solver):
+the model's class, its dtype, the batch and sequence, the optimizer, the GPU whose rates timed it,
+the compile mode and the torch / transformers / remat versions; the blocks are the plan's own keys
+(a solved plan names every block of its model). :attr:`Plan.made_for` reads them back, so
+:func:`remat.apply` can refuse a plan made for another model (:func:`resolve` with ``strict``) and
+``remat doctor`` can say what differs. Plans written before these notes existed load as they
+are; they say nothing of their model, so they are applied by name as any hand-made plan.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -159,6 +168,20 @@ class Plan:
                                  "Plan.save or `remat plan --out`") from None
         return cls.from_dict(data, source=path)
 
+    @property
+    def made_for(self) -> dict:
+        """What this plan was made for, as far as it says: ``model`` (class name), ``blocks`` (how
+        many; a solved plan names every block of its model), ``dtype``, ``batch``, ``seq``,
+        ``optimizer``, ``gpu`` (the rates that timed it), ``compile`` (None, ``"model"`` or
+        ``"blocks"``) and ``versions``. A spec or a hand-made plan says nothing: ``{}``."""
+        notes = self.notes
+        if not is_solved(self):
+            return {}
+        made = {key: notes[key] for key in _MADE_FOR if key in notes}
+        made["blocks"] = len(self.blocks)
+        made["compile"] = (notes.get("compile_scope") or "model") if notes.get("compile") else None
+        return made
+
     def summary(self) -> str:
         counts = {}
         for t in self.blocks.values():
@@ -174,34 +197,81 @@ class Plan:
         return f"{', '.join(parts) or 'no blocks'}; head {head}{tiles}"
 
 
-def _renamed(plan: Plan, block_names: list) -> Plan:
+_MADE_FOR = ("model", "dtype", "batch", "seq", "optimizer", "gpu", "versions")
+
+
+def is_solved(plan: Plan) -> bool:
+    """Whether ``plan`` came from the solver and says for which model (its prediction and the model's
+    class are in its notes), so names every block of that model; a spec resolved over a model's
+    blocks, a hand-made plan or a plan file from before these notes is not held to that."""
+    return "predicted_peak_bytes" in plan.notes and "model" in plan.notes
+
+
+def versions() -> dict:
+    """The versions of torch, transformers and remat this process runs, for those imported (read
+    from the loaded modules: planning imports neither)."""
+    found = {}
+    for name in ("torch", "transformers", "remat"):
+        version = getattr(sys.modules.get(name), "__version__", None)
+        if version is not None:
+            found[name] = str(version)
+    return found
+
+
+def made_for_notes(*, model: str, dtype: str) -> dict:
+    """The notes the solver adds beside ``gpu``/``batch``/``seq``/``optimizer`` so that a plan knows
+    the model it was made for (see :attr:`Plan.made_for`)."""
+    return {"model": model, "dtype": dtype, "versions": versions()}
+
+
+def _renamed(plan: Plan, block_names: list, strict: bool = True) -> Plan:
     """``plan`` over ``block_names``: as it is when it names them, else with each name mapped to
     the one block name that ends with ``"." + name`` or is such a suffix of it. That makes a
     plan portable between a base model and its PEFT wrapper (``model.layers.0`` and
     ``base_model.model.model.layers.0``); a name that maps to no block or to several, or two
-    names to one block, is refused."""
+    names to one block, is refused. ``strict``: a solved plan (:func:`is_solved`) must also cover
+    every block of the model, one for one (a plan for 4 blocks on a model of 8 is refused, naming
+    the first block it lacks); not strict, the blocks it does not name keep everything."""
     if all(name in block_names for name in plan.blocks):
-        return plan
-    mapping = {}
-    for name in plan.blocks:
-        found = [n for n in block_names if n == name or n.endswith("." + name) or name.endswith("." + n)]
-        if len(found) != 1:
-            raise ValueError(f"plan names a block this model does not have: {name!r} matches "
-                             f"{len(found) or 'no'} block(s) (model blocks: {block_names[:3]} ...); was it "
-                             "made for another model?")
-        mapping[name] = found[0]
-    if len(set(mapping.values())) != len(mapping):
-        raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
-                         "was it made for another model?")
-    return Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
-                chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=plan.tile_tokens)
+        renamed = plan
+    else:
+        mapping = {}
+        for name in plan.blocks:
+            found = [n for n in block_names if n == name or n.endswith("." + name) or name.endswith("." + n)]
+            if len(found) != 1:
+                raise ValueError(f"plan names a block this model does not have: {name!r} matches "
+                                 f"{len(found) or 'no'} block(s) (model blocks: {block_names[:3]} ...); was it "
+                                 f"made for another model?{_made_for_text(plan)} Plan this model with remat.plan")
+            mapping[name] = found[0]
+        if len(set(mapping.values())) != len(mapping):
+            raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
+                             f"was it made for another model?{_made_for_text(plan)}")
+        renamed = Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
+                       chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=plan.tile_tokens)
+    if strict and is_solved(plan) and len(renamed.blocks) != len(block_names):
+        missing = next(n for n in block_names if n not in renamed.blocks)
+        raise ValueError(
+            f"the plan does not match this model's blocks: it treats {len(plan.blocks)} blocks, this model has "
+            f"{len(block_names)}, and the first it does not name is {missing!r}.{_made_for_text(plan)} Plan this "
+            "model with remat.plan(model, batch, budget), or pass strict=False to apply the blocks the plan names "
+            "and keep the rest")
+    return renamed
 
 
-def resolve(spec, block_names) -> Plan:
-    """Turn a spec (string, Plan or mapping) into a Plan over ``block_names``."""
+def _made_for_text(plan: Plan) -> str:
+    made = plan.made_for
+    if not made:
+        return ""
+    shape = f", batch {made['batch']} x {made['seq']}" if "batch" in made and "seq" in made else ""
+    return f" It was made for {made.get('model', 'a model')} with {made['blocks']} blocks{shape}."
+
+
+def resolve(spec, block_names, *, strict: bool = True) -> Plan:
+    """Turn a spec (string, Plan or mapping) into a Plan over ``block_names``. ``strict``: a
+    solved plan must cover these blocks one for one (see :func:`_renamed`)."""
     block_names = list(block_names)
     if isinstance(spec, Plan):
-        return _check_segments(_renamed(spec, block_names), block_names)
+        return _check_segments(_renamed(spec, block_names, strict), block_names)
     if isinstance(spec, Mapping):
         return resolve(Plan(dict(spec)), block_names)
     if not isinstance(spec, str):

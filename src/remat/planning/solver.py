@@ -84,7 +84,7 @@ from typing import Optional, Sequence
 from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
 from remat.planning.memory import BlockTerms, LiveBytes
 from remat.planning.offload_model import engine_bounds
-from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
+from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, made_for_notes
 from remat.planning.sharding import comm_notes
 from remat.planning.simulator import offload_sizes, simulate
 from remat.units import format_size, parse_budget
@@ -209,6 +209,7 @@ def _plan(profile, chosen, head, budget) -> Plan:
              "predicted_tokens_per_s": round(result.tokens_per_s, 1), "budget_bytes": budget,
              "peak_at": result.peak_at, "gpu": profile.rates.name, "measured_rates": profile.rates.measured,
              "batch": profile.batch, "seq": profile.seq, "optimizer": profile.optimizer}
+    notes.update(made_for_notes(model=profile.model, dtype=profile.dtype))   # what apply and doctor compare
     notes.update(comm_notes(profile, result))
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,

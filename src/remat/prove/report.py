@@ -268,8 +268,9 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "/").replace("\n", " ")[:160]
 
 
-def plot(records: list, path: str, title: str = "") -> Optional[str]:
-    """Write the frontier PNG; returns None on success or the reason it was not drawn."""
+def plot(records: list, path: str, title: str = "", predicted: bool = False) -> Optional[str]:
+    """Write the frontier PNG; returns None on success or the reason it was not drawn. ``predicted``:
+    the records are the planner's predictions, not measurements, and the axes say so."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -309,10 +310,12 @@ def plot(records: list, path: str, title: str = "") -> Optional[str]:
         ax.axhline(1.0, color="0.6", linestyle=":", linewidth=1)
     for budget in sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")}):
         ax.axvline(budget / scale, color="tab:blue", linestyle="--", linewidth=0.8, alpha=0.4)
-        ax.annotate(f"budget {budget / scale:g}", (budget / scale, 1.0), xytext=(2, -2), textcoords="offset points",
+        ax.annotate(f"budget {format_size(budget)}", (budget / scale, 1.0), xytext=(2, -2), textcoords="offset points",
                     xycoords=("data", "axes fraction"), va="top", fontsize=7, color="tab:blue", alpha=0.7)
-    ax.set_xlabel(f"peak memory ({unit})  — lower is better")
-    ax.set_ylabel(f"throughput vs eager (eager = {norm:,.0f} tokens/s)" if eager else "tokens / s")
+    said = "predicted " if predicted else ""
+    ax.set_xlabel(f"{said}peak memory ({unit})  — lower is better")
+    ax.set_ylabel(f"{said}throughput vs eager (eager = {norm:,.0f} tokens/s{', predicted' if predicted else ''})"
+                  if eager else f"{said}tokens / s")
     ax.set_ylim(bottom=floor - 0.02 if floor > 0 else 0, top=max(ys.values()) * 1.04 + 0.02)  # room for labels
     first = ok[0]
     ax.set_title(title or f"{first.get('model')}, batch {first.get('batch')} x {first.get('seq')}, "

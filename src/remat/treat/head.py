@@ -381,8 +381,29 @@ def _capture(patch, hidden, *args, **kwargs):
 
 
 def _keep(state, hidden, weight):
-    state.captured.append(hidden)
+    state.captured.append((hidden, _autocast_at(hidden.device.type)))
     return _probe(hidden, weight.shape[0], state.row_probe, compute_dtype_of(hidden, weight))
+
+
+def _autocast_at(device_type: str):
+    """The autocast in force where the model calls its ``lm_head``: ``(device type, dtype)``, or None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, ValueError):   # a device type autocast does not know (meta)
+        pass
+    return None
+
+
+def _as_at_head(autocast, device_type: str):
+    """The loss runs under the autocast the ``lm_head`` call saw (see :func:`_head_loss`)."""
+    import contextlib
+    now = _autocast_at(device_type)
+    if autocast == now:
+        return contextlib.nullcontext()
+    if autocast is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(autocast[0], dtype=autocast[1])
 
 
 def _probe(hidden, vocab, row, dtype):
@@ -395,12 +416,25 @@ def _probe(hidden, vocab, row, dtype):
 
 
 def _head_loss(self, state, out, captured, labels, kwargs):
-    """The chunked loss from the captured hidden states, in the model's output class."""
+    """The chunked loss from the captured hidden states, in the model's output class.
+
+    It runs under the autocast that was in force where the model called its ``lm_head``, not the
+    one around this call: a wrapper that enters autocast inside the model's ``forward`` (accelerate's
+    ``prepare``, which wraps ``forward`` before remat's when it runs first) has left it by now, and
+    the plain head's matmul ran under it. Without this, ``prepare`` then ``apply`` computed the bf16
+    head in fp32 (loss 5.5568323 against 5.5568433, gradients up to 5.9e-4 apart) while ``apply``
+    then ``prepare`` matched the plain head."""
     if len(captured) != 1:
         raise ValueError(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
                          "chunked head handles one call per forward: use head='plain'")
     head = self.get_output_embeddings()
-    hidden = captured[0].to(head.weight.device)
+    hidden, autocast = captured[0]
+    hidden = hidden.to(head.weight.device)
+    with _as_at_head(autocast, hidden.device.type):
+        return _loss_of(self, state, out, hidden, head, labels, kwargs)
+
+
+def _loss_of(self, state, out, hidden, head, labels, kwargs):
     is_tuple = isinstance(out, tuple)
     probe_out = out[0] if is_tuple else out.logits
     key, transform = _logit_transform(self)
