@@ -162,8 +162,8 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         raise ValueError(
             f"{type(self).__name__} has Hugging Face gradient checkpointing switched on while remat "
             f"treats it ({state.treatment!r}): the block would be checkpointed twice. Call "
-            "model.gradient_checkpointing_disable() (Trainer: gradient_checkpointing=False) and "
-            "let remat do it.")
+            "model.activation_checkpointing_disable() (transformers 4: gradient_checkpointing_disable(); "
+            "Trainer: activation_checkpointing=False, or gradient_checkpointing=False in 4) and let remat do it.")
     # an instance forward under remat's (accelerate's device_map hooks) moves the inputs to the
     # block's device itself, after this point: only a bare block can tell a replica by its inputs
     if patch.previous is patches._MISSING:
