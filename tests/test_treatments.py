@@ -203,7 +203,7 @@ def test_lora_with_frozen_embeddings_gets_gradients_without_input_require_grads(
 def test_hf_gradient_checkpointing_is_refused_before_and_after():
     model, _ = FAMILIES["llama"]()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+    with pytest.raises(ValueError, match="activation_checkpointing_disable"):
         remat.apply(model, "full")
     model.gradient_checkpointing_disable()
     remat.apply(model, "full")
