@@ -56,7 +56,8 @@ for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no blo
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
-         compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True) -> Plan:
+         compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True,
+         host_memory=None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
     (a block left untouched, and the model's own head, unless changing it gains more than 1%
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
@@ -93,6 +94,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
+    ``host_memory``: pinned host memory the offloaded tensors may take (bytes or "100GiB"; default,
+    for a profile measured on this machine's GPU: what the offload engine's pool takes by default
+    here, 60% of the available memory; for a fake-tensor profile, made for another machine: no
+    limit): a plan offloads no more than that (``notes["host_bytes"]`` says how much it does), or
+    the ``NoPlanFits`` names the host as the limit.
     """
     budget_bytes = parse_budget(budget)
     if fsdp_world != 1 and ddp_world != 1:
@@ -111,6 +117,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
                          f"again with remat.profile(..., compile={compile!r})")
     prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
                                 blocks=blocks, progress=progress, compile=compile)
+    # the host that trains: this one when the profile was measured here on its GPU, else unknown
+    # unless given (a plan made on a laptop for an H100 box must not take the laptop's memory)
+    host = parse_budget(host_memory) if host_memory is not None else (
+        default_host_limit() if prof.device == "cuda" else None)
+    prof = replace(prof, host_limit=host)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
@@ -296,6 +307,15 @@ def _allowed(prof, treatments) -> Optional[list]:
     if prof.rates.name == "cpu" or not offload_available() or prof.notes.get("compile"):
         available = [t for t in available if t not in OFFLOADING_TREATMENTS]
     return available
+
+
+def default_host_limit() -> Optional[int]:
+    """Pinned bytes the offload engine's pool may hold by default on this machine (None without it)."""
+    try:
+        from remat.offload.pinned import default_limit
+    except ImportError:
+        return None
+    return default_limit()
 
 
 def offload_available() -> bool:

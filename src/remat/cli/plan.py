@@ -75,6 +75,10 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "adamw8bit"),
                         help="optimizer state to count (default none: forward+backward, as remat bench)")
     parser.add_argument("--no-offload", action="store_true", help="plan without offload treatments")
+    parser.add_argument("--host-memory", default=None, metavar="SIZE",
+                        help="pinned host memory offloaded tensors may take on the machine that trains, e.g. "
+                             "100GiB (default: no limit, the plan says what it needs; on a GPU with --compile, "
+                             "60%% of this machine's available memory)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD FSDP2 ranks sharing the model (default 1: no sharding)")
 
@@ -215,6 +219,13 @@ def profile_from_args(args, say):
         model = build_model(config, device="meta", dtype=dtype)
         ids = batch_from_args(args, config, dtype)
         prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+    host = getattr(args, "host_memory", None)
+    if host is not None or prof.device == "cuda":
+        from dataclasses import replace
+
+        from remat.planner import default_host_limit
+        from remat.units import parse_budget
+        prof = replace(prof, host_limit=parse_budget(host) if host is not None else default_host_limit())
     if args.fsdp != 1:
         from remat.planning.sharding import shard
         say(f"sharding for {args.fsdp} FSDP ranks")
@@ -291,6 +302,8 @@ def no_fit_message(error, budget, args) -> str:
     from remat.planning.plans import OFFLOADING_TREATMENTS
     from remat.planning.solver import OFFLOAD_MARGIN
     from remat.units import format_size as f
+    if error.host_limited:  # the GPU budget would do: the host's pinned memory is what stops it
+        return str(error).replace("remat.plan(..., host_memory=...), `remat plan --host-memory`", "--host-memory")
     plan, smallest = error.plan, error.smallest_peak
     peak = plan.notes["predicted_peak_bytes"]
     text = (f"no plan fits {f(budget)}. The smallest budget that fits is {f(smallest)}, with the plan "
@@ -415,6 +428,11 @@ def run(args) -> int:
     print(f"static     {format_size(prof.static_bytes)}")
     for line in explain(prof, sim, budget):
         print(line)
+    if plan.notes.get("host_bytes"):
+        limit = plan.notes.get("host_limit")
+        print(f"host       {format_size(plan.notes['host_bytes'])} of pinned host memory for the offloaded tensors "
+              + (f"(limit {format_size(limit)})" if limit else
+                 "(no limit given: the machine that trains must pin this much; --host-memory to plan within it)"))
     if args.phases:
         for line in timeline_lines(sim):
             print(line)

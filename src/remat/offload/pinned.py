@@ -59,6 +59,12 @@ def _mem_available() -> int:
     return host_memory()["available"]
 
 
+def default_limit() -> int:
+    """The bytes a pool without a ``limit`` may hold: ``_HOST_FRACTION`` of MemAvailable now (what the
+    planner holds offload plans to, :func:`remat.planner.plan`'s ``host_memory``)."""
+    return int(_HOST_FRACTION * _mem_available())
+
+
 class PinnedPool:
     """Host buffers in power-of-two size classes, reused across steps.
 
@@ -102,7 +108,7 @@ class PinnedPool:
 
     def _make_room(self, size: int, nbytes: int) -> None:
         if self.limit is None:
-            self.limit = int(_HOST_FRACTION * _mem_available())
+            self.limit = default_limit()
         if self.held_bytes + size <= self.limit:
             return
         dropped = 0

@@ -140,6 +140,9 @@ class BlockCost:
     """Saved bytes the offload engine would move (storages of at least its minimum size, no parameters)."""
     offload_bytes: int = 0
     """Bytes this treatment moves to the host and back (0 unless it offloads)."""
+    host_bytes: int = 0
+    """Pinned host bytes the offload engine holds for ``offloadable`` when this block offloads: its
+    pool rounds each tensor up to a power of two (:func:`~remat.planning.offload_model.pinned_bytes`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +231,10 @@ class Profile:
     """Seconds a real step took beyond what its parts add up to (the in-step calibration's
     residual: launch gaps, the loss's glue, the step's own start and end), added to every plan's
     step; 0 when not calibrated."""
+    host_limit: Optional[int] = None
+    """Pinned host bytes the offload engine may hold (the pool's limit, by default 60% of the
+    host's available memory); a plan that would need more offloads less (:mod:`remat.planning.solver`).
+    None: no limit."""
 
     @property
     def tokens(self) -> int:

@@ -140,3 +140,9 @@ def engine_bounds(window: float, largest: float, previous: float, earlier: bool,
     else:
         backward = prefetch_blocks * largest + window if (previous or earlier) else 0.0
     return forward, backward
+
+
+def pinned_bytes(sizes) -> int:
+    """Pinned host bytes the offload engine's pool holds for tensors of ``sizes`` bytes: each in its
+    power-of-two size class (``remat.offload.pinned.PinnedPool.size_class``; a test checks they agree)."""
+    return sum(1 << max(int(size) - 1, 1).bit_length() for size in sizes)

@@ -102,6 +102,12 @@ def block_treatments(profile, plan) -> list:
                     f"got {type(plan).__name__}")
 
 
+def host_bytes(profile, treatments) -> int:
+    """Pinned host bytes a plan's offloaded tensors take at once (every offloaded block's, at the
+    head: the engine's pool holds them all until their block's backward)."""
+    return sum(profile.cost(i, t).host_bytes for i, t in enumerate(treatments) if t in OFFLOADING_TREATMENTS)
+
+
 def offload_sizes(profile, treatments) -> list:
     """Bytes each block's treatment hands to the offload engine (0 for the others)."""
     return [profile.cost(i, t).offload_bytes if t in OFFLOADING_TREATMENTS else 0

@@ -79,6 +79,7 @@ minimising the peak itself, and named in the error, with its plan.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
@@ -86,7 +87,7 @@ from remat.planning.memory import BlockTerms, LiveBytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, made_for_notes
 from remat.planning.sharding import comm_notes
-from remat.planning.simulator import offload_sizes, simulate
+from remat.planning.simulator import host_bytes, offload_sizes, simulate
 from remat.units import format_size, parse_budget
 
 OFFLOAD_MARGIN = 0.02
@@ -96,12 +97,15 @@ RECOMPUTE_MARGIN = 0.01
 
 
 class NoPlanFits(ValueError):
-    """No plan fits the budget; ``smallest_peak`` and ``plan`` say what would."""
+    """No plan fits the budget; ``smallest_peak`` and ``plan`` say what would. ``host_limited``: the
+    plans that fit the GPU need more pinned host memory than the profile's ``host_limit``
+    (``smallest_peak`` and ``plan`` are then the smallest without offload, or None)."""
 
-    def __init__(self, message, smallest_peak=None, plan=None):
+    def __init__(self, message, smallest_peak=None, plan=None, host_limited=False):
         super().__init__(message)
         self.smallest_peak = smallest_peak
         self.plan = plan
+        self.host_limited = host_limited
 
 
 def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
@@ -129,6 +133,8 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
                          f"{sorted({h.mode for h in profile.heads})}")
     exact = _uniform(profile, options, head_options, offload_margin, recompute_margin)
     best = _best(profile, options, head_options, budget, resolution, offload_margin, exact, recompute_margin)
+    if best is not None and _over_host(profile, best[1]):
+        best = _within_host(profile, options, head_options, budget, resolution, offload_margin, recompute_margin)
     if best is None:
         smallest, plan = _smallest(profile, options, head_options, resolution, offload_margin, exact,
                                    recompute_margin)
@@ -141,6 +147,62 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
             smallest, plan)
     _, chosen, head = best
     return _plan(profile, chosen, head, budget)
+
+
+def _over_host(profile, chosen) -> bool:
+    return profile.host_limit is not None and host_bytes(profile, chosen) > profile.host_limit
+
+
+def _within_host(profile, options, head_options, budget, resolution, margin, recompute_margin):
+    """The best plan within ``budget`` whose offloaded tensors fit the host's pinned memory
+    (``profile.host_limit``), or a :class:`NoPlanFits` that names the host as the limit.
+
+    A Lagrangian search: each offloading block is charged ``price`` seconds per pinned byte, and
+    the least price at which the best plan fits the host is found by bisection (on a log scale);
+    a plan that fits at some price is returned with its true score. At a price no offload is
+    worth (one second per kilobyte), a plan that still offloads beyond the host means no plan
+    fits both memories."""
+    def solve_at(price):
+        charged = _charged(profile, price)
+        exact = _uniform(charged, options, head_options, margin, recompute_margin)
+        return _best(charged, options, head_options, budget, resolution, margin, exact, recompute_margin)
+    low, high = 0.0, 1e-12  # seconds per byte: from a millisecond per GB ...
+    found = solve_at(high)
+    while found is not None and _over_host(profile, found[1]) and high < 1e-3:  # ... to seconds per KB
+        low, high = high, high * 100
+        found = solve_at(high)
+    if found is None or _over_host(profile, found[1]):
+        last = found or solve_at(0.0)
+        offloading = _plan(profile, last[1], last[2], budget)
+        plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
+        smallest, plan = _smallest(profile, plain, head_options, resolution, margin,
+                                   _uniform(profile, plain, head_options, margin, recompute_margin),
+                                   recompute_margin) if plain else (None, None)
+        without = (f" Without offload the smallest GPU budget is {format_size(smallest)} ({plan.summary()})."
+                   if smallest is not None else "")
+        raise NoPlanFits(
+            f"no plan fits {format_size(budget)} of GPU memory within the host's "
+            f"{format_size(profile.host_limit)} of pinned memory for offloaded tensors: the fastest that fits the "
+            f"GPU offloads {format_size(offloading.notes['host_bytes'])} ({offloading.summary()}).{without} Give "
+            "offload more host memory (remat.plan(..., host_memory=...), `remat plan --host-memory`; the default "
+            "is 60% of the host's available memory), raise the GPU budget, or shorten the batch or sequence.",
+            smallest, plan, host_limited=True)
+    for _ in range(12 if low else 0):  # the least price whose plan fits: offload as much as the host allows
+        middle = (low * high) ** 0.5
+        attempt = solve_at(middle)
+        if attempt is not None and not _over_host(profile, attempt[1]):
+            high, found = middle, attempt
+        else:
+            low = middle
+    chosen, head = found[1], found[2]
+    return plan_score(profile, chosen, head, recompute_margin), chosen, head
+
+
+def _charged(profile, price):
+    """``profile`` whose offloading treatments cost ``price`` seconds more per pinned host byte."""
+    classes = tuple({t: replace(c, fwd_s=c.fwd_s + price * c.host_bytes) if t in OFFLOADING_TREATMENTS else c
+                     for t, c in costs.items()} for costs in profile.classes)
+    return replace(profile, classes=classes)
 
 
 def _best(profile, options, head_options, budget, resolution, margin, exact, recompute_margin):
@@ -213,7 +275,8 @@ def _plan(profile, chosen, head, budget) -> Plan:
     notes.update(comm_notes(profile, result))
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,
-                     exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at)
+                     exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at,
+                     host_bytes=host_bytes(profile, chosen), host_limit=profile.host_limit)
     return Plan(blocks=draft.blocks, head=draft.head, chunk_tokens=draft.chunk_tokens, notes=notes)
 
 

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointError
 from remat.profiling._capture import _hidden_of, _nbytes, _with_hidden
 from remat.profiling._meters import _chain, _gc_paused
 from remat.planning.costs import BlockCost
+from remat.planning.offload_model import pinned_bytes
 from remat.treat.treatments import apply_treatment, remove_treatment
 
 
@@ -94,10 +95,11 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
         remove_treatment(block)
         block.zero_grad(set_to_none=True)
     (with_out, fwd_peak, _), (kept, _, _), (bwd_end, bwd_peak, _) = marks
-    offloadable = sum(size for key, size in saved.items() if key not in params and size >= min_bytes)
+    moved = [size for key, size in saved.items() if key not in params and size >= min_bytes]
+    offloadable = sum(moved)
     return BlockCost(fwd_peak=fwd_peak, kept=kept, out_alive=with_out - kept, out_bytes=out_bytes,
                      saves_input=input_saved, bwd_peak=bwd_peak, bwd_end=bwd_end, fwd_s=fwd_s, bwd_s=bwd_s,
-                     offloadable=offloadable)
+                     offloadable=offloadable, host_bytes=pinned_bytes(moved))
 
 
 def _block_run(block, args, kwargs, meter, params, track=True, call=None):
