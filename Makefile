@@ -1,6 +1,10 @@
-# Two entry points for a fresh machine (see README):
-#   make demo   -> venv, install, run remat's main job on the built-in CPU preset
+# Entry points for a fresh machine (see README):
+#   make demo   -> venv, install, `remat bench`: on a GPU the real bench; without one, what a CPU
+#                  proves (exact gradients, CPU peaks beside predictions, llama-1b's predicted frontier)
 #   make test   -> venv, install with test extras, run the test suite
+#   make test-all -> the suite, then the zoo sweep
+#   make zoo    -> the registry zoo: every model type transformers maps to a training head, every
+#                  treatment, plain and chunked head, remat.plan (tens of minutes; not in make test)
 # torch is installed first and pinned to the local CPU wheel so that pip never
 # resolves `torch>=2.6` to a multi-GB CUDA build on a CPU-only machine.
 PYTHON ?= python3
@@ -9,6 +13,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # the suite runs in this many processes (pytest-xdist; CI has 2 cores); TEST_WORKERS=0 runs it in one
 TEST_WORKERS ?= 2
+# the zoo sweep runs this many model processes at a time, each stopped after ZOO_TIMEOUT seconds
+ZOO_WORKERS ?= 2
+ZOO_TIMEOUT ?= 900
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,4 +34,9 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
-.PHONY: install demo test
+test-all: test zoo
+
+zoo: install
+	$(BIN)/python benchmarks/zoo_sweep.py --workers $(ZOO_WORKERS) --timeout $(ZOO_TIMEOUT) --out benchmarks/results/zoo
+
+.PHONY: install demo test test-all zoo

@@ -10,7 +10,8 @@ The last column is ``remat.plan`` on the fake-tensor path. Models that cannot be
 with the installed libraries (timm absent, a class missing from an older transformers)
 are listed under the table with the reason. The models and the checks are
 ``tests/zoo.py``'s, so the table and the tests cannot drift apart; this is a correctness
-table, not a benchmark: nothing is timed.
+table, not a benchmark: nothing is timed. The sweep over every model type transformers maps
+to a training head (``make zoo``) is ``benchmarks/zoo_sweep.py``.
 """
 from __future__ import annotations
 

@@ -380,14 +380,20 @@ TIMM_CASES = [
 CASES = {case.name: case for case in HF_CASES + PLAIN_CASES + TIMM_CASES}
 
 
-@functools.lru_cache(maxsize=None)
-def _pristine(name: str) -> nn.Module:
-    return CASES[name].build()
+def case_of(case) -> Case:
+    """``case`` itself, or the hand-written case of that name (the checks take either)."""
+    return CASES[case] if isinstance(case, str) else case
 
 
-def build(name: str) -> nn.Module:
-    """A fresh copy of the zoo model ``name`` (built once per process, then deep-copied)."""
-    return copy.deepcopy(_pristine(name))
+_PRISTINE: dict = {}  # id(case) -> (case, model): a Case may hold a list (blocks=), so it is not hashable
+
+
+def build(case) -> nn.Module:
+    """A fresh copy of the zoo model ``case`` (a Case or a name; built once per process, then deep-copied)."""
+    case = case_of(case)
+    if id(case) not in _PRISTINE:
+        _PRISTINE[id(case)] = (case, case.build())
+    return copy.deepcopy(_PRISTINE[id(case)][1])
 
 
 # ----------------------------------------------------------------------------- the check
@@ -420,31 +426,89 @@ def _step(case: Case, model: nn.Module, batch, seed: int, counter: Optional[OpCo
     return loss.detach()
 
 
-def check_exact(case: Case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> tuple:
+# a gradient whose norm is under this fraction of the step's largest is compared against that
+# largest instead: its exact value is ~zero (a key projection's bias: softmax ignores a bias
+# shared by every key), so both sides hold rounding noise and a relative error of it means nothing
+NOISE_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A treated model trained beside an untouched copy (:func:`compare`)."""
+
+    first_difference: Optional[str]
+    """The first loss, gradient or buffer that is not ``torch.equal``, worded as
+    :func:`check_exact` raises it; None when every one is bitwise equal."""
+    max_rel: float
+    """The largest norm-wise relative difference, ``||treated - untouched|| / ||untouched||``,
+    over the losses, gradients and buffers of every step (0.0 when bitwise equal)."""
+    ops: int
+    """aten ops the treated model's first step ran."""
+    reference_ops: int
+    """aten ops the untouched model's first step ran."""
+    worst: str = ""
+    """Where ``max_rel`` was found (``"step 1: gradient of lm_head.weight"``)."""
+    max_rel_by_step: tuple = ()
+    """``max_rel`` of each step alone: the first step's compares the same weights, a later one's
+    also carries what the earlier steps' differences did to the weights."""
+
+
+def _rel(value: torch.Tensor, reference: torch.Tensor, scale: float = 0.0) -> float:
+    if not value.is_floating_point():
+        return 0.0 if torch.equal(value, reference) else float("inf")
+    value, reference = value.double(), reference.double()
+    if value.shape != reference.shape or not bool(torch.isfinite(value).all() and torch.isfinite(reference).all()):
+        return float("inf")
+    denominator = max(float(reference.norm()), NOISE_FLOOR * scale, 1e-30)
+    return float((value - reference).norm()) / denominator
+
+
+def compare(case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> Comparison:
     """Train ``treated`` and ``reference`` side by side for ``steps`` SGD steps (same batch, same
-    seed before each forward) and raise AssertionError at the first difference: the loss, every
-    parameter gradient, and every buffer (BatchNorm running statistics) after the step.
-    Returns the aten ops the first step ran, ``(treated, reference)``."""
+    seed before each forward) and record every difference: the loss, every parameter gradient,
+    and every buffer (BatchNorm running statistics) after the step. Raises AssertionError for a
+    difference no tolerance can accept (parameter names, a gradient present on one side only)."""
+    case = case_of(case)
     batch = case.batch(reference)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (treated, reference)]
     counters = (OpCounter(), OpCounter())
+    first, found = None, []  # found: (relative difference, step, what)
     for step in range(steps):
         loss, ref_loss = (_step(case, m, _clone(batch), seed=100 + step, counter=c if step == 0 else None)
                           for m, c in zip((treated, reference), counters))
-        assert torch.equal(loss, ref_loss), f"step {step}: loss {loss.item()!r} != {ref_loss.item()!r}"
+        if not torch.equal(loss, ref_loss):
+            first = first or f"step {step}: loss {loss.item()!r} != {ref_loss.item()!r}"
+            found.append((_rel(loss, ref_loss), step, "loss"))
         params, ref_params = dict(treated.named_parameters()), dict(reference.named_parameters())
         assert params.keys() == ref_params.keys(), "parameter names differ"
+        scale = max((float(q.grad.double().norm()) for q in ref_params.values() if q.grad is not None), default=0.0)
         for name, p in params.items():
             q = ref_params[name]
             assert (p.grad is None) == (q.grad is None), f"step {step}: gradient of {name} is None on one side"
-            if p.grad is not None:
-                assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {name} differs"
+            if p.grad is not None and not torch.equal(p.grad, q.grad):
+                first = first or f"step {step}: gradient of {name} differs"
+                found.append((_rel(p.grad, q.grad, scale), step, f"gradient of {name}"))
         ref_buffers = dict(reference.named_buffers())
         for name, b in treated.named_buffers():
-            assert torch.equal(b, ref_buffers[name]), f"step {step}: buffer {name} differs"
+            if not torch.equal(b, ref_buffers[name]):
+                first = first or f"step {step}: buffer {name} differs"
+                found.append((_rel(b, ref_buffers[name]), step, f"buffer {name}"))
         for opt in opts:
             opt.step()
-    return counters[0].count, counters[1].count
+    worst = max(found, default=(0.0, 0, ""))
+    return Comparison(first_difference=first, max_rel=worst[0], ops=counters[0].count,
+                      reference_ops=counters[1].count, worst=f"step {worst[1]}: {worst[2]}" if found else "",
+                      max_rel_by_step=tuple(max((r for r, s, _ in found if s == step), default=0.0)
+                                            for step in range(steps)))
+
+
+def check_exact(case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> tuple:
+    """:func:`compare`, raising AssertionError at the first difference: the loss, every
+    parameter gradient and every buffer must be ``torch.equal``.
+    Returns the aten ops the first step ran, ``(treated, reference)``."""
+    result = compare(case, treated, reference, steps)
+    assert result.first_difference is None, result.first_difference
+    return result.ops, result.reference_ops
 
 
 def _one_thread(function):
@@ -469,8 +533,9 @@ RECOMPUTING = ("full", "selective", "attention", "mlp", "every:2", "full+offload
 
 
 @_one_thread
-def run_treatment(name: str, spec: str, steps: int = 2) -> str:
-    """Apply ``spec`` to a fresh zoo model and train it beside an untouched copy.
+def run_treatment(name, spec: str, steps: int = 2) -> str:
+    """Apply ``spec`` to a fresh zoo model (``name``: a Case or a hand-written case's name)
+    and train it beside an untouched copy.
 
     Returns ``"exact"``, or ``"refused"`` when the blocks lack the sub-module ``spec`` names
     and ``remat.apply`` refused with a ValueError saying so. Raises anything else: an
@@ -479,10 +544,9 @@ def run_treatment(name: str, spec: str, steps: int = 2) -> str:
     ran no more ops than the untouched model's, an offloading one that moved no bytes).
     :class:`Unavailable` when the case cannot be built here."""
     import remat
-    from remat.api import treatments
-    from remat.treat.treatments import engine_of
-    case = CASES[name]
-    model = build(name)
+    case = case_of(name)
+    name = case.name
+    model = build(case)
     reference = copy.deepcopy(model)
     missing = {"attention": not case.has_attention, "mlp": not case.has_mlp}.get(spec, False)
     try:
@@ -492,35 +556,61 @@ def run_treatment(name: str, spec: str, steps: int = 2) -> str:
             return "refused"
         raise
     assert not missing, f"{spec!r} was accepted, but {name}'s blocks have no {spec} sub-module"
-    # "exact" must not come from a block left untreated: each carries what the plan gave it
+    check_installed(case, model, spec)
+    ops, reference_ops = check_exact(case, treated=model, reference=reference, steps=steps)
+    check_mechanism(model, spec, ops, reference_ops)
+    return "exact"
+
+
+def check_installed(case: Case, model: nn.Module, spec) -> None:
+    """AssertionError unless every block carries the treatment the applied plan gives it:
+    "exact" must not come from a block left untreated."""
+    import remat
+    from remat.api import treatments
     planned = remat.current_plan(model).blocks
     installed = treatments(model, case.blocks)
     assert installed == {block: planned.get(block, "keep") for block in installed}, \
         f"{spec!r}: the blocks carry {installed}, the plan says {dict(planned)}"
-    ops, reference_ops = check_exact(case, treated=model, reference=reference, steps=steps)
+
+
+def check_mechanism(model: nn.Module, spec: str, ops: int, baseline_ops: int) -> None:
+    """AssertionError for a treatment that did nothing: a recomputing one whose step ran no
+    more aten ops than ``baseline_ops`` (the same model untreated), an offloading one whose
+    engine moved no bytes."""
+    from remat.treat.treatments import engine_of
     if spec in RECOMPUTING:
-        assert ops > reference_ops, f"{spec!r} recomputed nothing: {ops} ops per step, untouched {reference_ops}"
+        assert ops > baseline_ops, f"{spec!r} recomputed nothing: {ops} ops per step, untouched {baseline_ops}"
     if "offload" in spec:
         moved = engine_of(model).stats()["bytes_d2h"]
         assert moved > 0, f"{spec!r} moved no saved tensor to the host"
-    return "exact"
 
 
 @_one_thread
-def run_plan(name: str, budget="1GiB"):
-    """``remat.plan`` a fresh zoo model on its batch (fake tensors on the CPU), with the case's
-    loss as ``loss_fn`` where the model computes none of its own, and check that
-    planning left the model, its gradients and the RNG as they were; returns the plan."""
+def run_plan(name, budget="1GiB", smallest: bool = False):
+    """``remat.plan`` a fresh zoo model (``name``: a Case or a hand-written case's name) on its
+    batch (fake tensors on the CPU), with the case's loss as ``loss_fn`` where the model computes
+    none of its own, and check that planning left the model, its gradients and the RNG as they
+    were; returns the plan. ``smallest``: returns ``(plan, smallest)`` where ``smallest`` is the
+    plan of the smallest peak (what :class:`remat.NoPlanFits` offers for a budget of one byte),
+    solved from the same profile -- the plan that treats the most."""
     import remat
-    case = CASES[name]
-    model = build(name)
+    case = case_of(name)
+    model = build(case)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     kwargs = {} if case.loss is _hf_loss else {"loss_fn": case.loss}  # what a user must pass: no loss of its own
-    plan = remat.plan(model, case.batch(model), budget=budget, blocks=case.blocks, **kwargs)
+    batch = case.batch(model)
+    profiled = remat.profile(model, batch, blocks=case.blocks, **kwargs)
+    plan = remat.plan(model, batch, budget=budget, blocks=case.blocks, profiled=profiled, **kwargs)
+    tightest = None
+    if smallest:
+        try:
+            tightest = remat.plan(model, batch, budget=1, blocks=case.blocks, profiled=profiled, **kwargs)
+        except remat.NoPlanFits as error:
+            tightest = error.plan
     assert set(plan.blocks) == set(remat.discover(model, case.blocks).block_names), "plan misses blocks"
     assert torch.equal(torch.get_rng_state(), rng), "planning changed the RNG state"
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), f"planning changed {key}"
     assert all(p.grad is None for p in model.parameters()), "planning left gradients"
-    return plan
+    return (plan, tightest) if smallest else plan

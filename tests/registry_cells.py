@@ -1,0 +1,190 @@
+"""The cells of the registry zoo (issue 29): one treatment, or ``remat.plan``, on one model, classified.
+
+:func:`run_cell` applies a treatment with the plain or the chunked head to a fresh copy of a
+:mod:`registry_zoo` case and trains it beside an untouched copy (:func:`zoo.compare`: two SGD
+steps, same batch and seeds, fp32, dropout on); :func:`run_plan_cell` plans on fake tensors
+(:func:`zoo.run_plan`), applies the plan of the smallest peak and trains it the same way;
+:func:`run_model` runs every cell of one model type. A :class:`Cell` is
+
+- ``exact``: loss, every gradient and every buffer ``torch.equal``, and the treatment did
+  something (a recomputing one ran more aten ops than the same model without it, an offloading
+  one moved bytes: :func:`zoo.check_mechanism`);
+- ``rounding``: not bitwise equal for a reason named in ``detail`` and within :data:`ROUNDING`
+  -- only the chunked head (its loss is summed a chunk at a time), so the baseline of its
+  recompute check is the same model with the chunked head alone;
+- ``refused``: remat raised ValueError/TypeError with a ``raise`` of its own (the innermost frame is
+  in remat) before touching the model, or in the first step with one of :data:`RUNTIME_REFUSALS`,
+  and its first line quotes no crash it caught (:data:`WRAPPED_CRASH`); ``detail`` is that line;
+- ``FAIL``: anything else -- a crash, a difference beyond rounding, a treatment that did nothing,
+  an error raised inside the model under remat.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import registry_zoo as rz
+import zoo
+
+ROUNDING = 1e-5
+"""The largest norm-wise relative difference of the first step called fp32 rounding: the chunked
+head sums the loss a chunk at a time, so its loss and gradients differ from the plain head's in
+the last bits (1e-7 to 1e-6 on most models)."""
+ROUNDING_LATER = 1e-4
+"""The same for the second step, which starts from weights that already differ by the first
+step's rounding: a model that amplifies a change of its weights (DeepSeek-V4's hyper-connection
+head, a Sinkhorn normalisation) shows it there tenfold."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the sweep: a treatment with a head, or ``remat.plan``, on one model."""
+
+    model: str
+    column: str
+    """A treatment of :data:`zoo.TREATMENTS`, ``keep`` (the head alone) or ``plan``."""
+    head: str
+    """``plain`` or ``chunked``; ``plan`` cells: the head of the applied plan."""
+    verdict: str
+    """``exact`` (``torch.equal`` everywhere), ``rounding`` (within :data:`ROUNDING`, for a
+    named reason), ``refused`` (remat raised ValueError/TypeError before touching the model),
+    ``not built`` or ``FAIL`` (anything else)."""
+    detail: str = ""
+    """The refusal's or failure's first line, the rounding's reason, the plan applied."""
+    max_rel: float = 0.0
+    seconds: float = 0.0
+
+
+def _raised_by_remat(error: BaseException) -> bool:
+    """Whether remat raised ``error`` on purpose: the innermost frame is in remat and is a ``raise``
+    statement (a TypeError of an operator inside remat is a crash, not a refusal)."""
+    import remat
+    frames = traceback.extract_tb(error.__traceback__)
+    root = os.path.dirname(os.path.abspath(remat.__file__))
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(root) and \
+        (frames[-1].line or "").lstrip().startswith("raise")
+
+
+# refusals remat makes only once the model runs, each telling what to use instead: selective sees an
+# in-place change to an output it keeps only in the forward (tests/test_zoo.py's IN_PLACE_INTO_KEPT);
+# the chunked head sees how the model calls its lm_head and treats its logits only in the forward.
+# Any other error in a step is a failure (GIT's "20 targets for 150 hidden-state rows" among them)
+RUNTIME_REFUSALS = ("modifies in place", "use head='plain'")
+
+
+# a refusal that quotes a crash it caught ("could not profile X's head: IndexError: ...") is not clear
+WRAPPED_CRASH = re.compile(r"\b(IndexError|KeyError|AttributeError|TypeError|RuntimeError|AssertionError|NameError)\b:")
+
+
+def _refusal(error: BaseException, running: bool = False) -> bool:
+    return isinstance(error, (ValueError, TypeError)) and _raised_by_remat(error) and \
+        not WRAPPED_CRASH.search(str(error).strip().splitlines()[0] if str(error).strip() else "") and \
+        (not running or any(text in str(error).lower() for text in RUNTIME_REFUSALS))
+
+
+_CHUNKED_OPS: dict = {}  # id(case) -> aten ops of one step with the chunked head alone
+
+
+def _verdict(spec, head, model, comparison, baseline_ops) -> tuple:
+    zoo.check_mechanism(model, spec, comparison.ops, baseline_ops)
+    if comparison.first_difference is None:
+        return "exact", "", 0.0
+    steps = ", ".join(f"{r:.1e}" for r in comparison.max_rel_by_step)
+    if head == "chunked" and comparison.max_rel_by_step[0] <= ROUNDING and comparison.max_rel <= ROUNDING_LATER:
+        return "rounding", f"chunked loss summed a chunk at a time: largest difference {steps} by step " \
+                           f"({comparison.worst})", comparison.max_rel
+    return "FAIL", f"{comparison.first_difference}; largest relative difference {steps} by step " \
+                   f"({comparison.worst})", comparison.max_rel
+
+
+@zoo._one_thread
+def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2) -> Cell:
+    """Apply ``spec`` (and ``head``) to a fresh copy of the case and train it beside an untouched one."""
+    import remat
+    start = time.perf_counter()
+    model = zoo.build(the_case)
+    reference = copy.deepcopy(model)
+    try:
+        try:
+            remat.apply(model, spec, head=None if head == "plain" else head, blocks=the_case.blocks,
+                        offload_options=zoo.INLINE_OFFLOAD)
+        except Exception as error:  # noqa: BLE001
+            if _refusal(error):
+                return Cell(the_case.name, spec, head, "refused", rz.first_line(error),
+                            seconds=time.perf_counter() - start)
+            raise
+        zoo.check_installed(the_case, model, spec)
+        comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
+        baseline = comparison.reference_ops if head == "plain" or spec == "keep" else _CHUNKED_OPS.get(id(the_case))
+        if spec == "keep" and head == "chunked":
+            _CHUNKED_OPS[id(the_case)] = comparison.ops
+        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0)
+    except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
+        verdict = "refused" if _refusal(error, running=True) else "FAIL"
+        return Cell(the_case.name, spec, head, verdict, rz.first_line(error), seconds=time.perf_counter() - start)
+    return Cell(the_case.name, spec, head, verdict, detail, worst, time.perf_counter() - start)
+
+
+def _plan_text(plan) -> str:
+    counts = {}
+    for treatment in plan.blocks.values():
+        counts[treatment] = counts.get(treatment, 0) + 1
+    return ", ".join(f"{n}x {t}" for t, n in sorted(counts.items())) + f"; {plan.head} head"
+
+
+@zoo._one_thread
+def run_plan_cell(the_case: zoo.Case, steps: int = 2) -> Cell:
+    """``remat.plan`` on fake tensors (:func:`zoo.run_plan`: the model left as found), then the
+    plan of the smallest peak applied to a fresh copy and trained beside an untouched one."""
+    import remat
+    start = time.perf_counter()
+    head = "plain"
+    try:
+        try:
+            _, smallest = zoo.run_plan(the_case, smallest=True)
+        except Exception as error:  # noqa: BLE001
+            if _refusal(error):
+                return Cell(the_case.name, "plan", head, "refused", rz.first_line(error),
+                            seconds=time.perf_counter() - start)
+            raise
+        model = zoo.build(the_case)
+        reference = copy.deepcopy(model)
+        remat.apply(model, smallest, blocks=the_case.blocks, offload_options=zoo.INLINE_OFFLOAD)
+        head = smallest.head
+        comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
+        verdict, detail, worst = _verdict("plan", head, model, comparison, comparison.reference_ops)
+        detail = detail or _plan_text(smallest)
+    except Exception as error:  # noqa: BLE001
+        return Cell(the_case.name, "plan", head, "FAIL", rz.first_line(error), seconds=time.perf_counter() - start)
+    return Cell(the_case.name, "plan", head, verdict, detail, worst, time.perf_counter() - start)
+
+
+def run_model(model_type: str, emit=print) -> None:
+    """Every cell of one model type, each handed to ``emit`` as it finishes (the head alone first:
+    its op count is the chunked treatments' baseline)."""
+    the_case = rz.case(model_type)
+    start = time.perf_counter()
+    try:
+        rz.check_built(the_case)
+    except zoo.Unavailable as reason:
+        emit(Cell(model_type, "build", "plain", "not built", str(reason), seconds=time.perf_counter() - start))
+        return
+    emit(run_cell(the_case, "keep", "chunked"))
+    for spec in zoo.TREATMENTS:
+        for head in ("plain", "chunked"):
+            emit(run_cell(the_case, spec, head))
+    emit(run_plan_cell(the_case))
+
+
+@contextlib.contextmanager
+def quiet():
+    """Warnings off (deprecations, offload on the CPU ...): the sweep's cells say what matters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
