@@ -205,7 +205,10 @@ def _loss_semantics(lm: nn.Module, signature):
         from transformers.loss.loss_utils import LOSS_MAPPING
         fn = lm.loss_function
         if fn is LOSS_MAPPING["ForCausalLM"]:
-            return False, True, aux, decoder
+            # labels=None with shift_labels=labels: targets already aligned with the logits (an
+            # encoder-decoder's, PP-FormulaNet), the causal loss told not to shift them again
+            aligned = re.search(r"\blabels=None\b", _call_text(source, "self.loss_function(")) is not None
+            return aligned, True, aux, decoder
         if fn is LOSS_MAPPING["ForMaskedLM"]:
             return True, True, aux, decoder
         raise ValueError(refuse.format(f"loss_function is {getattr(fn, '__name__', fn)}"))
@@ -214,6 +217,20 @@ def _loss_semantics(lm: nn.Module, signature):
     if "ForMaskedLM" in name and "CrossEntropyLoss()" in source:
         return True, False, aux, None
     raise ValueError(refuse.format("its forward does not call self.loss_function"))
+
+
+def _call_text(source: str, opening: str) -> str:
+    """The arguments of the first call that starts with ``opening`` in ``source``, up to its
+    matching parenthesis ("" if there is none)."""
+    start = source.find(opening)
+    if start < 0:
+        return ""
+    depth, index = 0, start + len(opening) - 1
+    for index in range(start + len(opening) - 1, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[index], 0)
+        if depth == 0:
+            break
+    return source[start + len(opening):index]
 
 
 _SHIFT = re.compile(r"decoder_input_ids = (self\.)?(\w+)\(labels((?:, self\.config\.\w+)*)\)")

@@ -9,8 +9,9 @@ exactly what was there (an instance ``forward`` another library set before remat
 and a treated model pickles and deep-copies (the copy is treated on its own parameters).
 
 Training forwards never carry the caller's KV cache through a treated block (:func:`_own_cache`),
-and a recompute leaves BatchNorm-style running statistics alone (:func:`_stats_once`), so
-a treated block updates them once per forward, as an untreated one does.
+and a recompute starts from the buffers its forward started from and leaves them as the forward
+left them (:func:`_buffers_once`: BatchNorm's running statistics, I-BERT's quantisation ranges),
+so a treated block updates them once per forward, as an untreated one does.
 
 The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level
 into every parameter name; that is what breaks state-dict loading in many stacks.
@@ -50,6 +51,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
@@ -68,7 +70,8 @@ class TreatmentState:
     treatment: str
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
-    running_stats: tuple = ()  # modules whose running statistics the recompute must not update
+    buffers: tuple = ()       # (module, name) of every buffer of the target: those a forward writes, a recompute must not
+    written: Optional[tuple] = None  # ... learned at the first forward: the buffers it wrote
     segment: Any = None       # segment treatments: the Segment shared by the run's blocks
     position: int = 0         # ... and this block's place in it
     guarded: set = field(default_factory=set)  # selective: call structures its in-place guard has passed
@@ -127,10 +130,10 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
                    if patches.patch_of(sub, "forward", tag=_TAG) is None]
         state = TreatmentState("full", None, key)
     for target in targets:
-        stats = tuple(m for m in target.modules() if _has_running_stats(m))
+        buffers = tuple((m, name) for m in target.modules() for name, b in m._buffers.items() if b is not None)
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
-                        state=TreatmentState(state.treatment, state.engine, state.key, stats, *segment))
+                        state=TreatmentState(state.treatment, state.engine, state.key, buffers, None, *segment))
     patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
 
 
@@ -146,11 +149,6 @@ def engine_of(model: nn.Module):
         if patch.state is not None and getattr(patch.state, "engine", None) is not None:
             return patch.state.engine
     return None
-
-
-def _has_running_stats(module: nn.Module) -> bool:
-    return any(name.startswith("running_") or name == "num_batches_tracked"
-               for name, b in module.named_buffers(recurse=False) if b is not None)
 
 
 def _treated_forward(patch: patches.Patch, *args, **kwargs):
@@ -178,16 +176,16 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
                 f"{state.segment.size} blocks: the segment's backward recomputes its earlier blocks after "
                 "FSDP2 has resharded their parameters. Use 'full' (the same recompute, one block at a "
                 "time), or call fully_shard on groups of the segment's blocks instead of on each block.")
-        if state.running_stats:
-            forward = _stats_once(forward, state.running_stats)
+        if state.buffers:
+            forward = _buffers_once(forward, state)
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
     # reading the set of structures seen would make dynamo guard on it)
     structure = (_call_structure(args, kwargs) if state.treatment == "selective"
                  and not torch.compiler.is_compiling() else None)
     function, args = _positional(forward, args, kwargs)
-    if state.running_stats:
-        function = _stats_once(function, state.running_stats)
+    if state.buffers:
+        function = _buffers_once(function, state)
     treatment = untiled(state.treatment)  # the tiled sub-modules carry their own patches
     if treatment == "full":
         return _checkpoint(function, args)
@@ -266,27 +264,53 @@ def _sharded_alone(module: nn.Module) -> bool:
     return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
-def _stats_once(function, modules):
-    """``function`` whose second and later calls (checkpoint's recompute) leave the running
-    statistics of ``modules`` (BatchNorm's running mean/var and batch count) as they were, so a
-    recomputed block updates them exactly once per forward, as without remat."""
-    calls = [0]
+def _buffers_once(function, state: TreatmentState):
+    """``function`` whose second and later calls (checkpoint's recompute) start from the buffers its
+    first call started from and leave them as the first call left them: a recomputed block updates
+    its state exactly once per forward and computes what its forward computed, as without remat.
+
+    Which buffers a forward writes (BatchNorm's running statistics and batch count, updated in
+    place; I-BERT's quantisation ranges, assigned anew and read by its output) is learned at the
+    block's first forward, from each buffer slot's tensor, version and value (fake tensors, which
+    hold no values: tensor and version); from then on only those are copied, before each forward,
+    for its recompute. The recompute runs on copies in the slots, then the forward's own tensors
+    are put back. Under ``torch.compile`` this is left to the graph."""
+    calls, saved = [0], []
+    watched = state.buffers if state.written is None else state.written
 
     def run(*flat, **kwargs):
         calls[0] += 1
-        if calls[0] == 1:
+        if torch.compiler.is_compiling():
             return function(*flat, **kwargs)
-        # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
+        if calls[0] == 1:
+            # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
+            with _disable_current_modes():
+                before = [(m._buffers[n], m._buffers[n]._version, m._buffers[n].detach().clone()) for m, n in watched]
+            out = function(*flat, **kwargs)
+            with _disable_current_modes():
+                changed = [i for i, ((m, n), (tensor, version, value)) in enumerate(zip(watched, before))
+                           if _written(m._buffers[n], tensor, version, value)]
+            if state.written is None:
+                state.written = tuple(watched[i] for i in changed)
+            saved.extend((*watched[i], before[i][2]) for i in changed)
+            return out
+        forwards = [(m, n, m._buffers[n]) for m, n, _ in saved]
         with _disable_current_modes():
-            saved = [(b, b.detach().clone()) for m in modules for name, b in m.named_buffers(recurse=False)
-                     if b is not None and (name.startswith("running_") or name == "num_batches_tracked")]
+            for m, n, value in saved:
+                m._buffers[n] = value.clone()
         try:
             return function(*flat, **kwargs)
         finally:
-            with _disable_current_modes(), torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
+            for m, n, tensor in forwards:
+                m._buffers[n] = tensor
     return run
+
+
+def _written(now, tensor, version, value) -> bool:
+    """Whether a buffer slot that held ``tensor`` (at ``version``, equal to ``value``) was written:
+    assigned anew, written in place, or changed by a kernel that does not bump the version."""
+    return now is not tensor or now._version != version or (
+        not isinstance(now, FakeTensor) and not torch.equal(now, value))
 
 
 def _positional(forward, args: tuple, kwargs: dict):
