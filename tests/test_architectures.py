@@ -67,3 +67,18 @@ def test_a_loss_told_its_labels_are_aligned_is_not_shifted():
     cell = registry_cells.run_cell(case, "keep", "chunked")
     assert cell.verdict in ("exact", "rounding"), cell
     assert cell.max_rel is None or cell.max_rel < 1e-5, cell
+
+
+def test_reversible_layers_are_refused_rather_than_left_untouched():
+    """Reformer runs its layers without autograd and recomputes them itself: a treatment would do
+    nothing (the zoo sweep saw the same op count as untouched), so it is refused."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "ReformerModelWithLMHead"):
+        pytest.skip("transformers has no Reformer")
+    config = transformers.ReformerConfig(vocab_size=256, hidden_size=32, num_attention_heads=2,
+                                         attention_head_size=16, feed_forward_size=64, axial_pos_embds=False,
+                                         attn_layers=["local", "local"], is_decoder=True)
+    model = transformers.ReformerModelWithLMHead(config).train()
+    with pytest.raises(ValueError, match="reversible layer"):
+        remat.apply(model, "full")
+    assert not any("_remat_patches" in m.__dict__ for m in model.modules())

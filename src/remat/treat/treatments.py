@@ -87,6 +87,10 @@ def check_treatment(block: nn.Module, treatment: str) -> None:
     if not is_treatment(treatment):
         raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
                          "or 'segment:<i>'")
+    if treatment != "keep" and callable(getattr(block, "backward_pass", None)):
+        raise ValueError(f"{type(block).__name__} is a reversible layer: its model recomputes its activations in "
+                         "backward itself (Reformer's reversible residual stream) and runs it without autograd, so "
+                         f"{treatment!r} would do nothing; train it as it is, remat has no memory to give back here")
     if treatment in TILED_TREATMENTS:
         tiled.check_tiling(block)
     if treatment in ("attention", "mlp") and not find_submodules(block, treatment):
