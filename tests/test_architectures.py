@@ -82,3 +82,26 @@ def test_reversible_layers_are_refused_rather_than_left_untouched():
     with pytest.raises(ValueError, match="reversible layer"):
         remat.apply(model, "full")
     assert not any("_remat_patches" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("spec", ["full", "selective", "segments:2", "attention"])
+def test_state_kept_in_plain_attributes_is_restored_for_the_recompute(spec):
+    """RecurrentGemma keeps its recurrent and convolution states in plain module attributes, which
+    its next call starts from: recomputed, a block began from the forward's final state (a
+    CheckpointError on tensor shapes); it must begin from the state its forward began from."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "RecurrentGemmaForCausalLM"):
+        pytest.skip("transformers has no RecurrentGemma")
+    config = transformers.RecurrentGemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                               head_dim=16, lru_width=64)
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    remat.apply(model, spec)
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    for m in (model, reference):
+        torch.manual_seed(0)
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name

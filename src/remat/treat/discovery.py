@@ -35,7 +35,7 @@ _LAYERISH = re.compile(r"(Layer|Block|Stage)", re.IGNORECASE)
 # mamba / linear-attention / short-convolution mixer that takes its place (Jamba, Bamba, LFM2,
 # Qwen3-Next, Mamba): what mixes tokens is what holds the sequence-long intermediates
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "SelfAttention", "mamba",
-                    "mixer", "linear_attn")
+                    "mixer", "linear_attn", "temporal_block")
 _ATTENTION_CLASS = re.compile(r"(Attention|Mamba\w*Mixer|Mixer$|DeltaNet|ShortConv|MambaLayer)")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "ff", "block_sparse_moe", "intermediate")
 _MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|LayerFF|Intermediate|MoE|Moe|Experts)")

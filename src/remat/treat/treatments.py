@@ -70,7 +70,7 @@ class TreatmentState:
     treatment: str
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
-    buffers: tuple = ()       # (module, name) of every buffer of the target: those a forward writes, a recompute must not
+    buffers: tuple = ()       # the target's state slots (:func:`_state_slots`): those a forward writes, a recompute must not
     written: Optional[tuple] = None  # ... learned at the first forward: the buffers it wrote
     segment: Any = None       # segment treatments: the Segment shared by the run's blocks
     position: int = 0         # ... and this block's place in it
@@ -134,7 +134,7 @@ def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int =
                    if patches.patch_of(sub, "forward", tag=_TAG) is None]
         state = TreatmentState("full", None, key)
     for target in targets:
-        buffers = tuple((m, name) for m in target.modules() for name, b in m._buffers.items() if b is not None)
+        buffers = _state_slots(target)
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
                         state=TreatmentState(state.treatment, state.engine, state.key, buffers, None, *segment))
@@ -268,17 +268,30 @@ def _sharded_alone(module: nn.Module) -> bool:
     return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
 
 
-def _buffers_once(function, state: TreatmentState):
-    """``function`` whose second and later calls (checkpoint's recompute) start from the buffers its
-    first call started from and leave them as the first call left them: a recomputed block updates
-    its state exactly once per forward and computes what its forward computed, as without remat.
+def _state_slots(target: nn.Module) -> tuple:
+    """``(module, name, holder)`` of every place a forward may keep state in: each buffer
+    (``holder`` the module's ``_buffers``) and each plain attribute holding a tensor or None
+    (``holder`` its ``__dict__``: RecurrentGemma keeps its recurrent and convolution states there)."""
+    slots = []
+    for module in target.modules():
+        slots += [(module, name, module._buffers) for name, b in module._buffers.items() if b is not None]
+        slots += [(module, name, module.__dict__) for name, value in module.__dict__.items()
+                  if not name.startswith("_") and (value is None or isinstance(value, torch.Tensor))]
+    return tuple(slots)
 
-    Which buffers a forward writes (BatchNorm's running statistics and batch count, updated in
-    place; I-BERT's quantisation ranges, assigned anew and read by its output) is learned at the
-    block's first forward, from each buffer slot's tensor, version and value (fake tensors, which
-    hold no values: tensor and version); from then on only those are copied, before each forward,
-    for its recompute. The recompute runs on copies in the slots, then the forward's own tensors
-    are put back. Under ``torch.compile`` this is left to the graph."""
+
+def _buffers_once(function, state: TreatmentState):
+    """``function`` whose second and later calls (checkpoint's recompute) start from the state its
+    first call started from and leave it as the first call left it: a recomputed block updates its
+    state exactly once per forward and computes what its forward computed, as without remat.
+
+    Which state slots a forward writes (BatchNorm's running statistics, updated in place; I-BERT's
+    quantisation ranges, buffers assigned anew and read by its output; RecurrentGemma's recurrent
+    state, a plain attribute the next call starts from) is learned at the block's first forward,
+    from each slot's tensor, version and value (fake tensors, which hold no values: tensor and
+    version); from then on only those are copied, before each forward, for its recompute. The
+    recompute runs on copies in the slots, then the forward's own values are put back. Under
+    ``torch.compile`` this is left to the graph."""
     calls, saved = [0], []
     watched = state.buffers if state.written is None else state.written
 
@@ -289,30 +302,39 @@ def _buffers_once(function, state: TreatmentState):
         if calls[0] == 1:
             # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
             with _disable_current_modes():
-                before = [(m._buffers[n], m._buffers[n]._version, m._buffers[n].detach().clone()) for m, n in watched]
+                before = [_snapshot(holder.get(name)) for _, name, holder in watched]
             out = function(*flat, **kwargs)
             with _disable_current_modes():
-                changed = [i for i, ((m, n), (tensor, version, value)) in enumerate(zip(watched, before))
-                           if _written(m._buffers[n], tensor, version, value)]
+                changed = [i for i, ((_, name, holder), old) in enumerate(zip(watched, before))
+                           if _written(holder.get(name), *old)]
             if state.written is None:
                 state.written = tuple(watched[i] for i in changed)
-            saved.extend((*watched[i], before[i][2]) for i in changed)
+            saved.extend((watched[i], before[i][2]) for i in changed)
             return out
-        forwards = [(m, n, m._buffers[n]) for m, n, _ in saved]
+        forwards = [(slot, slot[2].get(slot[1])) for slot, _ in saved]
         with _disable_current_modes():
-            for m, n, value in saved:
-                m._buffers[n] = value.clone()
+            for (_, name, holder), value in saved:
+                holder[name] = value if value is None else value.clone()
         try:
             return function(*flat, **kwargs)
         finally:
-            for m, n, tensor in forwards:
-                m._buffers[n] = tensor
+            for (_, name, holder), value in forwards:
+                holder[name] = value
     return run
 
 
+def _snapshot(value) -> tuple:
+    """``(object, version, copy)`` of a state slot's value (None stays None)."""
+    if value is None:
+        return None, None, None
+    return value, value._version, value.detach().clone()
+
+
 def _written(now, tensor, version, value) -> bool:
-    """Whether a buffer slot that held ``tensor`` (at ``version``, equal to ``value``) was written:
+    """Whether a state slot that held ``tensor`` (at ``version``, equal to ``value``) was written:
     assigned anew, written in place, or changed by a kernel that does not bump the version."""
+    if now is None or tensor is None:
+        return now is not tensor
     return now is not tensor or now._version != version or (
         not isinstance(now, FakeTensor) and not torch.equal(now, value))
 
