@@ -105,3 +105,18 @@ def test_state_kept_in_plain_attributes_is_restored_for_the_recompute(spec):
         m(input_ids=ids, labels=ids).loss.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("name", ["longt5", "swinv2", "focalnet"])
+def test_plans_where_the_profile_used_to_crash(name):
+    """LongT5's and Swin-V2's blocks write into a kept matmul output in place (selective is left out
+    of their profile, not a crash); Swin-V2's and FocalNet's blocks return their output dimensions
+    beside the hidden state, which the model reads (the head's stubs hand them back)."""
+    registry_zoo = pytest.importorskip("registry_zoo")
+    import registry_cells
+    try:
+        case = registry_zoo.case(name)
+    except (KeyError, zoo.Unavailable) as reason:
+        pytest.skip(str(reason))
+    cell = registry_cells.run_plan_cell(case)
+    assert cell.verdict == "exact", cell

@@ -85,6 +85,10 @@ class _Template:
     non-tensor inputs, ``key`` an int (positional argument) or a str (keyword): transformers 4.x
     decoder layers (Falcon, StableLM) hand back the KV cache they were given, and the model
     reads its cache from there, so a stub must hand back the one it is given too."""
+    rest: tuple = ()
+    """The tuple's other elements as the capture saw them: a :class:`_Like` per tensor (the stub
+    returns zeros of its shape), plain values as they were (Swin's output dimensions, which the
+    model reads), None for what was None or handed back."""
 
     @staticmethod
     def of(out, args=(), kwargs=None) -> "_Template":
@@ -95,15 +99,23 @@ class _Template:
             handed_back = tuple((position, key) for position, value in enumerate(out) if position > 0
                                 and value is not None and not isinstance(value, torch.Tensor)
                                 for key, given in inputs if given is value)
-            return _Template(tuple(out[0].shape), out[0].dtype, out[0].device, type(out), len(out), handed_back)
+            back = {position for position, _ in handed_back}
+            rest = tuple(None if position in back else tree_map(
+                lambda v: _Like(tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else v, value)
+                for position, value in enumerate(out) if position > 0)
+            return _Template(tuple(out[0].shape), out[0].dtype, out[0].device, type(out), len(out), handed_back,
+                             rest)
         raise TypeError(f"a block returned {type(out).__name__}; remat expects a tensor or a tuple whose first "
                         "element is the hidden state")
 
     def wrap(self, y, args=(), kwargs=None):
-        """``y`` in the recorded container: None in every other place, except the inputs handed back."""
+        """``y`` in the recorded container: the inputs handed back, zeros of the recorded shapes
+        for the other tensors, the recorded plain values (see :attr:`rest`)."""
         if self.container is None:
             return y
-        items = [y] + [None] * (self.length - 1)
+        items = [y] + [tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+                                if isinstance(v, _Like) else v, value) for value in self.rest]
+        items += [None] * (self.length - len(items))
         for position, key in self.handed_back:
             items[position] = args[key] if isinstance(key, int) else (kwargs or {}).get(key)
         return self.container(items)

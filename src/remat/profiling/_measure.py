@@ -90,6 +90,15 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                                                keep=costs.get("keep"), backend=backend)
             except ValueError:  # e.g. no attention sub-module to checkpoint: not available here
                 continue
+            except RuntimeError as e:
+                # selective on a block that writes in place into a kept output: on fake tensors the
+                # guard sees no storages and torch's own check stops the recompute; refused, as
+                # remat.apply refuses it on real ones
+                if treatment != "selective" or "selective activation checkpoint" not in str(e):
+                    raise
+                skipped["selective"] = ("selective not available: the block writes in place into a kept "
+                                        f"matmul output ({str(e)[:200]})")
+                continue
             except Exception as e:  # a treatment that does not compile is left out of a compiled plan, said
                 if backend is None or treatment == "keep" or not _compile_failure(e):
                     raise
@@ -102,10 +111,10 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         classes.append(costs)
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     heads, notes = [], {}
+    notes.update(skipped)
     if backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
-        notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE,
-                     **skipped)
+        notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE)
     for mode in head_modes:
         if mode == "chunked":
             reason = _chunked_unavailable(model)
@@ -128,7 +137,7 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 break
     if not heads:
         raise ValueError(f"remat could not profile {type(model).__name__}'s embeddings and head in any mode: "
-                         + "; ".join(f"{k}: {v}" for k, v in notes.items())
+                         + "; ".join(f"{k}: {v}" for k, v in notes.items() if k in head_modes)
                          + ". Check that loss_fn(model, batch) runs a training step's loss on this batch")
     notes["profile_seconds"] = round(time.perf_counter() - started, 2)
     names = tuple(name for name, _ in named)
