@@ -198,6 +198,9 @@ def _loss_semantics(lm: nn.Module, signature):
     if any("router_aux_loss_coef * aux_loss" not in "".join(e) for e in extra):
         raise ValueError(refuse.format("it adds other terms to the loss"))
     own_function = "self.loss_function(" in source
+    sliced = re.search(r"(\w*logits\w*) = logits\[[^\]]*\]", source)
+    if own_function and sliced:  # GIT: the loss of the text rows after the image tokens
+        raise ValueError(refuse.format(f"it computes its loss on a slice of the logits, `{sliced.group(0)}`"))
     decoder = None
     if getattr(lm.config, "is_encoder_decoder", False):
         decoder = _seq2seq(lm, source, signature, refuse, cross_entropy=not own_function)
