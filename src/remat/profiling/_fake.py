@@ -36,6 +36,7 @@ packed-sequence check is told "not packed" unless the batch passes ``position_id
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 
 import torch
@@ -378,6 +379,25 @@ def _tensors_of_values():
         yield
     finally:
         torch.tensor = original
+
+
+@contextlib.contextmanager
+def _conversions_in_place():
+    """``module.to(dtype)`` that changes nothing (Switch Transformers' router casts its classifier to
+    the dtype it already has, every forward) leaves a fake-parameter module as it is: torch swaps a
+    fake parameter with its converted self (``swap_tensors``), which fails while the profile holds
+    references to it ("Couldn't swap Linear.weight")."""
+    original = nn.Module._apply
+
+    def _apply(module, fn, recurse=True):
+        with torch.no_grad():
+            same = all(fn(t) is t for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
+        return module if same else original(module, fn, recurse)
+    nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
 
 
 def _makes_new(func) -> bool:

@@ -78,8 +78,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled, compile_scope
-from remat.profiling._fake import (ValuedFakeMode, _KernelStandIns, _cuda_attention, _swap_to_fake,
-                                  _tensors_of_values, fake_attributes_restored, padded_mask)
+from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _KernelStandIns, _cuda_attention,
+                                  _swap_to_fake, _tensors_of_values, fake_attributes_restored, padded_mask)
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
@@ -272,7 +272,7 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     restore = _swap_to_fake(model, fake_mode)
     restore_attributes = fake_attributes_restored(model)
     try:
-        with fake_mode, _KernelStandIns(), _tensors_of_values():
+        with fake_mode, _KernelStandIns(), _tensors_of_values(), _conversions_in_place():
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(rates)
