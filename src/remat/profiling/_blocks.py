@@ -38,7 +38,7 @@ import statistics
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-from remat.profiling._capture import _hidden_of, _nbytes, _with_hidden
+from remat.profiling._capture import _hidden_of, _nbytes, _tensor_attributes_restored, _with_hidden
 from remat.profiling._meters import _chain, _gc_paused
 from remat.planning.costs import BlockCost
 from remat.planning.offload_model import pinned_bytes
@@ -106,6 +106,7 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
     """One forward and backward of ``block`` alone (through ``call``, its compiled call, if given);
     raw marks (see the meters) and what it saved."""
     call = block if call is None else call
+    forget_state = _tensor_attributes_restored(block)  # a block that keeps state must not pass it to the next run
     hidden = _hidden_of(args, kwargs)
     # requires grad unless the block has no backward in the model (a frozen tower: _capture)
     x = hidden.detach().clone().requires_grad_(hidden.requires_grad)
@@ -130,6 +131,7 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
         marks = []
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if track else contextlib.nullcontext():
             out = call(*args, **kwargs)
+        forget_state()
         marks.append(meter.mark())                 # forward: peak, and kept + output
         first = out if isinstance(out, torch.Tensor) else out[0]
         out_bytes = _nbytes(first)
@@ -182,6 +184,7 @@ def _block_seconds(block, args, kwargs, count: int, call=None, rounds: int = 1) 
 def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
     """Per-run forward and backward seconds of one chain (see :func:`_block_seconds`)."""
     call = block if call is None else call
+    forget_state = _tensor_attributes_restored(block)
     hidden = _hidden_of(args, kwargs)
     xs = [hidden.detach().clone().requires_grad_(hidden.requires_grad) for _ in range(count)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * count + 1)]
@@ -191,6 +194,7 @@ def _block_chain(block, args, kwargs, count: int, call=None) -> tuple:
     for j, x in enumerate(xs):
         a, kw = _with_hidden(args, kwargs, x)
         out = call(*a, **kw)
+        forget_state()  # every run of the chain starts from the state the block had, as in a step
         first = out if isinstance(out, torch.Tensor) else out[0]
         sinks.append(_Sink.apply(first) if first.requires_grad else None)
         del out, first

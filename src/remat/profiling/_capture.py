@@ -170,6 +170,7 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
         sub_outputs.setdefault(id(module), tree_map(
             lambda v: _Like(tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else v, out))
 
+    restore = _tensor_attributes_restored(model)
     try:
         for index, (_, block) in enumerate(named):
             handles.append(block.register_forward_pre_hook(partial(pre, index), with_kwargs=True))
@@ -185,6 +186,7 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
     finally:
         for handle in handles:
             handle.remove()
+        restore()
     gc.collect()  # the forward stopped by an exception leaves reference cycles holding its tensors: free them now
     missing = [named[i][0] for i in range(n) if outputs[i] is None]
     if missing:
@@ -194,6 +196,24 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
         replays[index] = [(sub, sub_outputs[id(sub)]) for sub in block.modules()
                           if sub is not block and sub._forward_hooks and id(sub) in sub_outputs]
     return _Capture(signatures=signatures, inputs=inputs, outputs=outputs, replays=replays, order=order)
+
+
+def _tensor_attributes_restored(model: nn.Module):
+    """Undo for the tensors a forward stores in plain module attributes (RecurrentGemma's recurrent
+    and convolution states, which its next call starts from): the capture's, made under hooks that
+    keep no saved tensor, must not become a later run's starting state (its backward would meet the
+    capture's empty graph)."""
+    before = {id(m): (m, {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}) for m in model.modules()}
+
+    def undo():
+        for module, tensors in before.values():
+            for key, value in list(module.__dict__.items()):
+                if isinstance(value, torch.Tensor) and tensors.get(key) is not value:
+                    if key in tensors:
+                        module.__dict__[key] = tensors[key]
+                    else:
+                        module.__dict__[key] = None
+    return undo
 
 
 def _has_backward(block: nn.Module, hidden: torch.Tensor) -> bool:

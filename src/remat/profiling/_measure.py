@@ -34,6 +34,7 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 from remat.profiling._blocks import _block_cost
 from remat.profiling._capture import _capture, _hidden_of, _nbytes
@@ -89,6 +90,12 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 costs[treatment] = _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats,
                                                keep=costs.get("keep"), backend=backend)
             except ValueError:  # e.g. no attention sub-module to checkpoint: not available here
+                continue
+            except CheckpointError as e:  # a recompute that did not repeat its forward: left out, said
+                if treatment == "keep":
+                    raise
+                skipped[treatment] = (f"{treatment} not available for {type(block).__name__}: its recompute did not "
+                                      f"repeat its forward ({str(e).splitlines()[0][:200]})")
                 continue
             except RuntimeError as e:
                 # selective on a block that writes in place into a kept output: on fake tensors the

@@ -354,9 +354,10 @@ def _logit_transform(lm: nn.Module):
 
 def _scalar_transform(lm: nn.Module):
     config = lm.config
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is None and hasattr(config, "get_text_config"):
-        cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+    cap = None
+    for name in ("final_logit_softcapping", "logits_soft_cap"):  # Gemma 2/3; RecurrentGemma
+        for source in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+            cap = getattr(source, name, None) if cap is None else cap
     if cap is not None:
         cap = float(cap)
         return ("softcap", cap), lambda z: torch.tanh(z / cap) * cap
