@@ -180,7 +180,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
                 f"{state.segment.size} blocks: the segment's backward recomputes its earlier blocks after "
                 "FSDP2 has resharded their parameters. Use 'full' (the same recompute, one block at a "
                 "time), or call fully_shard on groups of the segment's blocks instead of on each block.")
-        if state.buffers:
+        if state.buffers and not torch.compiler.is_compiling():
             forward = _buffers_once(forward, state)
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
@@ -188,7 +188,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     structure = (_call_structure(args, kwargs) if state.treatment == "selective"
                  and not torch.compiler.is_compiling() else None)
     function, args = _positional(forward, args, kwargs)
-    if state.buffers:
+    if state.buffers and not torch.compiler.is_compiling():
         function = _buffers_once(function, state)
     treatment = untiled(state.treatment)  # the tiled sub-modules carry their own patches
     if treatment == "full":
