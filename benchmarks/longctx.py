@@ -31,6 +31,8 @@ import traceback
 import torch
 
 import remat
+from remat.planner import default_host_limit
+from remat.profiling.profiler import progress_printer
 from remat.prove.bench import environment
 
 GiB = 2 ** 30
@@ -70,8 +72,11 @@ def train(model, batch, steps: int) -> dict:
         optimizer.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        print(f"step {len(times)}: {times[-1]:.3f} s, peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB",
+              flush=True)
     tokens = batch["input_ids"].numel()
     return dict(peak_GiB=round(torch.cuda.max_memory_allocated() / GiB, 3), step_s=round(times[-1], 3),
+                steps_s=[round(t, 3) for t in times],
                 tokens_per_s=round(tokens / times[-1]), loss=float(loss))
 
 
@@ -104,12 +109,14 @@ def length(seq: int, args, write) -> None:
                     model.enable_input_require_grads()
             else:
                 started = time.perf_counter()
+                # the host that trains is this one: its pinned-memory limit holds for a fake profile too
                 plan = remat.plan(model, batch, budget=args.budget, optimizer="adamw",
+                                  host_memory=default_host_limit(), progress=progress_printer(),
                                   **({"device": "fake"} if args.fake else {}))
                 record.update(plan_s=round(time.perf_counter() - started, 1), plan=plan.summary(),
                               predicted_peak_GiB=round(plan.notes["predicted_peak_bytes"] / GiB, 3),
                               predicted_step_s=plan.notes.get("predicted_step_s"),
-                              host_bytes=plan.notes.get("offload_bytes"))
+                              host_bytes=plan.notes.get("host_bytes"), profiled=plan.notes.get("profiled"))
                 remat.apply(model, plan)
             record.update(train(model, batch, args.steps))
         except torch.OutOfMemoryError:

@@ -278,10 +278,12 @@ def _grad_bytes(prof, stream) -> tuple:
 
 def _marked(chosen: Plan, prof) -> Plan:
     """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled,
-    and ``notes["ran_for_real"]`` when a fake profile ran steps that read values for real (a
-    vision-language model's image-token merge: :class:`remat.profiling._fake.ValuedFakeMode`)."""
-    if prof.notes.get("ran_for_real"):
-        chosen = replace(chosen, notes=dict(chosen.notes, ran_for_real=prof.notes["ran_for_real"]))
+    ``notes["ran_for_real"]`` when a fake profile ran steps that read values for real (a
+    vision-language model's image-token merge: :class:`remat.profiling._fake.ValuedFakeMode`), and
+    ``notes["profiled"]`` when a GPU model was profiled with fake tensors (long context)."""
+    for key in ("ran_for_real", "profiled"):
+        if prof.notes.get(key):
+            chosen = replace(chosen, notes=dict(chosen.notes, **{key: prof.notes[key]}))
     if not prof.notes.get("compile"):
         return chosen
     extra = {"compile": True, "compile_scope": profile_scope(prof.notes),

@@ -43,11 +43,16 @@ CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 # the offload bench (55/55/101 GB/s); its NVLink is the H100's, so the same bus figure (not measured).
 # A100 (NVLink 3) and the CPU (gloo) bus figures are rough, not measured. A GPU profile measures its
 # own copy rates; the bus rate of a live process group: remat.profiling._calibrate.bus_rate.
+# attention_tflops: causal flash attention (SDPA's flash kernel, bf16, 32 query heads), forward and
+# backward, per head dimension, counting the formula's FLOPs halved for causal: on one H100 at 65k to
+# 262k tokens (benchmarks/attention_rates.py; benchmarks/results/issue28) head dim 64 ran 418-470 forward
+# and 414-416 backward, head dim 128 523-621 and 522-539. The H200 runs the same kernels at the same clocks.
+H100_ATTENTION = ((64, 450.0, 415.0), (128, 570.0, 530.0))
 GPUS = {
     "h100": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=3350.0, d2h_GBps=55.0, h2d_GBps=48.0,
-                 duplex_GBps=86.0, bus_GBps=330.0),
+                 duplex_GBps=86.0, bus_GBps=330.0, attention_tflops=H100_ATTENTION),
     "h200": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=4800.0, d2h_GBps=55.0, h2d_GBps=55.0,
-                 duplex_GBps=101.0, bus_GBps=330.0),
+                 duplex_GBps=101.0, bus_GBps=330.0, attention_tflops=H100_ATTENTION),
     "a100": dict(bf16_tflops=280.0, fp32_tflops=18.0, hbm_GBps=2039.0, d2h_GBps=25.0, h2d_GBps=24.0,
                  duplex_GBps=40.0, bus_GBps=230.0),
     "cpu": dict(bf16_tflops=1.0, fp32_tflops=1.0, hbm_GBps=20.0, d2h_GBps=20.0, h2d_GBps=20.0,
@@ -90,6 +95,22 @@ class Rates:
     """Bytes every allocation is rounded up to (the CUDA caching allocator's 512)."""
     measured: bool = False
     """The copy rates were timed on the GPU itself."""
+    attention: tuple = ()
+    """Causal-halved FLOP/s of fused attention, ``(head_dim, forward, backward)`` per head
+    dimension measured, ascending; empty: a fixed fraction of :attr:`matmul_flops`."""
+
+    def attention_flops(self, head_dim: int, backward: bool) -> Optional[float]:
+        """FLOP/s fused attention reaches at ``head_dim``: linear between the head dimensions
+        measured, the nearest one beyond them; None where none was measured."""
+        if not self.attention:
+            return None
+        points = [(d, bwd if backward else fwd) for d, fwd, bwd in self.attention]
+        if head_dim <= points[0][0]:
+            return points[0][1]
+        for (d0, r0), (d1, r1) in zip(points, points[1:]):
+            if head_dim <= d1:
+                return r0 + (r1 - r0) * (head_dim - d0) / (d1 - d0)
+        return points[-1][1]
 
 
 def rates_for(gpu: str) -> Rates:
@@ -100,10 +121,11 @@ def rates_for(gpu: str) -> Rates:
         raise ValueError(f"unknown gpu {gpu!r}; expected one of {', '.join(GPUS)} "
                          "(rates for others: measure on the GPU itself with profile(model_on_cuda, ...))")
     g = GPUS[key]
+    attention = tuple((d, fwd * 1e12, bwd * 1e12) for d, fwd, bwd in g.get("attention_tflops", ()))
     return Rates(name=key, matmul_flops=g["bf16_tflops"] * 1e12, fp32_flops=g["fp32_tflops"] * 1e12,
                  hbm_Bps=g["hbm_GBps"] * 1e9, d2h_Bps=g["d2h_GBps"] * 1e9, h2d_Bps=g["h2d_GBps"] * 1e9,
                  duplex_Bps=g["duplex_GBps"] * 1e9, bus_Bps=g["bus_GBps"] * 1e9,
-                 granularity=1 if key == "cpu" else 512)
+                 granularity=1 if key == "cpu" else 512, attention=attention)
 
 
 def dtype_bytes(dtype) -> int:

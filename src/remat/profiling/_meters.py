@@ -17,9 +17,10 @@ serves both devices.
 Why not ``torch.cuda.memory._record_memory_history``: it needs a GPU and a trace per run;
 the tracker works on fake tensors with no memory and no weights.
 
-Limits: the roofline knows FLOPs only where ``flop_counter`` has a formula (the CPU flash
-kernels borrow CUDA flash's); everything else is priced by bytes moved. Its efficiencies
-were calibrated once against H100 anchors on the bench model.
+Limits: the roofline knows FLOPs only where ``flop_counter`` has a formula, and attention's
+from its shapes (:func:`_attention_seconds`); everything else is priced by bytes moved. Its
+efficiencies were calibrated once against H100 anchors on the bench model; attention runs at
+the rates measured per head dimension (:attr:`Rates.attention`).
 """
 from __future__ import annotations
 
@@ -87,30 +88,48 @@ class _Tracker(TorchDispatchMode):
 
 
 def _op_seconds(func, args, kwargs, out, moved, rates) -> float:
-    from torch.utils.flop_counter import flop_registry
     name = func.__name__
-    packet = func._overloadpacket
-    formula = flop_registry.get(packet)
-    attention = any(a in name for a in _ATTENTION_OPS)
-    if formula is None and attention:  # the CPU flash kernels have no formula: use CUDA flash's
-        aten = torch.ops.aten
-        formula = flop_registry.get(aten._scaled_dot_product_flash_attention_backward if "backward" in name
-                                    else aten._scaled_dot_product_flash_attention)
+    if any(a in name for a in _ATTENTION_OPS):
+        return _attention_seconds(func, args, kwargs, moved, rates)
+    from torch.utils.flop_counter import flop_registry
+    formula = flop_registry.get(func._overloadpacket)
     flops = 0.0
     if formula is not None:
         try:
             flops = float(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not take this overload's arguments: bytes only
             flops = 0.0
-    dtype = next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), torch.float32)
-    rate = rates.fp32_flops if dtype == torch.float32 else rates.matmul_flops
-    if attention:
-        causal = any(a is True for a in args[3:]) or kwargs.get("is_causal") is True
-        flops *= 0.5 if causal else 1.0
-        rate *= ATTENTION_EFFICIENCY
-    else:
-        rate *= MATMUL_EFFICIENCY
+    rate = (rates.fp32_flops if _dtype(args) == torch.float32 else rates.matmul_flops) * MATMUL_EFFICIENCY
     return max(flops / rate, moved / (rates.hbm_Bps * HBM_EFFICIENCY)) + LAUNCH_S
+
+
+def _attention_seconds(func, args, kwargs, moved, rates) -> float:
+    """A fused attention kernel (flash, memory-efficient, CPU flash; forward or backward) by its
+    FLOPs from the shapes: ``2 * batch * heads * q_len * k_len * (qk_dim + v_dim)`` forward, 2.5
+    times that backward (the scores recomputed, four products), halved where causal; at the
+    rate :class:`Rates` measured for the head dimension, else a fraction of the matmul rate.
+    Counted here rather than by ``torch.utils.flop_counter``, whose formulas differ between
+    torch releases in the arguments they take (one that raised priced attention by its bytes
+    alone: a long-context step ten times too short)."""
+    backward = "backward" in func.__name__
+    values = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    query, key, value = (values.get(n) for n in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (query, key, value)):
+        return moved / (rates.hbm_Bps * HBM_EFFICIENCY) + LAUNCH_S
+    batch, heads, q_len, qk_dim = query.shape[0], query.shape[-3], query.shape[-2], query.shape[-1]
+    k_len, v_dim = key.shape[-2], value.shape[-1]
+    flops = 2.0 * batch * heads * q_len * k_len * (qk_dim + v_dim) * (2.5 if backward else 1.0)
+    if values.get("is_causal") is True:
+        flops *= 0.5
+    rate = rates.attention_flops(qk_dim, backward)
+    if rate is None:
+        base = rates.fp32_flops if query.dtype == torch.float32 else rates.matmul_flops
+        rate = base * ATTENTION_EFFICIENCY
+    return max(flops / rate, moved / (rates.hbm_Bps * HBM_EFFICIENCY)) + LAUNCH_S
+
+
+def _dtype(args):
+    return next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), torch.float32)
 
 
 class _TrackerMeter:

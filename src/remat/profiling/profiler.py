@@ -153,15 +153,112 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     if min_offload_bytes is None:
         min_offload_bytes = _default_min_offload_bytes()
     say = progress or (lambda message: None)
+    sequences, tokens = _batch_shape(batch)
+    if device == "cuda" and not scope and sequences * tokens >= LONG_CONTEXT_TOKENS:
+        return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
+                             min_offload_bytes, say, f"{sequences * tokens:,} tokens a step is long context "
+                             f"(from {LONG_CONTEXT_TOKENS:,})")
+    try:
+        with preserved(model) as held, patches.suspended(model):
+            structure = discover(model, blocks)
+            named = structure.blocks(model)
+            model.train()
+            if device == "fake":
+                return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
+                                     min_offload_bytes, say)
+            return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
+                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope)
+    except torch.OutOfMemoryError as error:
+        if device != "cuda" or scope:
+            raise
+        torch.cuda.empty_cache()
+        return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
+                             min_offload_bytes, say, f"measuring ran out of GPU memory ({str(error)[:120]})")
+
+
+LONG_CONTEXT_TOKENS = 65536
+"""From this many tokens a step on, a model on the GPU is profiled with fake tensors priced at
+rates measured on that GPU (:func:`_profile_long`): a block measured alone there would hold a
+step's inner-block memory several times over (keep, full, ... in turn) and take minutes."""
+
+
+def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunks, min_bytes, say,
+                  why) -> Profile:
+    """A GPU model's profile with fake tensors, its attention priced at the rates this GPU reaches
+    for the model's head dimensions (:func:`measured_attention`) and its copies at their measured
+    rates: the memory exactly as a fake profile counts it, planning in the time a fake profile
+    takes, and no GPU memory used beyond a few attention inputs. ``notes["profiled"]`` says so."""
+    device = next(model.parameters()).device
+    head_dims = _head_dims(model)
+    attention = measured_attention(device, head_dims, min(_batch_shape(batch)[1], 32768))
+    rates = replace(rates, attention=attention)
+    say(f"profiling with fake tensors: {why}; attention measured on this GPU at head dims "
+        f"{', '.join(map(str, head_dims))}")
     with preserved(model) as held, patches.suspended(model):
-        structure = discover(model, blocks)
-        named = structure.blocks(model)
+        named = discover(model, blocks).blocks(model)
         model.train()
-        if device == "fake":
-            return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                 min_offload_bytes, say)
-        return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, calibrate, held.held_grad_bytes, scope)
+        prof = _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say)
+        # what the step starts from is what the GPU holds now (the user's gradients set aside)
+        static = torch.cuda.memory_allocated(device) - held.held_grad_bytes + prof.optimizer_bytes
+    measured = ", ".join(f"head dim {d}: {f / 1e12:.0f}/{b / 1e12:.0f}" for d, f, b in attention)
+    note = (f"with fake tensors on this GPU's rates: {why}; attention measured here ({measured} TFLOP/s forward/"
+            "backward, causal), pinned copies measured, other ops priced by the roofline; not calibrated on a "
+            "real step")
+    return replace(prof, device="cuda", static_bytes=static, notes=dict(prof.notes, profiled=note))
+
+
+def _head_dims(model) -> tuple:
+    """The attention head dimensions a model's configs name (``head_dim``, else hidden size over
+    heads), 128 where none does."""
+    dims = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for c in (config, *(getattr(config, k, None) for k in ("text_config", "vision_config"))):
+            if c is None:
+                continue
+            heads = getattr(c, "num_attention_heads", None)
+            dim = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", 0) // heads if heads else None)
+            if isinstance(dim, int) and dim > 0:
+                dims.add(dim)
+        if dims:
+            break
+    return tuple(sorted(dims)) or (128,)
+
+
+def measured_attention(device, head_dims, tokens: int, heads: int = 32) -> tuple:
+    """``(head_dim, forward, backward)`` causal-halved FLOP/s of SDPA on ``device`` at each of
+    ``head_dims``: one sequence of ``tokens`` tokens, ``heads`` heads, bf16; the fastest of a few
+    runs of each (interference only slows a kernel down)."""
+    rates = []
+    for dim in head_dims:
+        q, k, v = (torch.randn(1, heads, tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def forward():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both():
+            torch.autograd.grad(forward(), (q, k, v), grad)
+        seconds = [_fastest(forward), _fastest(both)]
+        flops = 2.0 * heads * tokens * tokens * (2 * dim) * 0.5
+        rates.append((dim, flops / seconds[0], 2.5 * flops / max(seconds[1] - seconds[0], 1e-9)))
+        del q, k, v, grad
+    torch.cuda.empty_cache()
+    return tuple(rates)
+
+
+def _fastest(fn, repeats: int = 3) -> float:
+    fn()
+    seconds = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        seconds.append(a.elapsed_time(b) / 1e3)
+    return min(seconds)
 
 
 # Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is

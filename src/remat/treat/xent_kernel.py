@@ -112,6 +112,18 @@ def eager_kernel(z, y, ignore_index: int, pre):
     return loss
 
 
+def shape_kernel(z, y, ignore_index: int, pre):
+    """What a fake-tensor profile runs for the chunk: the fused kernel's footprint, not its values.
+
+    The GPU it plans for runs the Triton kernel, which reads the logits once, writes their
+    gradient in place and keeps nothing chunk-sized beside them; one in-place op over ``z``
+    that reads it twice (read and write) stands in for it, with the loss a zero. Running
+    :func:`eager_kernel` instead would charge its fp32 block copy and cost a fake op per op per
+    256 rows: seconds of profiling per chunk size at a million tokens."""
+    z.add_(z)
+    return torch.zeros((), dtype=torch.float32, device=z.device)
+
+
 def kernel_rows(n: int, chunk: int) -> int:
     """Rows of every logits block the kernel sees: the chunk, or for a batch shorter than
     one chunk the next power of two (at least ``ROUND``), so few shapes ever compile."""
