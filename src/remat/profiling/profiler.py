@@ -37,6 +37,13 @@ pinned copy rates are measured. Saved-tensor hooks (warm-up run only) record whi
 storages a block saves, to tell whether it keeps its input and how many bytes the offload
 engine would move.
 
+Long context on a GPU: from :data:`LONG_CONTEXT_TOKENS` tokens a step on (or when measuring a
+block runs out of GPU memory) a model on the GPU is profiled with fake tensors, as without a GPU,
+but at the attention rates measured on that GPU for the model's heads at the length planned for
+and at its measured copy rates (:func:`_profile_long`): measuring each treatment of a block at
+262k tokens would hold one block's inner memory at a time for minutes, and no real step is taken
+to calibrate. ``notes["profiled"]`` says which was done.
+
 Compiled models (``compile=True``): the same runs, each block class x treatment compiled
 alone and the stubbed step with the model compiled; calibrated on one compiled step. Needs a
 GPU (no fake path: a clear ValueError). See :mod:`remat.profiling._compiled`.
@@ -185,15 +192,16 @@ step's inner-block memory several times over (keep, full, ... in turn) and take 
 def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunks, min_bytes, say,
                   why) -> Profile:
     """A GPU model's profile with fake tensors, its attention priced at the rates this GPU reaches
-    for the model's head dimensions (:func:`measured_attention`) and its copies at their measured
-    rates: the memory exactly as a fake profile counts it, planning in the time a fake profile
-    takes, and no GPU memory used beyond a few attention inputs. ``notes["profiled"]`` says so."""
+    for the model's attention shapes at this length (:func:`measured_attention`) and its copies at
+    their measured rates: the memory exactly as a fake profile counts it, planning in the time a
+    fake profile takes, and no GPU memory used beyond one attention's inputs. ``notes["profiled"]``
+    says so."""
     device = next(model.parameters()).device
-    head_dims = _head_dims(model)
-    attention = measured_attention(device, head_dims, min(_batch_shape(batch)[1], 32768))
+    shapes = _attention_shapes(model)
+    tokens = _batch_shape(batch)[1]
+    say(f"profiling with fake tensors: {why}; timing attention on this GPU first")
+    attention = measured_attention(device, shapes, tokens)
     rates = replace(rates, attention=attention)
-    say(f"profiling with fake tensors: {why}; attention measured on this GPU at head dims "
-        f"{', '.join(map(str, head_dims))}")
     with preserved(model) as held, patches.suspended(model):
         named = discover(model, blocks).blocks(model)
         model.train()
@@ -201,64 +209,60 @@ def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, c
         # what the step starts from is what the GPU holds now (the user's gradients set aside)
         static = torch.cuda.memory_allocated(device) - held.held_grad_bytes + prof.optimizer_bytes
     measured = ", ".join(f"head dim {d}: {f / 1e12:.0f}/{b / 1e12:.0f}" for d, f, b in attention)
-    note = (f"with fake tensors on this GPU's rates: {why}; attention measured here ({measured} TFLOP/s forward/"
-            "backward, causal), pinned copies measured, other ops priced by the roofline; not calibrated on a "
-            "real step")
+    note = (f"with fake tensors on this GPU's rates: {why}; attention timed here at {min(tokens, ATTENTION_TOKENS):,} "
+            f"tokens ({measured} TFLOP/s forward/backward, causal), pinned copies measured, other ops priced by "
+            "the roofline; not calibrated on a real step")
     return replace(prof, device="cuda", static_bytes=static, notes=dict(prof.notes, profiled=note))
 
 
-def _head_dims(model) -> tuple:
-    """The attention head dimensions a model's configs name (``head_dim``, else hidden size over
-    heads), 128 where none does."""
-    dims = set()
+ATTENTION_TOKENS = 262144
+"""The longest sequence :func:`measured_attention` times (its inputs and their gradients take a few
+GiB there); flash attention's rate at a longer one is taken as this length's."""
+
+
+def _attention_shapes(model) -> tuple:
+    """``(heads, key_value_heads, head_dim)`` of the attention a model's configs describe (the
+    text model's where a vision-language model has two); 32 heads of 128 where none says."""
     for module in model.modules():
         config = getattr(module, "config", None)
-        for c in (config, *(getattr(config, k, None) for k in ("text_config", "vision_config"))):
-            if c is None:
-                continue
-            heads = getattr(c, "num_attention_heads", None)
-            dim = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", 0) // heads if heads else None)
-            if isinstance(dim, int) and dim > 0:
-                dims.add(dim)
-        if dims:
-            break
-    return tuple(sorted(dims)) or (128,)
+        config = getattr(config, "text_config", None) or config
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int) or heads <= 0:
+            continue
+        dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if isinstance(dim, int) and dim > 0 and isinstance(kv, int) and heads % kv == 0:
+            return ((heads, kv, dim),)
+    return ((32, 32, 128),)
 
 
-def measured_attention(device, head_dims, tokens: int, heads: int = 32) -> tuple:
-    """``(head_dim, forward, backward)`` causal-halved FLOP/s of SDPA on ``device`` at each of
-    ``head_dims``: one sequence of ``tokens`` tokens, ``heads`` heads, bf16; the fastest of a few
-    runs of each (interference only slows a kernel down)."""
+def measured_attention(device, shapes, tokens: int) -> tuple:
+    """``(head_dim, forward, backward)`` causal-halved FLOP/s that SDPA reaches on ``device`` for
+    each ``(heads, key_value_heads, head_dim)`` of ``shapes``: one sequence of ``tokens`` tokens
+    (at most :data:`ATTENTION_TOKENS`), bf16, after a warm-up at a short length; flash attention's
+    rate changes with the length (on an H100 at head dim 128, 621 TFLOP/s forward at 65k tokens,
+    523 at 262k), so it is timed at the length planned for."""
+    tokens = max(1, min(tokens, ATTENTION_TOKENS))
     rates = []
-    for dim in head_dims:
-        q, k, v = (torch.randn(1, heads, tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        grad = torch.randn_like(q)
-
-        def forward():
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        def both():
-            torch.autograd.grad(forward(), (q, k, v), grad)
-        seconds = [_fastest(forward), _fastest(both)]
+    for heads, kv, dim in shapes:
+        def run(length, backward):
+            q = torch.randn(1, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=backward)
+            k, v = (torch.randn(1, kv, length, dim, device=device, dtype=torch.bfloat16, requires_grad=backward)
+                    for _ in range(2))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != heads)
+            if backward:
+                out.backward(torch.ones_like(out))
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        run(min(tokens, 16384), True)  # kernel selection and workspaces
+        forward, both = run(tokens, False), run(tokens, True)
         flops = 2.0 * heads * tokens * tokens * (2 * dim) * 0.5
-        rates.append((dim, flops / seconds[0], 2.5 * flops / max(seconds[1] - seconds[0], 1e-9)))
-        del q, k, v, grad
+        rates.append((dim, flops / forward, 2.5 * flops / max(both - forward, 1e-9)))
     torch.cuda.empty_cache()
-    return tuple(rates)
-
-
-def _fastest(fn, repeats: int = 3) -> float:
-    fn()
-    seconds = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        seconds.append(a.elapsed_time(b) / 1e3)
-    return min(seconds)
+    return tuple(sorted(rates))
 
 
 # Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is
