@@ -239,7 +239,7 @@ def _attention_shapes(model) -> tuple:
 def measured_attention(device, shapes, tokens: int) -> tuple:
     """``(head_dim, forward, backward)`` causal-halved FLOP/s that SDPA reaches on ``device`` for
     each ``(heads, key_value_heads, head_dim)`` of ``shapes``: one sequence of ``tokens`` tokens
-    (at most :data:`ATTENTION_TOKENS`), bf16, after a warm-up at a short length; flash attention's
+    (at most :data:`ATTENTION_TOKENS`), bf16, after a warm-up at that length; flash attention's
     rate changes with the length (on an H100 at head dim 128, 621 TFLOP/s forward at 65k tokens,
     523 at 262k), so it is timed at the length planned for."""
     tokens = max(1, min(tokens, ATTENTION_TOKENS))
@@ -257,7 +257,7 @@ def measured_attention(device, shapes, tokens: int) -> tuple:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
-        run(min(tokens, 16384), True)  # kernel selection and workspaces
+        run(tokens, True)  # at the length timed: a first call there stalled the host (37 TFLOP/s read at 65k)
         forward, both = run(tokens, False), run(tokens, True)
         flops = 2.0 * heads * tokens * tokens * (2 * dim) * 0.5
         rates.append((dim, flops / forward, 2.5 * flops / max(both - forward, 1e-9)))
