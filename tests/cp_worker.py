@@ -197,10 +197,37 @@ def misuse(run):
         run.fail("misuse", "scaled_dot_product_attention was not restored after the errors")
 
 
+def readme_snippet() -> str:
+    """The Python block of the README's context-parallelism section, as written."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        section = f.read().split("\n## Longer than one GPU holds: context parallelism\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, blocks
+    return blocks[0]
+
+
+def readme(run):
+    """The README's snippet runs as written on this group (plan, apply, shard, step, reduce) and
+    gives the whole-sequence run's loss and gradients."""
+    case = "readme"
+    namespace = dict(model=copy.deepcopy(run.base), batch=run.batch)
+    try:
+        exec(compile(readme_snippet(), "README-context-parallelism", "exec"), namespace)
+    except Exception as e:  # noqa: BLE001
+        run.fail(case, f"{type(e).__name__}: {e}")
+        return
+    loss = namespace["loss"].detach()
+    dist.all_reduce(loss)
+    run.records[case] = dict(plan=namespace["plan"].summary())
+    run.compare(case, loss, {n: p.grad for n, p in namespace["model"].named_parameters()})
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--record", help="write every case's errors, SDPA calls and collectives (rank 0's) here as JSON")
-    p.add_argument("--only", default="treatments,fsdp2,misuse")
+    p.add_argument("--only", default="treatments,fsdp2,misuse,readme")
     args = p.parse_args()
     torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
     warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
@@ -214,6 +241,8 @@ def main():
         fsdp2(run)
     if "misuse" in parts:
         misuse(run)
+    if "readme" in parts:
+        readme(run)
     everyone = [None] * world
     dist.all_gather_object(everyone, run.problems)
     if rank == 0:

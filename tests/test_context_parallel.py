@@ -22,7 +22,7 @@ from test_fsdp import _cpu_fsdp2_supported, launch
 def report(tmp_path_factory):
     record = tmp_path_factory.mktemp("cp") / "cases.json"
     worker = os.path.join(os.path.dirname(__file__), "cp_worker.py")
-    only = "treatments,misuse" + (",fsdp2" if _cpu_fsdp2_supported() else "")
+    only = "treatments,misuse,readme" + (",fsdp2" if _cpu_fsdp2_supported() else "")
     results = launch(worker, ["--record", str(record), "--only", only])
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited with {code}:\n{err[-3000:]}"
@@ -79,6 +79,14 @@ def test_misuse_raises(report):
     mask the model builds from an attention_mask handed past shard_sequence, and a model whose
     forward calls no SDPA are refused with what to do."""
     assert _problems(report, "misuse") == []
+
+
+def test_the_readme_snippet_runs_as_written(report):
+    """The README's context-parallelism block, executed on the group with the model and batch as its
+    only stand-ins: planned for a CP rank, applied, one step; its loss and gradients are one
+    process's over the whole sequence."""
+    assert _problems(report, "readme") == []
+    assert report[1]["readme"]["grad_rel_error"] <= REL, report[1]["readme"]
 
 
 # --- bad input, refused before anything is touched (no process group needed) ---
