@@ -40,7 +40,9 @@ Limits: one sequence layout (contiguous pieces); attention dropout is refused; t
 holds every rank's keys and values at once (``world`` x a rank's K/V during the attention, and kept
 for backward when the block keeps its activations): it exists so that a CPU checks the mathematics,
 the planner models the ring (:mod:`remat.planning.context`). GQA passes ``enable_gqa`` through as
-transformers passes it. Not under ``torch.compile``.
+transformers passes it (the gather path checks it on the CPU; the ring path relies on the flash
+kernel taking fewer key/value heads, not yet run on a GPU from this module). Not under
+``torch.compile``.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class _GatherKV(torch.autograd.Function):
             vshape[:2] + (s * world,) + vshape[3:])
         rows = torch.stack([torch.cat([grad_keys[:, :, j * s:(j + 1) * s].reshape(-1),
                                        grad_values[:, :, j * s:(j + 1) * s].reshape(-1)]) for j in range(world)])
-        if dist.get_backend(group) == "nccl":
+        if _nccl(group) and rows.is_cuda:
             mine = torch.empty_like(rows[0])
             dist.reduce_scatter_tensor(mine, rows.reshape(-1), group=group)
         else:  # gloo has no reduce-scatter of tensors
@@ -190,7 +192,7 @@ def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention
         check_model(model)
     pg = process_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    path = attention if attention != "auto" else ("ring" if dist.get_backend(pg) == "nccl" else "gather")
+    path = attention if attention != "auto" else ("ring" if _nccl(pg) and torch.cuda.is_available() else "gather")
     ring = _torch_ring(group, pg, world) if path == "ring" else contextlib.nullcontext()
     with ring:
         mode = CPAttention(pg, rank, world, path, F.scaled_dot_product_attention)
@@ -228,6 +230,12 @@ def _torch_ring(group, pg, world):
             yield
     finally:
         _cp_options.enable_load_balance = balanced
+
+
+def _nccl(group) -> bool:
+    """The group's collectives run on NCCL (its backend is ``nccl``, or names it for CUDA tensors:
+    ``cpu:gloo,cuda:nccl``)."""
+    return "nccl" in str(dist.get_backend(group))
 
 
 def reduce_gradients(model: nn.Module, group=None) -> None:
