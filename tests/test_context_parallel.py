@@ -89,6 +89,26 @@ def test_the_readme_snippet_runs_as_written(report):
     assert report[1]["readme"]["grad_rel_error"] <= REL, report[1]["readme"]
 
 
+@pytest.mark.gpu
+def test_ring_attention_gradients_on_two_gpus(tmp_path):
+    """torch's ring attention (NCCL) under every treatment and the chunked head: gradients of 4k
+    tokens on 2 GPUs (CP 2, bf16) against one GPU's, each within 1.5x the untouched ring run's own
+    error, and the all-gather path's untouched run beside them (benchmarks/cp_bench.py --grad-check)."""
+    import subprocess
+    import sys
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "benchmarks/cp_bench.py", "--grad-check",
+                           "--model", "llama-1b", "--seq", "4096", "--out", str(tmp_path)],
+                          cwd=root, env=env, text=True, capture_output=True, timeout=1800)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    record = json.loads((tmp_path / "cp_bench.jsonl").read_text().splitlines()[-1])
+    assert record["kind"] == "grad_check" and record["passed"], record
+
+
 # --- bad input, refused before anything is touched (no process group needed) ---
 
 def _model(attn_implementation="sdpa"):

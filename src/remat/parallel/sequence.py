@@ -17,8 +17,9 @@ are done to the whole batch before it is cut, because after the cut no rank coul
 - ``num_items_in_batch`` is the number of targets in the whole sequence (not ``-100``), so each
   rank's loss is ``sum of its tokens' losses / num_items_in_batch``: its share, and the sum of the
   ranks' losses is the loss of the whole sequence (``torch.distributed.all_reduce`` it to print it).
-  Gradients add up the same way: summed over the CP ranks (FSDP2 over the CP ranks with a divide
-  factor of the data-parallel degree, or :func:`remat.parallel.attention.reduce_gradients`);
+  Gradients add up the same way: summed over the CP ranks (:func:`remat.parallel.reduce_gradients`
+  for a model replicated on them; under FSDP2 over ``dp x cp`` ranks, which averages, back-propagate
+  ``cp x`` the loss, as ``examples/train_long.py`` does);
 - ``position_ids`` are the global positions of the rank's tokens, so rotary (or learned) position
   embeddings see where each token really is.
 
