@@ -229,7 +229,8 @@ def row(args) -> int:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
         wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block_class))
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                       check_fn=lambda m: isinstance(m, block_class))
     for module in model.modules():
         if isinstance(module, block_class):
             fully_shard(module, mesh=shards)
@@ -295,7 +296,8 @@ def predicted(model, example, args, world, cuda):
     n = plan.notes
     notes = dict(plan=plan.summary(), plan_s=round(time.perf_counter() - started, 1),
                  predicted_peak_bytes=n["predicted_peak_bytes"], predicted_step_s=n["predicted_step_s"],
-                 predicted_optimizer_s=n.get("predicted_optimizer_s"), predicted_tokens_per_s=n["predicted_tokens_per_s"],
+                 predicted_optimizer_s=n.get("predicted_optimizer_s"),
+                 predicted_tokens_per_s=n["predicted_tokens_per_s"],
                  host_bytes=n.get("host_bytes"), cp_exposed_s=n.get("cp_exposed_s"),
                  cp_attention_s=n.get("cp_attention_s"), cp_exchange_bytes=n.get("cp_exchange_bytes"))
     return plan.to_dict(), notes

@@ -387,10 +387,10 @@ def explain(prof, sim, budget=None) -> list:
                  + (f"; the optimizer's step {_seconds(sim.optimizer_s)} included" if sim.optimizer_s else "") + ")")
     if prof.notes.get("cp_world"):
         n = prof.notes
-        lines.append(f"context    {n['cp_world']} ranks split each {n['cp_seq']:,}-token sequence: {prof.seq:,} tokens of "
-                     f"activations a rank; the last rank attends {_seconds(n['cp_attention_s'])} beyond its piece and "
-                     f"waits {_seconds(n['cp_exposed_s'])} for keys and values ({f(n['cp_exchange_bytes'])} over its link "
-                     "a step, recompute not counted)")
+        lines.append(f"context    {n['cp_world']} ranks split each {n['cp_seq']:,}-token sequence: {prof.seq:,} tokens "
+                     f"of activations a rank; the last rank attends {_seconds(n['cp_attention_s'])} beyond its piece "
+                     f"and waits {_seconds(n['cp_exposed_s'])} for keys and values ({f(n['cp_exchange_bytes'])} over "
+                     "its link a step, recompute not counted)")
     stages = sim.stages()
     parts = []
     for name, st in stages.items():

@@ -28,7 +28,8 @@ checkpoint recomputes outside any function mode entered around the step (checked
 saw the recompute's SDPA, and rank 0's gradients were silently its own piece's), while the
 replaced function is what the recompute calls. Each call is counted
 (:attr:`CPAttention.calls`; and the collectives a step issues). It also checks each call: a mask
-(a model that builds one: sliding windows, padding) or attention dropout cannot be split this way and raise ValueError naming why.
+(a model that builds one: sliding windows, padding) or attention dropout cannot be split this way
+and raise ValueError naming why.
 
 The ``with`` must hold the backward too: a recompute outside it would attend to the rank's own
 piece only, silently. On the gather path the context knows whether a backward ran through its
@@ -99,9 +100,10 @@ class _GatherKV(torch.autograd.Function):
     def backward(ctx, grad_keys, grad_values):
         group, rank, world = ctx.group, ctx.rank, ctx.world
         (kshape, vshape), s = ctx.shapes, ctx.shapes[0][2]
-        grad_keys = grad_keys if grad_keys is not None else grad_values.new_zeros(kshape[:2] + (s * world,) + kshape[3:])
-        grad_values = grad_values if grad_values is not None else grad_keys.new_zeros(
-            vshape[:2] + (s * world,) + vshape[3:])
+        if grad_keys is None:
+            grad_keys = grad_values.new_zeros(kshape[:2] + (s * world,) + kshape[3:])
+        if grad_values is None:
+            grad_values = grad_keys.new_zeros(vshape[:2] + (s * world,) + vshape[3:])
         rows = torch.stack([torch.cat([grad_keys[:, :, j * s:(j + 1) * s].reshape(-1),
                                        grad_values[:, :, j * s:(j + 1) * s].reshape(-1)]) for j in range(world)])
         if _nccl(group) and rows.is_cuda:

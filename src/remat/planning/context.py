@@ -1,4 +1,5 @@
-"""Context parallelism: what splitting the sequence over ``world`` ranks changes in one rank's step, as a profile transform.
+"""Context parallelism: what splitting the sequence over ``world`` ranks changes in one rank's step,
+as a profile transform.
 
 How: the profile is taken on one rank's piece (``seq / world`` tokens: :func:`remat.plan` cuts the
 batch before profiling, :mod:`remat.parallel.sequence` cuts it the same way when training), so
