@@ -136,7 +136,8 @@ def main(argv=None):
     planned = plan.notes.get("predicted_step_s")
     say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
         f"{tokens * world / steady:,.0f} in all ({world} ranks)"
-        + (f"; planned {planned:.3f} s for forward+backward (the optimizer step is not in it)" if planned else ""))
+        + (f"; planned {planned:.3f} s for the whole step (forward, backward and the optimizer's "
+           f"{plan.notes.get('predicted_optimizer_s', 0.0):.3f} s)" if planned else ""))
     if cuda:
         peaks = [None] * world
         dist.all_gather_object(peaks, torch.cuda.max_memory_allocated())

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from remat.planning.context import AttentionShape, context
 from remat.planning.costs import Profile
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
@@ -57,7 +58,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
          compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True,
-         host_memory=None) -> Plan:
+         host_memory=None, cp_world: int = 1) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
     (a block left untouched, and the model's own head, unless changing it gains more than 1%
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
@@ -94,6 +95,15 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
+    ``cp_world``: plan for one of that many context-parallel ranks splitting each sequence
+    (:mod:`remat.parallel`: contiguous pieces, torch's ring attention on the GPU): the model is
+    profiled on one rank's ``seq / cp_world`` tokens of ``batch`` (the whole sequences) and each
+    block charged the attention over the rest of the sequence, its exchange and buffers
+    (:mod:`remat.planning.context`); with ``fsdp_world``, parameters, gradients and optimizer
+    state sharded over that many ranks (the CP ranks included when FSDP2 shards over all of them).
+    The model must run attention through SDPA (Hugging Face: ``attn_implementation="sdpa"``) and
+    the sequence divide by ``cp_world``: ValueError otherwise, before anything is profiled.
+    ``profiled`` is then a profile of one rank's piece. Not with ``ddp_world``.
     ``host_memory``: pinned host memory the offloaded tensors may take (bytes or "100GiB"; default,
     for a profile measured on this machine's GPU: what the offload engine's pool takes by default
     here, 60% of the available memory; for a fake-tensor profile, made for another machine: no
@@ -101,6 +111,15 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     the ``NoPlanFits`` names the host as the limit.
     """
     budget_bytes = parse_budget(budget)
+    if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
+        raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
+    if cp_world != 1:
+        if ddp_world != 1:
+            raise ValueError(f"cp_world={cp_world} with ddp_world={ddp_world} is not modelled: shard the model over "
+                             "the ranks with fsdp_world instead (as torchtitan does under context parallelism)")
+        shape = attention_shape(model)
+        if profiled is None:
+            batch = cp_piece(model, batch, cp_world)
     if fsdp_world != 1 and ddp_world != 1:
         raise ValueError(f"fsdp_world={fsdp_world!r} and ddp_world={ddp_world!r}: a model is either sharded (FSDP2) or "
                          "replicated (DDP) over its ranks, not both; pass one of them (HSDP is not modelled)")
@@ -122,6 +141,8 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     host = parse_budget(host_memory) if host_memory is not None else (
         default_host_limit() if prof.device == "cuda" else None)
     prof = replace(prof, host_limit=host)
+    if cp_world != 1:
+        prof = context(prof, cp_world, shape)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
@@ -129,10 +150,10 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     allowed = _allowed(prof, treatments)
     if not (scope and verify):
         return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
-    if fsdp_world != 1 or ddp_world != 1:
+    if fsdp_world != 1 or ddp_world != 1 or cp_world != 1:
         return _noted(solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads),
-                      f"not measured: planned for one of {max(fsdp_world, ddp_world)} ranks, which one GPU alone "
-                      "does not run")
+                      f"not measured: planned for one of {max(fsdp_world, ddp_world, cp_world)} ranks, which one "
+                      "GPU alone does not run")
     return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
                     blocks=blocks, progress=progress)
 
@@ -229,6 +250,37 @@ def _over(tries: list, budget_bytes: int) -> str:
 
 def _noted(chosen: Plan, verified_note) -> Plan:
     return replace(chosen, notes=dict(chosen.notes, verified=verified_note))
+
+
+def cp_piece(model: nn.Module, batch, world: int):
+    """What one of ``world`` context-parallel ranks computes of ``batch``: the first ``seq / world``
+    tokens of every tensor whose second dimension is the sequence (the costs of any rank's piece;
+    its attention over the rest is :mod:`remat.planning.context`'s). Checks what
+    :func:`remat.parallel.shard_sequence` will refuse (ValueError), and the model's attention."""
+    from remat.parallel.sequence import check_batch, check_model
+    check_model(model)
+    whole = {"input_ids": batch} if isinstance(batch, torch.Tensor) else batch
+    if not isinstance(whole, dict):
+        raise TypeError(f"cp_world plans a causal LM's batch: token ids or a dict of them, got {type(batch).__name__}")
+    _, length = check_batch(whole, world)
+    piece = {k: v[:, :length // world] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
+             else v for k, v in whole.items() if k != "attention_mask"}
+    return piece["input_ids"] if isinstance(batch, torch.Tensor) else piece
+
+
+def attention_shape(model: nn.Module) -> AttentionShape:
+    """The attention a context-parallel rank exchanges, from ``model``'s Hugging Face (text) config:
+    heads, key/value heads, head size; ValueError for a model without one."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"cp_world needs the attention's shape, read from a Hugging Face config "
+                         f"(num_attention_heads ...); {type(model).__name__} has none")
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return AttentionShape(heads=int(heads), kv_heads=int(kv), head_dim=int(head_dim),
+                          value_dim=getattr(text, "v_head_dim", None))
 
 
 def replicated(prof: Profile, model: nn.Module, world: int) -> Profile:

@@ -48,6 +48,7 @@ EXAMPLES = """examples:
   remat plan --model mistral-7b.json --batch 8 --seq 2048 --budget 70GB --optimizer adamw8bit
   remat plan --model llama-70b --batch 1 --seq 4096 --budget 70GiB --optimizer adamw --fsdp 16
   remat plan --model llama-1b --batch 2 --seq 4096 --budget 40GiB --optimizer adamw --ddp 8
+  remat plan --model llama-8b --batch 1 --seq 1048576 --budget 76GiB --optimizer adamw --cp 4 --fsdp 4
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 1GiB --compile   # GPU
   remat plan --model qwen2-vl-2b --batch 2 --seq 1024 --images 1 --image-size 448x448 --budget 12GiB
@@ -56,6 +57,9 @@ EXAMPLES = """examples:
 folder holding config.json. A vision-language config (llava, paligemma, qwen2_vl, qwen2_5_vl)
 trains on --images images per sequence (default 1) of --image-size HxW, counted in --seq.
 --json prints the plan on stdout in the format --out writes.
+--cp N plans one of N context-parallel ranks splitting each sequence (remat.parallel): --seq is the
+whole sequence, each rank holds --seq/N tokens of activations and attends over the rest (torch's
+ring attention); with --fsdp M, parameters, gradients and optimizer state are sharded over M ranks.
 --compile plans for `remat.apply(model, plan); model.compile()`: it builds the model on the GPU
 with random weights and measures each block compiled (needs CUDA).
 """
@@ -87,6 +91,9 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--budget", required=True,
                         help="peak memory budget of one device, e.g. 24GiB or 80GB (at most 64 TiB)")
+    parser.add_argument("--cp", type=int, default=1, metavar="WORLD",
+                        help="plan for one of WORLD context-parallel ranks splitting each --seq-token sequence "
+                             "(default 1); combine with --fsdp for a cp x fsdp mesh")
     parser.add_argument("--ddp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD DDP ranks, each holding the whole model "
                              "(default 1; not with --fsdp)")
@@ -156,6 +163,17 @@ def check_model_arguments(args) -> None:
     if ddp != 1 and args.fsdp != 1:
         raise ValueError(f"--fsdp {args.fsdp} and --ddp {ddp}: a model is either sharded (FSDP2) or replicated (DDP) "
                          "over its ranks, not both; pass one of them")
+    cp = getattr(args, "cp", 1)
+    if cp < 1:
+        raise ValueError(f"--cp must be a whole number >= 1, got {cp}; leave --cp out (or pass 1) to plan without "
+                         "context parallelism")
+    if cp != 1 and ddp != 1:
+        raise ValueError(f"--cp {cp} with --ddp {ddp} is not modelled: shard the model with --fsdp instead")
+    if cp != 1 and args.seq % cp:
+        raise ValueError(f"--seq {args.seq} cannot be split evenly over --cp {cp} ranks: pass a multiple of {cp} "
+                         f"(e.g. {-(-args.seq // cp) * cp})")
+    if cp != 1 and getattr(args, "compile", None):
+        raise ValueError("--cp with --compile is not planned: context parallelism runs eager (drop --compile)")
     rates_for(args.gpu)  # ValueError naming the known GPUs
 
 
@@ -218,7 +236,16 @@ def profile_from_args(args, say):
         say(f"building {args.model} on the meta device")
         model = build_model(config, device="meta", dtype=dtype)
         ids = batch_from_args(args, config, dtype)
+        cp = getattr(args, "cp", 1)
+        if cp != 1:
+            from remat.planner import cp_piece
+            say(f"profiling one of {cp} context-parallel ranks: {args.seq // cp} of the {args.seq} tokens")
+            ids = cp_piece(model, ids, cp)
         prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
+        if cp != 1:
+            from remat.planner import attention_shape
+            from remat.planning.context import context
+            prof = context(prof, cp, attention_shape(model))
     host = getattr(args, "host_memory", None)
     if host is not None or prof.device == "cuda":
         from dataclasses import replace
@@ -318,6 +345,8 @@ def no_fit_message(error, budget, args) -> str:
         fixes.append("count 8-bit optimizer state (--optimizer adamw8bit)")
     if args.fsdp == 1:
         fixes.append("shard the model over ranks (--fsdp WORLD)")
+    if getattr(args, "cp", 1) == 1 and getattr(args, "ddp", 1) == 1:
+        fixes.append("split each sequence over ranks (--cp WORLD)")
     return text + " To fit: " + ", ".join(fixes) + "."
 
 
@@ -353,7 +382,15 @@ def explain(prof, sim, budget=None) -> list:
                  + (f" + offload engine {f(terms['engine'])}" if terms["engine"] else ""))
     if sim.bound_bytes != sim.peak_bytes:
         lines.append(f"           at most {f(sim.bound_bytes)} whatever the copy timing (set in {sim.bound_at})")
-    lines.append(f"step       {sim.step_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s (predicted, head {head})")
+    per = " per GPU" if prof.comm is not None or prof.notes.get("cp_world") else ""
+    lines.append(f"step       {sim.step_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s{per} (predicted, head {head}"
+                 + (f"; the optimizer's step {_seconds(sim.optimizer_s)} included" if sim.optimizer_s else "") + ")")
+    if prof.notes.get("cp_world"):
+        n = prof.notes
+        lines.append(f"context    {n['cp_world']} ranks split each {n['cp_seq']:,}-token sequence: {prof.seq:,} tokens "
+                     f"of activations a rank; the last rank attends {_seconds(n['cp_attention_s'])} beyond its piece "
+                     f"and waits {_seconds(n['cp_exposed_s'])} for keys and values ({f(n['cp_exchange_bytes'])} over "
+                     "its link a step, recompute not counted)")
     stages = sim.stages()
     parts = []
     for name, st in stages.items():
@@ -371,6 +408,10 @@ def explain(prof, sim, budget=None) -> list:
         lines.append(f"offload    {f(sim.offload_bytes)} handed to the engine, {f(sim.moved_bytes)} moved each way, "
                      f"{sim.exposed_copy_s:.3f} s of the step spent waiting for copies")
     return lines
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 0.01 else f"{x * 1e3:.2f} ms"
 
 
 def timeline_lines(sim) -> list:
@@ -394,7 +435,7 @@ def run(args) -> int:
     say = progress()
     prof, model, ids = profile_from_args(args, say)
     treatments = treatments_from_args(prof, args)
-    one_gpu = args.fsdp == 1 and getattr(args, "ddp", 1) == 1
+    one_gpu = args.fsdp == 1 and getattr(args, "ddp", 1) == 1 and getattr(args, "cp", 1) == 1
     try:
         plan = solve_from_args(prof, budget, treatments, say, measured_on=(model, ids) if one_gpu else None)
     except NoPlanFits as e:

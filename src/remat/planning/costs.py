@@ -33,6 +33,23 @@ OPTIMIZER_STATES = {"none": (0, None), "adamw": (2, None), "adamw8bit": (2, 1)}
 """Per trainable parameter: the optimizer's state tensors and the bytes of one element of each
 (None: the parameter's own, as ``torch.optim.AdamW``'s ``zeros_like`` states are: 8 bytes a
 parameter in fp32, 4 in bf16; bitsandbytes' 8-bit states are 1 byte whatever the parameter)."""
+OPTIMIZER_PASSES = {"none": (0, 0), "adamw": (20, 0), "adamw8bit": (3, 4)}
+"""Bytes an optimizer step reads and writes per trainable parameter: ``(times the parameter's element
+size, plus bytes)``. ``adamw``: ``torch.optim.AdamW``'s default on a GPU, the foreach
+implementation (``_multi_tensor_adam``, decoupled weight decay), one pass over whole tensors per
+``_foreach`` op: ``mul_`` of the parameters (read, write), ``lerp_`` of the first moment (3),
+``mul_`` (2) and ``addcmul_`` (3) of the second, ``sqrt`` into a temporary (2), ``div_`` (2) and
+``add_`` (2) of it, ``addcdiv_`` into the parameters (4): 20 element sizes (states, gradients and
+the temporary in the parameter's dtype). ``adamw8bit``: bitsandbytes' one fused kernel: the
+parameter and its gradient read, the parameter written, two 1-byte states read and written."""
+OPTIMIZER_HBM_FRACTION = 0.8
+"""The fraction of the datasheet HBM bandwidth an optimizer step's elementwise passes run at (not
+fitted; the foreach kernels are bandwidth bound over large tensors)."""
+OPTIMIZER_LAUNCHES = {"none": 0, "adamw": 8, "adamw8bit": 1}
+"""Kernel launches per parameter group of an optimizer step (the foreach ops above)."""
+OPTIMIZER_LAUNCH_S = 20e-6
+"""Seconds per launch of an optimizer's kernels (a foreach op splits its tensor list into a few
+launches), charged once per op: tens of microseconds against a step of tenths of seconds."""
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
@@ -68,6 +85,23 @@ def optimizer_state_bytes(optimizer: str, params) -> int:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     states, element = OPTIMIZER_STATES[optimizer]
     return sum(states * numel * (element or size) for numel, size in params)
+
+
+def optimizer_step_bytes(optimizer: str, params) -> int:
+    """HBM bytes ``optimizer``'s step reads and writes for ``params``, ``(numel, element_size)`` of
+    each trainable parameter (:data:`OPTIMIZER_PASSES`)."""
+    if optimizer not in OPTIMIZER_PASSES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_PASSES)}, got {optimizer!r}")
+    sizes, extra = OPTIMIZER_PASSES[optimizer]
+    return sum(numel * (sizes * size + extra) for numel, size in params)
+
+
+def optimizer_step_seconds(optimizer: str, step_bytes: float, rates: "Rates") -> float:
+    """Seconds of an optimizer step that moves ``step_bytes`` (:func:`optimizer_step_bytes`) on a
+    device of ``rates``: bandwidth bound, plus its launches; 0 without an optimizer."""
+    if not step_bytes:
+        return 0.0
+    return step_bytes / (rates.hbm_Bps * OPTIMIZER_HBM_FRACTION) + OPTIMIZER_LAUNCHES[optimizer] * OPTIMIZER_LAUNCH_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +291,10 @@ class Profile:
     """Pinned host bytes the offload engine may hold (the pool's limit, by default 60% of the
     host's available memory); a plan that would need more offloads less (:mod:`remat.planning.solver`).
     None: no limit."""
+    optimizer_s: float = 0.0
+    """Seconds of the optimizer's step after the backward (:func:`optimizer_step_seconds` of the
+    rank's trainable parameters: ``1/world`` of them under FSDP2), added to every plan's step; 0
+    with ``optimizer="none"`` (the bench protocol: forward and backward only)."""
 
     @property
     def tokens(self) -> int:

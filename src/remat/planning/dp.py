@@ -31,9 +31,10 @@ from remat.planning.simulator import offload_sizes
 
 
 def head_seconds(profile, head) -> float:
-    """The step's seconds outside the blocks: embeddings, head, fixed overhead and, under FSDP2,
-    the root's collectives no compute hides."""
-    seconds = head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s + profile.step_overhead_s
+    """The step's seconds outside the blocks: embeddings, head, fixed overhead, the optimizer's step
+    and, under FSDP2, the root's collectives no compute hides."""
+    seconds = (head.pre_fwd_s + head.head_fwd_s + head.head_bwd_s + head.pre_bwd_s + profile.step_overhead_s
+               + profile.optimizer_s)
     return seconds + (profile.comm.fixed_exposed_s(head) if profile.comm is not None else 0.0)
 
 

@@ -67,6 +67,8 @@ class Simulation:
     """Seconds of the collectives' fixed cost per call (launch, hooks) on the compute stream."""
     comm_contention_s: float = 0.0
     """Seconds compute was slowed by collectives running beside it."""
+    optimizer_s: float = 0.0
+    """Seconds of the optimizer's step, the last part of ``step_s`` (0 without an optimizer)."""
 
     def phases(self, kind: str = "all") -> list:
         """Phases whose name starts with ``forward`` / ``backward`` (``kind``), or all."""

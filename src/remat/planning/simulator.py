@@ -64,8 +64,9 @@ Limits: offload is modelled per block (a block's copies start when it starts and
 earlier than its compute; the window is checked at the block's end, the engine checks it at
 every saved tensor); as the host is taken to run ahead, the expected peak is usually the
 bound. When the window makes the host wait at every block, the GPU's queue drains and launch
-latency shows; that is not charged, so such plans run slower than predicted. Optimizer steps
-and data loading are not in the step. Collectives: concurrent gathers and reductions share the link;
+latency shows; that is not charged, so such plans run slower than predicted. The optimizer's step
+(``profile.optimizer_s``, 0 without an optimizer) ends the step, after the last collective; its
+temporaries are not in the peak; data loading is not in the step. Collectives: concurrent gathers and reductions share the link;
 a phase's contention is taken from the link time overlapping it before it is stretched.
 Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
 simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
@@ -323,11 +324,11 @@ def _walk(profile, treatments, costs, h) -> Simulation:
             phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
     top = max(timeline, key=lambda p: p.peak_bytes)
     worst = max(timeline, key=lambda p: p.bound_bytes)
-    step = clock["gpu"] + profile.step_overhead_s
+    step = clock["gpu"] + profile.step_overhead_s + profile.optimizer_s  # the optimizer steps once the link is idle
     return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
                       peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
                       timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,
                       bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved),
                       comm_s=comm.total_s() if comm else 0.0, exposed_comm_s=sum(waits),
                       comm_copy_s=link.copy_s if comm else 0.0, comm_launch_s=link.launch_s if comm else 0.0,
-                      comm_contention_s=link.contention_s if comm else 0.0)
+                      comm_contention_s=link.contention_s if comm else 0.0, optimizer_s=profile.optimizer_s)

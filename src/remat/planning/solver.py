@@ -82,6 +82,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from remat.planning.context import context_notes
 from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
 from remat.planning.memory import BlockTerms, LiveBytes
 from remat.planning.offload_model import engine_bounds
@@ -273,6 +274,9 @@ def _plan(profile, chosen, head, budget) -> Plan:
              "batch": profile.batch, "seq": profile.seq, "optimizer": profile.optimizer}
     notes.update(made_for_notes(model=profile.model, dtype=profile.dtype))   # what apply and doctor compare
     notes.update(comm_notes(profile, result))
+    notes.update(context_notes(profile))
+    if result.optimizer_s:
+        notes["predicted_optimizer_s"] = round(result.optimizer_s, 5)
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,
                      exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at,

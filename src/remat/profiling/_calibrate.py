@@ -168,7 +168,7 @@ def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     heads = tuple(replace(h, head_fwd_s=h.head_fwd_s * hd, head_bwd_s=h.head_bwd_s * hd) for h in prof.heads)
     note = {"plan": f"{treatment}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
             "head": round(hd, 4), "step_s": round(statistics.median(s["step"] for s in steps), 5),
-            "predicted_step_s": round(sim.step_s, 5)}
+            "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5)}   # forward and backward, as measured
     scaled = replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
     return with_residual(scaled, treatment, head, statistics.median(s["step"] for s in steps))
 
@@ -178,7 +178,8 @@ def with_residual(prof: Profile, treatment: str, head, step_s: float) -> Profile
     ``treatment`` with ``head``) took beyond the scaled parts' prediction, when it took more; noted
     as ``residual_s`` (a negative one too, not applied: the parts already over-explain the step)."""
     from remat.planning.simulator import simulate
-    predicted = simulate(prof, treatment, head=head.mode, chunk_tokens=head.chunk_tokens).step_s
+    # the measured step is forward and backward: the optimizer's step the prediction ends with is not in it
+    predicted = simulate(prof, treatment, head=head.mode, chunk_tokens=head.chunk_tokens).step_s - prof.optimizer_s
     residual = step_s - predicted
     note = dict(prof.notes.get("calibration") or {}, residual_s=round(residual, 5))
     return replace(prof, step_overhead_s=prof.step_overhead_s + max(0.0, residual),

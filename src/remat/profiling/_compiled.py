@@ -259,7 +259,7 @@ def scaled_to_step(prof: Profile, sim, treatment: str, head, steps: list, measur
     heads = tuple(replace(h, pre_fwd_s=h.pre_fwd_s * fwd, head_fwd_s=h.head_fwd_s * fwd,
                           head_bwd_s=h.head_bwd_s * bwd, pre_bwd_s=h.pre_bwd_s * bwd) for h in prof.heads)
     note = {"plan": f"{treatment}, head {head.mode}, compiled", "forward": round(fwd, 4), "backward": round(bwd, 4),
-            "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s, 5),
+            "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5),
             "peak_bytes": measured_peak, "predicted_peak_bytes": int(sim.peak_bytes),
             "kept_bytes_added_per_block": {treatment: extra}}
     return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))

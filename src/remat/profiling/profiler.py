@@ -59,7 +59,9 @@ Limits: blocks of one class are assumed to cost the same (a configuration attrib
 in :data:`remat.profiling._capture.CONFIG_ATTRIBUTES` is not seen); offload costs are derived, not measured: the
 bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
 ``full+offload``) of at least ``min_offload_bytes``, excluding parameters; optimizer state is
-counted as bytes per parameter, and its step's temporaries are not modelled.
+counted as bytes per parameter, its step's time as the bytes its kernels read and write over HBM
+bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), and its step's temporaries are not
+modelled.
 
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
 ``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
@@ -91,7 +93,7 @@ from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, BlockCost,
-    HeadCost, Profile, Rates, optimizer_state_bytes, rates_for,
+    HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, rates_for,
 )
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
@@ -440,11 +442,12 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
             static) -> Profile:
     sequences, tokens = _batch_shape(batch)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    step = optimizer_step_seconds(optimizer, optimizer_step_bytes(optimizer, trainable_shapes(model)), rates)
     return Profile(model=type(model).__name__, block_names=body.block_names, block_class=body.block_class,
                    classes=body.classes, heads=body.heads, param_bytes=param_bytes, buffer_bytes=buffer_bytes,
                    optimizer=optimizer, optimizer_bytes=optimizer_bytes, static_bytes=static,
                    hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
-                   device=device, rates=rates, notes=body.notes, engine=engine_model())
+                   device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step)
 
 
 def engine_model() -> EngineModel:

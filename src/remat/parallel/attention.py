@@ -1,0 +1,249 @@
+"""Attention over a sequence split across a context-parallel group, for any remat treatment.
+
+    with context_parallel(model, group):   # forward AND backward inside
+        loss = model(**shard_sequence(batch, group)).loss
+        loss.backward()
+
+How: while the ``with`` is open, ``torch.nn.functional.scaled_dot_product_attention`` is
+replaced by :class:`CPAttention` (as torch's own ``context_parallel`` replaces it; restored when
+the ``with`` ends, on an error too, and only there), which computes each call over the whole
+sequence, the rank's queries against every rank's keys and values:
+
+- ``"ring"`` (NCCL, the default on CUDA): torch's own context parallelism
+  (``torch.distributed.tensor.experimental.context_parallel``: ring attention through the SDPA
+  flash / efficient / cuDNN kernels, its default all-gather rotation), entered without load
+  balancing, as the batch was cut into contiguous pieces (:mod:`remat.parallel.sequence`);
+- ``"gather"`` (gloo, the default on the CPU, where torch's CP has no kernel): the keys and values of
+  every rank are all-gathered (one collective per call), and SDPA runs the rank's queries against
+  those of ranks ``0 .. r`` with the causal mask shifted to the rank's positions (query ``i`` of rank
+  ``r`` sees keys ``0 .. r * s + i``): the same mathematics as one process, in fp32 equal to it up to
+  the order of a few sums. Its backward (:class:`_GatherKV`) returns each rank the sum over ranks
+  of the gradients of its own keys and values (a reduce-scatter; on gloo an all-reduce, then the
+  rank's slice).
+
+Why the function and not a ``TorchFunctionMode`` (thread-local, nothing global replaced): a
+treatment that recomputes attention (``full``, ``attention``, ``full+offload`` ...) calls the
+block's forward again in backward, and that call must exchange keys and values again; torch's
+checkpoint recomputes outside any function mode entered around the step (checked: the mode never
+saw the recompute's SDPA, and rank 0's gradients were silently its own piece's), while the
+replaced function is what the recompute calls. Each call is counted
+(:attr:`CPAttention.calls`; and the collectives a step issues). It also checks each call: a mask
+(a model that builds one: sliding windows, padding) or attention dropout cannot be split this way
+and raise ValueError naming why.
+
+The ``with`` must hold the backward too: a recompute outside it would attend to the rank's own
+piece only, silently. On the gather path the context knows whether a backward ran through its
+attention, and raises at its end when a forward ran with gradients and no backward did. A model
+whose forward called no SDPA at all (eager attention on a model without a config to check
+beforehand) raises there too.
+
+Limits: one sequence layout (contiguous pieces); attention dropout is refused; the gather path
+holds every rank's keys and values at once (``world`` x a rank's K/V during the attention, and kept
+for backward when the block keeps its activations): it exists so that a CPU checks the mathematics,
+the planner models the ring (:mod:`remat.planning.context`). GQA passes ``enable_gqa`` through as
+transformers passes it (the gather path checks it on the CPU; the ring path relies on the flash
+kernel taking fewer key/value heads, not yet run on a GPU from this module). Not under
+``torch.compile``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from remat.parallel.sequence import check_model
+
+PATHS = ("auto", "ring", "gather")
+
+
+def rank_and_world(group=None) -> tuple:
+    """``(rank, world)`` of this process in ``group``: a ProcessGroup, a 1-D DeviceMesh or None (default)."""
+    pg = process_group(group)
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def process_group(group=None):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context parallelism needs torch.distributed initialised (torch.distributed."
+                           "init_process_group, e.g. under torchrun)")
+    if group is None:
+        return dist.group.WORLD
+    if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"pass the context-parallel dimension of the mesh (mesh['cp']), a 1-D mesh, got a "
+                             f"{group.ndim}-D mesh")
+        return group.get_group()
+    return group
+
+
+class _GatherKV(torch.autograd.Function):
+    """Every rank's keys and values, concatenated along the sequence (dim 2), in one all-gather;
+    backward: each rank gets the sum over ranks of the gradient of its own piece."""
+
+    @staticmethod
+    def forward(ctx, key, value, group, rank, world):
+        ctx.group, ctx.rank, ctx.world = group, rank, world
+        ctx.shapes = (key.shape, value.shape)
+        flat = torch.cat([key.reshape(-1), value.reshape(-1)])
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat, group=group)
+        n = key.numel()
+        keys = torch.cat([p[:n].view(key.shape) for p in parts], dim=2)
+        values = torch.cat([p[n:].view(value.shape) for p in parts], dim=2)
+        return keys, values
+
+    @staticmethod
+    def backward(ctx, grad_keys, grad_values):
+        group, rank, world = ctx.group, ctx.rank, ctx.world
+        (kshape, vshape), s = ctx.shapes, ctx.shapes[0][2]
+        if grad_keys is None:
+            grad_keys = grad_values.new_zeros(kshape[:2] + (s * world,) + kshape[3:])
+        if grad_values is None:
+            grad_values = grad_keys.new_zeros(vshape[:2] + (s * world,) + vshape[3:])
+        rows = torch.stack([torch.cat([grad_keys[:, :, j * s:(j + 1) * s].reshape(-1),
+                                       grad_values[:, :, j * s:(j + 1) * s].reshape(-1)]) for j in range(world)])
+        if _nccl(group) and rows.is_cuda:
+            mine = torch.empty_like(rows[0])
+            dist.reduce_scatter_tensor(mine, rows.reshape(-1), group=group)
+        else:  # gloo has no reduce-scatter of tensors
+            dist.all_reduce(rows, group=group)
+            mine = rows[rank]
+        n = kshape.numel()
+        return mine[:n].view(kshape), mine[n:].view(vshape), None, None, None
+
+
+class _Seen(torch.autograd.Function):
+    """Identity whose backward tells the context that a backward ran through its attention."""
+
+    @staticmethod
+    def forward(ctx, out, state):
+        ctx.state = state
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.backward_calls += 1
+        return grad, None
+
+
+class CPAttention:
+    """What ``scaled_dot_product_attention`` is while :func:`context_parallel` is open: SDPA over
+    the whole sequence (see the module doc). ``calls``: SDPA calls it computed (recomputes
+    included); ``forward_calls``: those outside a backward with gradients on; ``backward_calls``
+    (gather path): backwards that ran through them."""
+
+    def __init__(self, group, rank: int, world: int, path: str, previous):
+        self.group, self.rank, self.world, self.path = group, rank, world, path
+        self.previous = previous  # torch's ring dispatch on the ring path, the plain SDPA otherwise
+        self.calls = self.forward_calls = self.backward_calls = 0
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+        if attn_mask is not None:
+            raise ValueError(
+                "context parallelism got an attention mask from the model: it computes causal attention over the "
+                "whole sequence (SDPA's is_causal) and cannot split a mask. Pass no attention_mask (or one of all "
+                "ones), no packed position_ids, and use a model without sliding-window or other masked attention")
+        if dropout_p:
+            raise ValueError(f"attention dropout ({dropout_p}) is not supported under context parallelism: set the "
+                             "config's attention_dropout to 0")
+        self.calls += 1
+        in_backward = torch._C._current_graph_task_id() != -1
+        if torch.is_grad_enabled() and not in_backward:
+            self.forward_calls += 1
+        if self.path == "ring":
+            return self.previous(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                 **({"enable_gqa": enable_gqa} if enable_gqa else {}))
+        out = gathered_attention(query, key, value, self.group, self.rank, self.world, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa, sdpa=self.previous)
+        return _Seen.apply(out, self) if out.requires_grad else out
+
+
+def gathered_attention(query, key, value, group, rank: int, world: int, *, is_causal: bool, scale=None,
+                       enable_gqa: bool = False, sdpa=F.scaled_dot_product_attention):
+    """The gather path: ``query`` (the rank's ``s`` positions, contiguous piece ``rank``) against the
+    all-gathered keys and values; causal over global positions."""
+    keys, values = _GatherKV.apply(key, value, group, rank, world)
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    if not is_causal:
+        return sdpa(query, keys, values, scale=scale, **extra)
+    s = query.shape[-2]
+    end = (rank + 1) * s  # later ranks' keys are all masked: not computed
+    keys, values = keys[:, :, :end], values[:, :, :end]
+    if rank == 0:
+        return sdpa(query, keys, values, is_causal=True, scale=scale, **extra)
+    mask = torch.ones(s, end, dtype=torch.bool, device=query.device).tril(diagonal=rank * s)
+    return sdpa(query, keys, values, attn_mask=mask, scale=scale, **extra)
+
+
+@contextlib.contextmanager
+def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention: str = "auto"):
+    """Run attention over the sequence split across ``group`` (see the module doc); yields the
+    :class:`CPAttention` (its counts). ``model``: checked first (:func:`check_model`), so a model
+    whose attention is not SDPA is refused before anything runs. ``group``: the CP process group, a
+    1-D DeviceMesh (``mesh["cp"]``) or None (the default group). ``attention``: ``"ring"`` (torch's
+    ring attention; NCCL), ``"gather"`` (all-gathered keys and values; any backend) or ``"auto"``
+    (ring on NCCL, gather otherwise)."""
+    if attention not in PATHS:
+        raise ValueError(f"attention must be one of {', '.join(PATHS)}, got {attention!r}")
+    if model is not None:
+        check_model(model)
+    pg = process_group(group)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    path = attention if attention != "auto" else ("ring" if _nccl(pg) and torch.cuda.is_available() else "gather")
+    ring = _torch_ring(group, pg, world) if path == "ring" else contextlib.nullcontext()
+    with ring:
+        mode = CPAttention(pg, rank, world, path, F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = mode
+        try:
+            yield mode
+        finally:
+            F.scaled_dot_product_attention = mode.previous
+    if mode.forward_calls == 0 and mode.calls == 0 and model is not None and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"no attention of {type(model).__name__} ran through torch.nn.functional.scaled_dot_product_attention "
+            "inside context_parallel: its loss covers each rank's own piece only. Use a model whose attention calls "
+            "SDPA (transformers: attn_implementation=\"sdpa\")")
+    if path == "gather" and mode.forward_calls and not mode.backward_calls:
+        raise RuntimeError(
+            "a forward ran under context_parallel with gradients on, but no backward ran through its attention "
+            "inside the `with`: call loss.backward() inside it (a treatment that recomputes attention would "
+            "otherwise recompute it without the other ranks' keys and values)")
+
+
+@contextlib.contextmanager
+def _torch_ring(group, pg, world):
+    """torch's context parallelism, dispatching SDPA to ring attention, for contiguous pieces (no
+    load balancing). It shards the buffers it is given; the batch is cut already, so it is given a
+    throwaway one (the public API needs one to know the sequence's length)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(pg, "cuda")
+    probe = torch.empty(1, 2 * world, device=torch.device("cuda", torch.cuda.current_device()))
+    balanced = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = False
+    try:
+        with torch_context_parallel(mesh, buffers=[probe], buffer_seq_dims=[1], no_restore_buffers={probe}):
+            yield
+    finally:
+        _cp_options.enable_load_balance = balanced
+
+
+def _nccl(group) -> bool:
+    """The group's collectives run on NCCL (its backend is ``nccl``, or names it for CUDA tensors:
+    ``cpu:gloo,cuda:nccl``)."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def reduce_gradients(model: nn.Module, group=None) -> None:
+    """Sum every parameter's ``.grad`` over the CP ``group`` (for a model neither FSDP2 nor DDP
+    reduces over it: each rank's backward gave the gradient of its share of the loss)."""
+    pg = process_group(group)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=pg)

@@ -1,0 +1,269 @@
+"""One rank of test_context_parallel.py's process group (gloo, CPU): every remat treatment and the
+chunked head under context parallelism (remat.parallel), alone and with FSDP2 over the same ranks.
+
+Run with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (the test starts one process per rank;
+torchrun works too). Every rank holds the whole batch; each keeps its piece of the sequence
+(``shard_sequence``: labels shifted before the cut), and runs forward and backward inside
+``context_parallel`` (the all-gather path on gloo). The reference is one process over the whole
+sequence on an untouched copy of the same model, in this process. Rank 0 prints ``OK`` or the
+problems of every rank; ``--record PATH`` writes per case the loss error, the worst gradient error,
+the SDPA calls and the collectives of the step.
+
+Checks, per case:
+- the ranks' losses summed (each is its share of the whole sequence's) and the ranks' gradients
+  summed (:func:`remat.parallel.reduce_gradients`; FSDP2 with a divide factor of 1 sums them in its
+  reduce-scatter) equal the whole-sequence run's within ``REL`` relative (per tensor: the largest
+  difference over the largest reference element): fp32, the same sums in another order;
+- the mechanism: SDPA calls and all-gathers per step are one per layer for a treatment that keeps
+  attention's inputs and two for one that recomputes attention (``full``, ``attention``,
+  ``full+offload``, ``full+tiled``, and ``selective``, whose recompute re-runs the exchange and
+  takes the attention kernel's output from its cache), so a treatment that silently did nothing,
+  or a recompute that ran without the exchange, shows;
+- misuse raises: a backward outside the ``with``, a mask the model builds, a model whose forward
+  calls no SDPA.
+"""
+import argparse
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import remat
+from remat.integrations.presets import build_model
+from remat.parallel import context_parallel, reduce_gradients, shard_sequence
+from remat.prove.collectives import CollectiveCounter
+
+TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload", "tiled", "full+tiled")
+RECOMPUTE_ATTENTION = ("full", "selective", "attention", "full+offload", "full+tiled")
+HEADS = (("keep", "chunked"), ("full", "chunked"), ("full+tiled", "chunked"))
+REL = 1e-6
+LAYERS = 2
+SEQ = 32
+TILE = 4  # tokens per tile: the tiled treatments cut each rank's 16 tokens into 4 chunks
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+    # config defaults otherwise (use_cache on, sdpa): models as users build them
+    return LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       attn_implementation="sdpa")
+
+
+class Run:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+        self.problems, self.records = [], {}
+        self.base = build_model(tiny_config(), seed=0)
+        ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        labels = ids.clone()
+        labels[0, :3] = -100  # a prompt whose tokens are not trained on: the shares still add up
+        self.batch = dict(input_ids=ids, labels=labels)
+        reference = copy.deepcopy(self.base)
+        loss = reference(**self.batch).loss
+        loss.backward()
+        self.reference = {n: p.grad for n, p in reference.named_parameters()}
+        self.reference_loss = loss.detach()
+
+    def fail(self, case, message):
+        self.problems.append(f"rank {self.rank} {case}: {message}")
+
+    def step(self, model, case, sharded=False):
+        """One CP step, counted; the loss (summed over ranks) and this rank's gradients (summed
+        over ranks: by FSDP2's reduce-scatter when ``sharded``)."""
+        local = shard_sequence(self.batch, model=model)
+        with CollectiveCounter() as counter:
+            with context_parallel(model) as attention:
+                loss = model(**local).loss
+                (loss * self.world if sharded else loss).backward()
+        if not sharded:
+            reduce_gradients(model)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            grads[name] = g.to_local() if hasattr(g, "to_local") else g
+        self.records[case] = dict(calls=attention.calls, collectives=counter.counts.as_dict())
+        return loss, grads
+
+    def compare(self, case, loss, grads, sharded=False):
+        loss_error = abs(loss.item() - self.reference_loss.item()) / abs(self.reference_loss.item())
+        worst, where = 0.0, None
+        for name, g in grads.items():
+            want = self.reference[name]
+            if sharded:
+                want = want.chunk(self.world, dim=0)[self.rank]
+            if g is None:
+                self.fail(case, f"{name}: no gradient")
+                continue
+            error = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            if error > worst:
+                worst, where = error, name
+        self.records[case].update(loss_rel_error=loss_error, grad_rel_error=worst, worst_param=where)
+        if loss_error > REL:
+            self.fail(case, f"loss {loss.item()} vs {self.reference_loss.item()} (relative {loss_error:.2e} > {REL})")
+        if worst > REL:
+            self.fail(case, f"{where}: gradient relative error {worst:.2e} > {REL}")
+
+    def mechanism(self, case, spec):
+        per_step = LAYERS * (2 if spec in RECOMPUTE_ATTENTION else 1)
+        record = self.records[case]
+        if record["calls"] != per_step:
+            self.fail(case, f"{record['calls']} SDPA calls a step, expected {per_step}")
+        gathers = record["collectives"]["all_gather"]
+        if gathers != per_step:
+            self.fail(case, f"{gathers} all-gathers a step, expected {per_step} (one per attention run)")
+
+
+def treatments(run):
+    for spec, head in [(t, None) for t in TREATMENTS] + list(HEADS):
+        case = f"cp/{spec}" + (f"+{head}" if head else "")
+        model = copy.deepcopy(run.base)
+        remat.apply(model, spec, head=head, tile_tokens=TILE)
+        try:
+            loss, grads = run.step(model, case)
+        except Exception as e:  # noqa: BLE001 - a crash in one case is a finding, not the end
+            run.fail(case, f"{type(e).__name__}: {e}")
+            continue
+        run.compare(case, loss, grads)
+        run.mechanism(case, spec)
+
+
+def fsdp2(run):
+    """FSDP2 over the CP ranks (torchtitan's layout: the model sharded over every rank that splits
+    the sequence). FSDP2 averages gradients over its ranks, and each rank's loss is its share of the
+    sequence's, so the backward runs on ``world x`` the share (a divide factor of 1 would say the
+    same, but gloo has no pre-multiplied sum)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (run.world,))
+    for spec, head in (("keep", None), ("full", "chunked"), ("full+offload+tiled", "chunked")):
+        case = f"cp+fsdp2/{spec}" + (f"+{head}" if head else "")
+        model = copy.deepcopy(run.base)
+        remat.apply(model, spec, head=head, tile_tokens=TILE)
+        for unit in list(model.model.layers) + [model]:
+            fully_shard(unit, mesh=mesh)
+        try:
+            loss, grads = run.step(model, case, sharded=True)
+        except Exception as e:  # noqa: BLE001
+            run.fail(case, f"{type(e).__name__}: {e}")
+            continue
+        run.compare(case, loss, grads, sharded=True)
+
+
+def misuse(run):
+    """What must raise, and what it says."""
+    def expect(case, error, words, body):
+        try:
+            body()
+        except error as e:
+            if words not in str(e):
+                run.fail(case, f"{type(e).__name__} without {words!r}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            run.fail(case, f"raised {type(e).__name__}, expected {error.__name__}: {e}")
+            return
+        run.fail(case, f"did not raise {error.__name__}")
+
+    model = copy.deepcopy(run.base)
+    remat.apply(model, "full")
+    local = shard_sequence(run.batch, model=model)
+
+    def backward_outside():
+        with context_parallel(model):
+            loss = model(**local).loss
+        loss.backward()
+    expect("misuse/backward-outside", RuntimeError, "call loss.backward() inside it", backward_outside)
+
+    def model_mask():  # a padding mask handed to the model past shard_sequence: the model builds a 4-D mask
+        mask = torch.ones_like(local["input_ids"])
+        mask[0, 0] = 0
+        with context_parallel(model):
+            model(**dict(local, attention_mask=mask)).loss.backward()
+    expect("misuse/model-mask", ValueError, "cannot split a mask", model_mask)
+
+    def no_sdpa():  # no config to check beforehand: refused once its forward called no SDPA
+        net = torch.nn.Linear(4, 4)
+        with context_parallel(net):
+            net(torch.randn(2, 4)).sum().backward()
+    expect("misuse/no-sdpa", RuntimeError, "no attention of Linear", no_sdpa)
+    import torch.nn.functional as F
+    if not getattr(F.scaled_dot_product_attention, "__module__", "").startswith("torch"):
+        run.fail("misuse", "scaled_dot_product_attention was not restored after the errors")
+
+
+def readme_snippet() -> str:
+    """The Python block of the README's context-parallelism section, as written."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        section = f.read().split("\n## Longer than one GPU holds: context parallelism\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, blocks
+    return blocks[0]
+
+
+def readme(run):
+    """The README's snippet runs as written on this group (plan, apply, shard, step, reduce) and
+    gives the whole-sequence run's loss and gradients."""
+    case = "readme"
+    namespace = dict(model=copy.deepcopy(run.base), batch=run.batch)
+    try:
+        exec(compile(readme_snippet(), "README-context-parallelism", "exec"), namespace)
+    except Exception as e:  # noqa: BLE001
+        run.fail(case, f"{type(e).__name__}: {e}")
+        return
+    loss = namespace["loss"].detach()
+    dist.all_reduce(loss)
+    run.records[case] = dict(plan=namespace["plan"].summary())
+    run.compare(case, loss, {n: p.grad for n, p in namespace["model"].named_parameters()})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--record", help="write every case's errors, SDPA calls and collectives (rank 0's) here as JSON")
+    p.add_argument("--only", default="treatments,fsdp2,misuse,readme")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
+    warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = Run(rank, world)
+    parts = args.only.split(",")
+    if "treatments" in parts:
+        treatments(run)
+    if "fsdp2" in parts:
+        fsdp2(run)
+    if "misuse" in parts:
+        misuse(run)
+    if "readme" in parts:
+        readme(run)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, run.problems)
+    if rank == 0:
+        if args.record:
+            import datetime
+
+            import transformers
+            with open(args.record, "w") as f:
+                json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               torch=torch.__version__, transformers=transformers.__version__, world=world,
+                               backend="gloo", device="cpu", dtype="float32",
+                               model=f"llama hidden 32, {LAYERS} layers, 4/2 heads, vocab 128",
+                               batch=list(run.batch["input_ids"].shape), rel_tolerance=REL,
+                               cases=run.records), f, indent=1)
+        problems = [line for rank_problems in everyone for line in rank_problems]
+        print("\n".join(problems) if problems else "OK")
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/fsdp_worker.py: skip the interpreter's teardown (a profiler thread once aborted it)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""remat under context parallelism (issue 32): a sequence split over two CPU processes (gloo).
+
+One process group (tests/cp_worker.py, one process per rank) runs every case; each test reads its
+part of the group's report. What is compared, with which tolerance and why, is in the worker's
+docstring: llama (tiny, fp32, GQA), CP 2, every treatment and the chunked head, alone and under
+FSDP2, against one process over the whole sequence within 1e-6 relative; the SDPA calls and
+all-gathers each treatment makes per step; misuse. The bad inputs below need no process group:
+they are refused before anything is touched.
+"""
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from cp_worker import LAYERS, RECOMPUTE_ATTENTION, REL, TREATMENTS, tiny_config
+from test_fsdp import _cpu_fsdp2_supported, launch
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    record = tmp_path_factory.mktemp("cp") / "cases.json"
+    worker = os.path.join(os.path.dirname(__file__), "cp_worker.py")
+    only = "treatments,misuse,readme" + (",fsdp2" if _cpu_fsdp2_supported() else "")
+    results = launch(worker, ["--record", str(record), "--only", only])
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited with {code}:\n{err[-3000:]}"
+    lines = results[0][1].strip().splitlines()
+    problems = [] if lines[-1:] == ["OK"] else lines
+    return problems, json.loads(record.read_text())["cases"]
+
+
+def _problems(report, prefix):
+    return [p for p in report[0] if f" {prefix}" in p]
+
+
+def test_every_treatment_and_the_chunked_head_equal_one_process(report):
+    """CP 2: the ranks' losses and gradients, summed, equal one process over the whole sequence
+    within 1e-6 relative for every treatment (tiled ones cutting each rank's piece into 4 tiles) and
+    the chunked head."""
+    cases = {k: v for k, v in report[1].items() if k.startswith("cp/")}
+    assert len(cases) == len(TREATMENTS) + 3, sorted(cases)
+    assert _problems(report, "cp/") == []
+    for case, record in cases.items():
+        assert record["loss_rel_error"] <= REL and record["grad_rel_error"] <= REL, (case, record)
+
+
+def test_recompute_of_attention_repeats_its_exchange(report):
+    """The mechanism, not only the result: a treatment that recomputes attention calls SDPA and
+    all-gathers keys and values twice a layer per step, one that keeps attention's inputs once; a
+    treatment that did nothing (or a recompute that ran without the exchange) would show here."""
+    cases = report[1]
+    for spec in TREATMENTS:
+        per_layer = 2 if spec in RECOMPUTE_ATTENTION else 1
+        record = cases[f"cp/{spec}"]
+        assert record["calls"] == per_layer * LAYERS, (spec, record)
+        assert record["collectives"]["all_gather"] == per_layer * LAYERS, (spec, record["collectives"])
+        # the gradients of the keys and values: one reduction per attention whose backward ran
+        assert record["collectives"]["all_reduce"] == LAYERS, (spec, record["collectives"])
+    assert cases["cp/full"]["calls"] == 2 * cases["cp/keep"]["calls"]
+    assert cases["cp/mlp"]["calls"] == cases["cp/keep"]["calls"]  # mlp recomputes no attention
+
+
+def test_context_parallel_with_fsdp2(report):
+    """FSDP2 over the CP ranks (each rank holds half of every parameter), the recompute and the
+    chunked head under it: each rank's gradient shard equals the whole-sequence run's."""
+    if not _cpu_fsdp2_supported():
+        pytest.skip("FSDP2 on the CPU needs torch >= 2.7")
+    cases = [k for k in report[1] if k.startswith("cp+fsdp2/")]
+    assert len(cases) == 3, cases
+    assert _problems(report, "cp+fsdp2/") == []
+    full = report[1]["cp+fsdp2/full+chunked"]
+    assert full["collectives"]["reduce_scatter"] == LAYERS + 1 and full["calls"] == 2 * LAYERS, full
+
+
+def test_misuse_raises(report):
+    """A backward outside the ``with`` (a recompute there would attend to the rank's piece only), a
+    mask the model builds from an attention_mask handed past shard_sequence, and a model whose
+    forward calls no SDPA are refused with what to do."""
+    assert _problems(report, "misuse") == []
+
+
+def test_the_readme_snippet_runs_as_written(report):
+    """The README's context-parallelism block, executed on the group with the model and batch as its
+    only stand-ins: planned for a CP rank, applied, one step; its loss and gradients are one
+    process's over the whole sequence."""
+    assert _problems(report, "readme") == []
+    assert report[1]["readme"]["grad_rel_error"] <= REL, report[1]["readme"]
+
+
+@pytest.mark.gpu
+def test_ring_attention_gradients_on_two_gpus(tmp_path):
+    """torch's ring attention (NCCL) under every treatment and the chunked head: gradients of 4k
+    tokens on 2 GPUs (CP 2, bf16) against one GPU's, each within 1.5x the untouched ring run's own
+    error, and the all-gather path's untouched run beside them (benchmarks/cp_bench.py --grad-check)."""
+    import subprocess
+    import sys
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "benchmarks/cp_bench.py", "--grad-check",
+                           "--model", "llama-1b", "--seq", "4096", "--out", str(tmp_path)],
+                          cwd=root, env=env, text=True, capture_output=True, timeout=1800)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    record = json.loads((tmp_path / "cp_bench.jsonl").read_text().splitlines()[-1])
+    assert record["kind"] == "grad_check" and record["passed"], record
+
+
+# --- bad input, refused before anything is touched (no process group needed) ---
+
+def _model(attn_implementation="sdpa"):
+    from remat.integrations.presets import build_model
+    config = tiny_config()
+    config._attn_implementation = attn_implementation
+    return build_model(config, seed=0)
+
+
+def _batch(seq=32):
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0))
+    return dict(input_ids=ids, labels=ids.clone())
+
+
+def _refused(batch, model, words):
+    from remat.parallel import shard_for
+    kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=words):
+        shard_for(batch, 0, 2, model=model)
+    assert kept.keys() == batch.keys() and all(torch.equal(kept[k], batch[k]) for k in kept)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_sequence_not_divisible_by_the_cp_degree_is_refused():
+    _refused(_batch(seq=31), _model(), r"31 tokens cannot be split evenly over 2 .*multiple of 2 \(e\.g\. 32 tokens\)")
+
+
+def test_a_model_whose_attention_is_not_sdpa_is_refused():
+    import torch.nn.functional as F
+
+    from remat.parallel import context_parallel
+    eager = _model("eager")
+    _refused(_batch(), eager, "attn_implementation='eager'.*attn_implementation=\"sdpa\"")
+    sdpa = F.scaled_dot_product_attention
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):  # before any process group is asked for
+        with context_parallel(eager):
+            pass
+    assert F.scaled_dot_product_attention is sdpa
+
+
+def test_masks_cp_cannot_shard_are_refused():
+    padded = dict(_batch(), attention_mask=torch.ones(2, 32, dtype=torch.long))
+    padded["attention_mask"][1, -4:] = 0
+    _refused(padded, _model(), "cannot shard a padding mask")
+    four_d = dict(_batch(), attention_mask=torch.ones(2, 1, 32, 32, dtype=torch.bool).tril())
+    _refused(four_d, _model(), r"cannot shard a \(2, 1, 32, 32\) attention_mask")
+    packed = dict(_batch(), position_ids=torch.cat([torch.arange(16), torch.arange(16)]).expand(2, -1))
+    _refused(packed, _model(), "packed sequences")
+
+
+def test_shards_hold_the_shifted_labels_and_global_positions():
+    """Labels shifted before the cut: the pieces' labels, end to end, are the whole sequence's shifted
+    labels; each piece's positions are where its tokens are; an all-ones mask is dropped."""
+    from remat.parallel import shard_for
+    batch = dict(_batch(), attention_mask=torch.ones(2, 32, dtype=torch.long))
+    batch["labels"][0, :5] = -100
+    pieces = [shard_for(batch, rank, 4) for rank in range(4)]
+    shifted = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], dim=1)
+    assert torch.equal(torch.cat([p["shift_labels"] for p in pieces], dim=1), shifted)
+    assert torch.equal(torch.cat([p["input_ids"] for p in pieces], dim=1), batch["input_ids"])
+    assert all(torch.equal(p["labels"], p["shift_labels"]) for p in pieces)
+    assert all(p["num_items_in_batch"] == int((shifted != -100).sum()) for p in pieces)
+    assert torch.equal(pieces[2]["position_ids"], torch.arange(16, 24).expand(2, -1))
+    assert all("attention_mask" not in p for p in pieces)
