@@ -6,6 +6,8 @@ with LoRA r=16 on every linear layer (PEFT), bf16, batch 1, AdamW on the LoRA we
 
 - ``hf``: Hugging Face gradient checkpointing (non-reentrant), the model's own head;
 - ``hf_offload``: the same with transformers' ``offload`` checkpointing where it has one;
+- ``liger``: HF checkpointing with Liger's fused linear cross-entropy as the loss, where
+  liger-kernel imports (it patches the model class: give it last);
 - ``remat``: ``remat.plan`` at ``--budget`` (measured on the GPU; ``--fake`` plans with fake
   tensors, as ``remat plan`` does without a GPU), applied, then trained.
 
@@ -15,6 +17,11 @@ and step and how long planning took; "oom" where the GPU ran out of memory. A le
 planner finds no plan records its NoPlanFits message (the floor it names).
 
     PYTHONPATH=src python benchmarks/longctx.py --seqs 65536,131072 --out DIR [--fake] [--model llama-1b]
+    PYTHONPATH=src python benchmarks/longctx.py --longest --strategies hf,hf_offload,liger --out DIR
+
+``--longest``: per strategy, the longest length it trains: doubling from ``--start`` (16k) until a
+length fails, then bisecting the gap down to ``--resolution`` (16k) tokens; each try is a row,
+then a ``longest`` row per strategy.
 
 Writes ``DIR/longctx.jsonl`` (one record per length and strategy, the environment first).
 """
@@ -85,48 +92,87 @@ def free():
     torch.cuda.empty_cache()
 
 
-def length(seq: int, args, write) -> None:
+def checkpointed(model, offload: bool):
+    """Hugging Face checkpointing of every layer, non-reentrant; ``offload``: its saved inputs in
+    host memory, where the installed transformers has that (``activation_checkpointing_enable``'s
+    ``offload``), else RuntimeError."""
+    import inspect
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
+    kwargs_name = next(p for p in inspect.signature(enable).parameters if p.endswith("checkpointing_kwargs"))
+    kwargs = {kwargs_name: {"use_reentrant": False}}
+    if offload:
+        if "offload" not in inspect.signature(enable).parameters:
+            raise RuntimeError("this transformers has no offloaded activation checkpointing")
+        kwargs["offload"] = True
+    enable(**kwargs)
+
+
+def with_liger(model):
+    """Liger's fused linear cross-entropy as the model's loss (patched into the model class, so this
+    strategy runs last in a process); RuntimeError where liger-kernel does not import."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as error:
+        raise RuntimeError(f"liger-kernel does not import: {error}") from error
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=base)
+
+
+def attempt(strategy: str, seq: int, args) -> dict:
+    """One strategy at one length: built, set up, trained ``args.steps`` steps; the record."""
     generator = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=generator)
     batch = {"input_ids": ids, "labels": ids}
-    base = dict(model=args.model, seq=seq, budget=args.budget)
-    for strategy in args.strategies.split(","):
-        model = None
-        record = dict(base, strategy=strategy)
-        try:
-            model, lora = build(args.model)
-            if strategy in ("hf", "hf_offload"):
-                kwargs = {"use_reentrant": False}
-                if strategy == "hf_offload":
-                    import inspect
-                    if "offload" not in inspect.signature(type(model).gradient_checkpointing_enable).parameters:
-                        raise RuntimeError("this transformers has no offloaded gradient checkpointing")
-                    kwargs = {"gradient_checkpointing_kwargs": kwargs, "offload": True}
-                    model.gradient_checkpointing_enable(**kwargs)
-                else:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-                if lora:
-                    model.enable_input_require_grads()
-            else:
-                started = time.perf_counter()
-                # the host that trains is this one: its pinned-memory limit holds for a fake profile too
-                plan = remat.plan(model, batch, budget=args.budget, optimizer="adamw",
-                                  host_memory=default_host_limit(), progress=progress_printer(),
-                                  **({"device": "fake"} if args.fake else {}))
-                record.update(plan_s=round(time.perf_counter() - started, 1), plan=plan.summary(),
-                              predicted_peak_GiB=round(plan.notes["predicted_peak_bytes"] / GiB, 3),
-                              predicted_step_s=plan.notes.get("predicted_step_s"),
-                              host_bytes=plan.notes.get("host_bytes"), profiled=plan.notes.get("profiled"))
-                remat.apply(model, plan)
-            record.update(train(model, batch, args.steps))
-        except torch.OutOfMemoryError:
-            record["result"] = "oom"
-        except Exception as error:  # noqa: BLE001  (a row records why it did not run)
-            record["result"] = f"{type(error).__name__}: {str(error)[:500]}"
+    record = dict(model=args.model, seq=seq, budget=args.budget, strategy=strategy)
+    model = None
+    try:
+        model, lora = build(args.model)
+        if strategy in ("hf", "hf_offload", "liger"):
+            checkpointed(model, offload=strategy == "hf_offload")
+            if strategy == "liger":
+                with_liger(model)
+            if lora:
+                model.enable_input_require_grads()
+        else:
+            started = time.perf_counter()
+            # the host that trains is this one: its pinned-memory limit holds for a fake profile too
+            plan = remat.plan(model, batch, budget=args.budget, optimizer="adamw",
+                              host_memory=default_host_limit(), progress=progress_printer(),
+                              **({"device": "fake"} if args.fake else {}))
+            record.update(plan_s=round(time.perf_counter() - started, 1), plan=plan.summary(),
+                          predicted_peak_GiB=round(plan.notes["predicted_peak_bytes"] / GiB, 3),
+                          predicted_step_s=plan.notes.get("predicted_step_s"),
+                          host_bytes=plan.notes.get("host_bytes"), profiled=plan.notes.get("profiled"))
+            remat.apply(model, plan)
+        record.update(train(model, batch, args.steps))
+    except torch.OutOfMemoryError:
+        record["result"] = "oom"
+    except Exception as error:  # noqa: BLE001  (a row records why it did not run)
+        record["result"] = f"{type(error).__name__}: {str(error)[:500]}"
+        if not isinstance(error, (RuntimeError, ValueError)):
             traceback.print_exc()
-        model = None
-        free()
+    model = batch = ids = None
+    free()
+    return record
+
+
+def longest(strategy: str, args, write) -> None:
+    """The longest length ``strategy`` trains: doubling from ``--start`` until one fails (out of
+    memory, or no plan), then halving the gap down to ``--resolution`` tokens. Every try is written."""
+    good, bad, seq = 0, None, args.start
+    while bad is None and seq <= args.max_seq:
+        record = attempt(strategy, seq, args)
         write(record)
+        good, bad = (seq, None) if "result" not in record else (good, seq)
+        seq *= 2
+    while bad is not None and bad - good > args.resolution:
+        seq = (good + bad) // 2 // args.resolution * args.resolution
+        record = attempt(strategy, seq, args)
+        write(record)
+        good, bad = (seq, bad) if "result" not in record else (good, seq)
+    write(dict(model=args.model, strategy=strategy, longest=good, first_failing=bad, resolution=args.resolution))
 
 
 def main(argv=None) -> int:
@@ -134,7 +180,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", default="65536,131072")
     parser.add_argument("--model", choices=("llama-8b-lora", "llama-1b"), default="llama-8b-lora")
     parser.add_argument("--budget", default="76GiB")
-    parser.add_argument("--strategies", default="hf,remat", help="comma-separated: hf, hf_offload, remat")
+    parser.add_argument("--strategies", default="hf,remat",
+                        help="comma-separated: hf, hf_offload, liger (last: it patches the model class), remat")
+    parser.add_argument("--longest", action="store_true",
+                        help="per strategy, the longest length it trains (doubling from --start, then bisecting)")
+    parser.add_argument("--start", type=int, default=16384)
+    parser.add_argument("--max-seq", type=int, default=1 << 20)
+    parser.add_argument("--resolution", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--fake", action="store_true", help="plan with fake tensors (as without a GPU)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -147,8 +199,12 @@ def main(argv=None) -> int:
             sink.write(json.dumps(record) + "\n")
             sink.flush()
             print(json.dumps(record), flush=True)
-        for seq in args.seqs.split(","):
-            length(int(seq), args, write)
+        for strategy in args.strategies.split(","):
+            if args.longest:
+                longest(strategy, args, write)
+                continue
+            for seq in args.seqs.split(","):
+                write(attempt(strategy, int(seq), args))
     return 0
 
 

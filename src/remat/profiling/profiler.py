@@ -248,8 +248,10 @@ def measured_attention(device, shapes, tokens: int) -> tuple:
     rates = []
     for heads, kv, dim in shapes:
         def run(length, backward):
-            q = torch.randn(1, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=backward)
-            k, v = (torch.randn(1, kv, length, dim, device=device, dtype=torch.bfloat16, requires_grad=backward)
+            # inputs that need gradients either way: SDPA picks its kernel by that (a forward of inputs
+            # without them read 339 TFLOP/s where the training forward runs 620)
+            q = torch.randn(1, heads, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(1, kv, length, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
                     for _ in range(2))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
