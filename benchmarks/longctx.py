@@ -175,6 +175,46 @@ def longest(strategy: str, args, write) -> None:
     write(dict(model=args.model, strategy=strategy, longest=good, first_failing=bad, resolution=args.resolution))
 
 
+def plot(paths, out: str) -> str:
+    """Tokens/s against sequence length per model and strategy, from the records in ``paths``
+    (rows that trained; the last record of a (model, strategy, length) wins), with each strategy's
+    first failing length marked; written to ``out``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows, failed = {}, {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if "seq" not in r:
+                    continue
+                key = (r["model"], r["strategy"])
+                if "tokens_per_s" in r:
+                    rows.setdefault(key, {})[r["seq"]] = r["tokens_per_s"]
+                elif "result" in r:
+                    failed[key] = min(failed.get(key, r["seq"]), r["seq"])
+    models = sorted({m for m, _ in rows})
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for (m, strategy), points in sorted(rows.items()):
+            if m != model:
+                continue
+            seqs = sorted(points)
+            line, = ax.plot(seqs, [points[s] for s in seqs], marker="o", label=strategy)
+            if (m, strategy) in failed and failed[(m, strategy)] > seqs[-1]:
+                ax.axvline(failed[(m, strategy)], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens in the sequence (dotted: first length that ran out of memory)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{model}, 1 x H100, budget 76 GiB")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="65536,131072")
@@ -190,7 +230,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--fake", action="store_true", help="plan with fake tensors (as without a GPU)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--plot", nargs="+", metavar="JSONL",
+                        help="no GPU run: plot tokens/s per length from these records into --out/longctx.png")
     args = parser.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot, os.path.join(args.out, "longctx.png")))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "longctx.jsonl"), "a") as sink:
         sink.write(json.dumps({"environment": environment(torch.device("cuda"))}) + "\n")

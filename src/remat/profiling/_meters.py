@@ -108,9 +108,9 @@ def _attention_seconds(func, args, kwargs, moved, rates) -> float:
     FLOPs from the shapes: ``2 * batch * heads * q_len * k_len * (qk_dim + v_dim)`` forward, 2.5
     times that backward (the scores recomputed, four products), halved where causal; at the
     rate :class:`Rates` measured for the head dimension, else a fraction of the matmul rate.
-    Counted here rather than by ``torch.utils.flop_counter``, whose formulas differ between
-    torch releases in the arguments they take (one that raised priced attention by its bytes
-    alone: a long-context step ten times too short)."""
+    Counted here from the shapes rather than by ``torch.utils.flop_counter``, so that every
+    attention overload (flash, efficient, cuDNN, CPU flash; their backward ops) is priced alike
+    whatever formulas a torch release registers for it."""
     backward = "backward" in func.__name__
     values = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
     query, key, value = (values.get(n) for n in ("query", "key", "value"))
