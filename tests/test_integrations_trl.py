@@ -74,7 +74,7 @@ def test_sft_default_config_with_callback_matches_trl_defaults(reference, tmp_pa
 
 def test_sft_chunked_head_applied_before_is_taken_off_not_silently_bypassed(tmp_path, monkeypatch):
     from remat.integrations.hf import RematCallback
-    from remat.treat import head as head_module
+    from remat.head import hf_model as head_module
     calls = []
     original = head_module.chunked_cross_entropy
 

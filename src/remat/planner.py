@@ -10,7 +10,7 @@ A model on the GPU is measured there (CUDA events, allocator statistics); any ot
 model -- on the CPU, or on the ``meta`` device without weights -- is profiled with fake
 tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
 on a laptop. Offload treatments are only planned when :mod:`remat.offload.engine` imports and the
-target is a GPU; the chunked head only when :mod:`remat.treat.head` can reproduce the model's loss.
+target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the model's loss.
 
 Compiled models: ``plan(..., compile=True)`` profiles every block class x treatment and the
 head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans for the flow

@@ -126,7 +126,7 @@ def uniform_applied(model, named, treatment: str, head):
     for _, block in named:
         apply_treatment(block, treatment)
     if head.mode == "chunked":
-        from remat.treat.head import enable_chunked_head
+        from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
     try:
         yield
@@ -134,7 +134,7 @@ def uniform_applied(model, named, treatment: str, head):
         for _, block in named:
             remove_treatment(block)
         if head.mode == "chunked":
-            from remat.treat.head import disable_chunked_head
+            from remat.head import disable_chunked_head
             disable_chunked_head(model)
         model.zero_grad(set_to_none=True)
 

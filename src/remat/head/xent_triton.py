@@ -1,9 +1,9 @@
 """The chunk kernel on CUDA as one Triton program a row: the logits read from memory once, the gradient written once.
 
-It computes what :func:`remat.treat.xent_kernel.softmax_xent` computes (the chunk's loss summed
+It computes what :func:`remat.head.xent_kernel.softmax_xent` computes (the chunk's loss summed
 over its valid rows; the logits turned into ``(softmax - onehot) * pre`` in place) and, where
 asked, copies the gradient's columns at the batch's target rows out for the target-rows
-weight-gradient sum (:class:`remat.treat.chunked_loss._TargetRows`).
+weight-gradient sum (:class:`remat.head.chunked_loss._TargetRows`).
 
 Why by hand: inductor compiles ``softmax_xent`` into a reduction kernel and a pointwise one,
 which read each chunk's logits from memory twice, and the target columns were then gathered by

@@ -1,6 +1,6 @@
 """The chunked head's gradients times backward's incoming factor: multiplied in fp32, rounded once.
 
-:mod:`remat.treat.chunked_loss` finishes every gradient inside its forward; its backward only
+:mod:`remat.head.chunked_loss` finishes every gradient inside its forward; its backward only
 multiplies them by one factor (the loss's incoming gradient, times 1/N for fp16 heads), an fp32
 0-dim tensor on the gradients' device. Eager CUDA ``bf16_tensor * fp32_0dim_tensor`` first casts
 the factor to bf16 (the operands' common dtype: a 0-dim tensor does not promote), so a factor
@@ -28,8 +28,8 @@ import functools
 
 import torch
 
-from remat.treat import xent_triton
-from remat.treat.xent_kernel import compile_failure
+from remat.head import xent_triton
+from remat.head.xent_kernel import compile_failure
 
 BLOCK_BYTES = 2 ** 27   # the fp32 block the eager CUDA path makes at a time
 ELEMENTS = 16384        # elements a program of the kernel scales

@@ -1,7 +1,7 @@
 """Cross-entropy of a linear head, a chunk of rows at a time: the [rows x vocab] logits never exist.
 
 This module is the loss op alone (torch only; it knows nothing of Hugging Face; the model
-integration is :mod:`remat.treat.head`). :func:`chunked_cross_entropy` walks the hidden
+integration is :mod:`remat.head.hf_model`). :func:`chunked_cross_entropy` walks the hidden
 states ``chunk_tokens`` rows at a time:
 
     z = h_c @ W^T (+ b)           in the compute dtype (the head's, or autocast's)
@@ -29,7 +29,7 @@ bytes until backward, never fp32 and narrow copies of the whole at once); backwa
 into a new tensor. Where the scale (the incoming gradient, e.g. 1 / accumulation steps) is
 not a power of two either rounds twice, to the weight's dtype and after scaling, a
 difference far below the bf16 inputs' own rounding (tests/test_head.py compares with the
-plain path). The scaling multiplies in fp32 (:func:`remat.treat.grad_scale.times`; eager CUDA
+plain path). The scaling multiplies in fp32 (:func:`remat.head.grad_scale.times`; eager CUDA
 would round the factor to bf16 first).
 
 N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
@@ -42,7 +42,7 @@ valid, the plain path's gradient is infinite and ours is zero.
 
 On CUDA, with no transform, each chunk's loss and gradient are one compiled, shape-stable
 kernel that writes the gradient into the logits' buffer; elsewhere the same arithmetic runs as
-eager ops, a block of rows at a time (:mod:`remat.treat.xent_kernel`, which also says what
+eager ops, a block of rows at a time (:mod:`remat.head.xent_kernel`, which also says what
 falls back, and when).
 
 Limits: rounding follows the plain path (logits in the compute dtype, then ``.float()``);
@@ -55,8 +55,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from remat.treat.grad_scale import times
-from remat.treat.xent_kernel import ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses
+from remat.head.grad_scale import times
+from remat.head.xent_kernel import ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses
 
 _GiB = 2 ** 30
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
