@@ -40,7 +40,7 @@ import warnings
 import torch
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.units import format_size, parse_budget
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script

@@ -67,7 +67,7 @@ from remat.prove.anchors import FUSED_LOSSES, fused_loss, fused_loss_forward, fu
 from remat.prove.bench import timed_steps
 from remat.head import chunked_loss
 from remat.head.chunked_loss import default_chunk_tokens
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # benchmarks/_trace.py

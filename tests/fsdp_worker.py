@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.integrations.presets import build_model
+from remat.presets import build_model
 from remat.prove.collectives import CollectiveCounter
 
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")

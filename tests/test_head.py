@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.prove.memtrack import PeakTracker
 from remat.head.chunked_loss import chunked_cross_entropy, default_chunk_tokens
 from remat.head import disable_chunked_head, enable_chunked_head

@@ -103,7 +103,7 @@ def test_sft_lora_with_budget(tmp_path):
 
 
 def test_doctor_names_a_chunked_head_trl_bypasses(tmp_path):
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     from trl.trainer.utils import add_fused_lm_head
     model = tiny_llama().train()
     model.config.use_cache = False

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.planning.plans import OFFLOADING_TREATMENTS
 from remat.profiling.profiler import profile
 

@@ -83,7 +83,7 @@ def run(out_dir: str, say: Callable[[str], None] = lambda message: None) -> dict
 
 # -- 1 and 2: gradients and peaks of llama-tiny on the CPU -------------------------------------
 def _tiny(dropout: float):
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config("llama-tiny")
     config.attention_dropout = dropout
     return build_model(config, dtype=torch.float32).train()
@@ -175,7 +175,7 @@ def frontier() -> list:
     """Records of part 3: predicted peak and speed of the stock strategies and remat's plans for
     ``llama-1b`` at 4 x 4096 on an H100, from its config on the meta device."""
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.plans import resolve
     from remat.planning.simulator import simulate
     from remat.planning.solver import NoPlanFits

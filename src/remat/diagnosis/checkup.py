@@ -65,9 +65,10 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
 - ``plans-not-checked`` (a note): ``keep-fits`` / ``faster-plan`` could not be judged: a segments
   plan (not simulated: no prediction to compare) or a compiled run (remat's profile here is eager).
 
-The checks that only read the setup live here with the report, those of how the model is
-compiled or sharded in :mod:`remat.integrations.doctor_compile`; those that run a step, a profile
-or a measurement are in :mod:`remat.integrations.doctor_runs`.
+The checks that only read the setup live here with the entry, those of how the model is
+compiled or sharded in :mod:`remat.diagnosis.compile_checks`; those that run a step, a profile
+or a measurement are in :mod:`remat.diagnosis.run_checks`. What a finding is, and the readings of
+the model they share, are in :mod:`remat.diagnosis.findings`.
 
 Ordering: errors (wrong results or a crash to come) before warnings (memory or time lost)
 before notes; within a severity, by ``cost``: the fraction of the step's time or memory at
@@ -80,37 +81,13 @@ only the measurement (``run_step``) runs it compiled, as it trains.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch.nn as nn
 
-SEVERITIES = ("error", "warning", "note")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem ``doctor`` found."""
-
-    check: str
-    """Which check found it (``no-grad``, ``keep-fits`` ...: see the module docstring)."""
-    severity: str
-    """``error`` (wrong results or a crash to come), ``warning`` (memory or time lost) or ``note``."""
-    cost: float
-    """The fraction of the step's time or memory at stake (0..1; 1.0 for wrong results)."""
-    what: str
-    """What was found, with the names involved."""
-    why: str
-    """Why it matters."""
-    fix: str
-    """What to change."""
-    predicted_peak_bytes: Optional[int] = None
-    """The predicted peak the finding is about (``does-not-fit``, ``keep-fits``, ``faster-plan``)."""
-    budget_bytes: Optional[int] = None
-    """The budget it was compared with."""
-
-    def __str__(self):
-        return f"[{self.severity}] {self.what}\n    why: {self.why}\n    fix: {self.fix}"
+from remat.diagnosis import compile_checks as compiling, run_checks as runs
+from remat.diagnosis.findings import (SEVERITIES, Finding, args_checkpointing, compile_scope_of, hf_checkpointing_on,
+                                      unwrapped)
 
 
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
@@ -138,7 +115,6 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
                         f"{type(callback).__name__}")
     if budget is None and callback is not None and getattr(callback, "budget", None) is not None:
         budget = callback.budget
-    from remat.integrations import doctor_compile as compiling, doctor_runs as runs
     scope = compile_scope_of(model) if compiled is None else None   # told, not seen: its scope is unknown
     compiled = bool(scope) if compiled is None else bool(compiled)
     inner = unwrapped(model)   # the step and the profile run the model itself, eagerly
@@ -166,40 +142,6 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
 
 
 # -- what the setup asks for -----------------------------------------------------------------
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside ``torch.compile``'s wrapper(s) (``OptimizedModule._orig_mod``), else ``model``."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module) and type(model).__name__ == "OptimizedModule":
-        model = model._orig_mod
-    return model
-
-
-def compile_scope_of(model: nn.Module) -> Optional[str]:
-    """How ``model`` runs compiled, as plans name it: ``"model"`` (a ``torch.compile`` wrapper, or
-    ``Module.compile()`` on the model itself), ``"blocks"`` (``Module.compile()`` on modules inside
-    it only: per-block compile, the rest eager), None (eager)."""
-    inner = unwrapped(model)
-    if inner is not model or inner.__dict__.get("_compiled_call_impl") is not None:
-        return "model"
-    if any(m.__dict__.get("_compiled_call_impl") is not None for m in inner.modules()):
-        return "blocks"
-    return None
-
-
-def applied_plan(model: nn.Module):
-    """The remat plan applied to ``model`` (or the model a compile wrapper holds), or None."""
-    from remat.api import current_plan
-    return current_plan(unwrapped(model))
-
-
-def hf_checkpointing_on(model: nn.Module) -> bool:
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
-def args_checkpointing(training_args) -> bool:
-    return bool(training_args is not None and (getattr(training_args, "activation_checkpointing", False)
-                                               or getattr(training_args, "gradient_checkpointing", False)))
-
-
 def _checkpoint_kwargs(model: nn.Module, training_args) -> dict:
     """The ``torch.utils.checkpoint`` keywords in force: the model's (HF checkpointing on), else
     those TrainingArguments will pass."""
