@@ -372,3 +372,8 @@ def test_per_block_compile_with_the_cache_on_is_flagged():
     whole = tiny_llama().train()
     whole.compile(backend="eager")
     assert "compiled-blocks-cache" not in _checks(doctor(whole))
+
+
+def test_the_documented_import_of_the_doctor_still_works():
+    from remat.integrations.doctor import Finding as documented_finding, doctor as documented
+    assert documented is doctor and documented_finding is Finding
