@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -84,8 +85,8 @@ import torch.nn as nn
 
 from remat.offload.backward import _Backward
 from remat.offload.pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
-from remat.offload.records import (_HOST, _INFLIGHT, _PENDING, _BlockContext, _Packed, _Record,
-                                   _Slot, _storage_of, keep_reason, parameter_storages)
+from remat.offload.records import (_HOST, _INFLIGHT, _PENDING, _Packed, _Record, _Slot, _storage_of,
+                                   keep_reason, parameter_storages)
 from remat.offload.streams import _Cuda, _Inline
 
 DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
@@ -382,3 +383,24 @@ class OffloadEngine(_Backward):
             while deque and deque[0][1].query():
                 start, end, name = deque.popleft()
                 self._times[name] += start.elapsed_time(end) / 1e3
+
+
+class _BlockContext:
+    """``with engine.saved_tensors(key):`` one record, hooks installed for the duration."""
+
+    __slots__ = ("engine", "key", "record", "hooks")
+
+    def __init__(self, engine: OffloadEngine, key: int):
+        self.engine, self.key = engine, key
+
+    def __enter__(self):
+        self.record = self.engine._open(self.key)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self.engine._pack, self.record), self.engine._unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.engine._close(self.record)
+        return False
