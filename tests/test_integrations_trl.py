@@ -61,7 +61,8 @@ def reference(tmp_path_factory):
 
 
 def test_sft_default_config_with_callback_matches_trl_defaults(reference, tmp_path):
-    from remat.integrations.hf import RematCallback, find_trl_head
+    from remat.head import find_trl_head
+    from remat.integrations.hf import RematCallback
     said = []
     model = tiny_llama()
     callback = RematCallback(spec="full", say=said.append)

@@ -96,7 +96,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     try:
         engine = None
         if offloading:
-            from remat.offload.engine import OffloadEngine
+            from remat.offload import OffloadEngine
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
         segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})

@@ -23,7 +23,7 @@ again if it peaked over the budget (:func:`verified`, :mod:`remat.profiling._ver
 plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and ``remat doctor`` to
 check against how the model runs. Compiled plans need the model on a GPU
 (fake tensors cannot run compiled code: ValueError) and never offload (see
-:data:`remat.profiling._compiled.OFFLOAD_UNDER_COMPILE`).
+:data:`remat.profiling.OFFLOAD_UNDER_COMPILE`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
-from remat.profiling._compiled import compile_scope, profile_scope
+from remat.profiling import compile_scope, profile_scope
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import model_loss
 from remat.profiling.profiler import profile as _profile
@@ -108,7 +108,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     if scope and treatments is not None:
         offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
         if offloading:
-            from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
+            from remat.profiling import OFFLOAD_UNDER_COMPILE
             raise ValueError(f"treatments {offloading} cannot be planned with compile=True: {OFFLOAD_UNDER_COMPILE}; "
                              "leave them out, or plan without compile=True")
     if profiled is not None and profile_scope(profiled.notes) != scope:
@@ -126,7 +126,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
         prof = replicated(prof, model, ddp_world)
-    allowed = _allowed(prof, treatments)
+    allowed = allowed_treatments(prof, treatments)
     if not (scope and verify):
         return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
     if fsdp_world != 1 or ddp_world != 1:
@@ -179,14 +179,15 @@ def verified(model: nn.Module, batch, prof: Profile, budget_bytes: int, *, loss_
     if not prof.notes.get("compile"):
         return chosen
     if measure is None:
-        from remat.profiling._verify import measure_compiled, room_to_measure
+        from remat.api import apply
+        from remat.profiling import measure_compiled, room_to_measure
         why = room_to_measure(model, prof, chosen)
         if why:
             return _noted(chosen, f"not measured: {why}")
         batch, loss_fn = model_loss(batch, loss_fn)
 
         def measure(candidate):
-            return measure_compiled(model, batch, loss_fn, candidate, prof, blocks=blocks)
+            return measure_compiled(model, batch, loss_fn, candidate, prof, apply_plan=apply, blocks=blocks)
     say = progress or (lambda message: None)
     slack = int(VERIFY_SLACK * max(0, budget_bytes - prof.static_bytes))
     tries, plans, held_back = [], [], 0
@@ -300,7 +301,9 @@ def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
     return chosen
 
 
-def _allowed(prof, treatments) -> Optional[list]:
+def allowed_treatments(prof, treatments) -> Optional[list]:
+    """The treatments a plan of ``prof`` may use: ``treatments`` as given, else every one profiled
+    less the offloading ones where offload cannot run (a CPU, no offload engine, a compiled profile)."""
     available = list(prof.treatments())  # any block's: a hybrid's blocks differ (solver offers each its own)
     if treatments is not None:
         return list(treatments)
@@ -312,7 +315,7 @@ def _allowed(prof, treatments) -> Optional[list]:
 def default_host_limit() -> Optional[int]:
     """Pinned bytes the offload engine's pool may hold by default on this machine (None without it)."""
     try:
-        from remat.offload.pinned import default_limit
+        from remat.offload import default_limit
     except ImportError:
         return None
     return default_limit()

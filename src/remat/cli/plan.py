@@ -263,8 +263,8 @@ def images_line(args, config) -> str:
 
 
 def treatments_from_args(prof, args):
-    from remat.planner import _allowed
-    allowed = _allowed(prof, None)
+    from remat.planner import allowed_treatments
+    allowed = allowed_treatments(prof, None)
     if args.no_offload:
         allowed = [t for t in allowed if "offload" not in t]
     return allowed

@@ -264,10 +264,7 @@ def _check_rng(model, training_args, kwargs) -> list:
 
 
 def _check_head_bypassed(model) -> list:
-    try:
-        from remat.integrations.hf import remat_head_bypassed
-    except ImportError:
-        return []
+    from remat.head import remat_head_bypassed
     if not remat_head_bypassed(model):
         return []
     return [Finding(

@@ -101,7 +101,7 @@ def _check_compile_scope(plan, scope: str) -> list:
 
 
 def check_compiled_mask(model, batch, compiled: bool) -> list:
-    from remat.profiling._fake import padded_mask
+    from remat.profiling import padded_mask
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     config = getattr(model, "config", None)
     if (not compiled or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.device.type == "meta"

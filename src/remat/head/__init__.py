@@ -14,17 +14,19 @@ Three layers, as Liger-Kernel splits its fused loss (ops / model glue / patching
   and that loss computed again by the op;
 - the patching, :mod:`~remat.head.patching`: :func:`enable_chunked_head` intercepts the model's
   ``lm_head`` call and puts the glue's loss in place of the model's; :func:`disable_chunked_head`
-  takes it off.
+  takes it off. Beside it, :mod:`~remat.head.trl` finds TRL's fused LM head, which replaces the
+  model's and never calls a chunked head put under it.
 
 Imports: the loss op and kernels import torch (Triton only when a CUDA kernel is made) and nothing
 else of remat; the glue imports the op (transformers only inside a call, to name the model's loss
-function); the patching imports the glue and :mod:`remat.treat.patches`, the one registry of
-changes to a user's module. This package must never import profiling, planning, the planner, the
+function); the patching and the TRL check import the glue and :mod:`remat.treat.patches`, the one
+registry of changes to a user's module. This package must never import profiling, planning, the planner, the
 API, offload, the integrations or the command line: they call the head; the head calls none of them.
 """
 from remat.head.chunked_loss import chunked_cross_entropy, default_chunk_tokens
 from remat.head.hf_model import check_chunked_head
-from remat.head.patching import disable_chunked_head, enable_chunked_head
+from remat.head.patching import disable_chunked_head, enable_chunked_head, has_chunked_head
+from remat.head.trl import find_trl_head, remat_head_bypassed
 
 __all__ = ["check_chunked_head", "chunked_cross_entropy", "default_chunk_tokens", "disable_chunked_head",
-           "enable_chunked_head"]
+           "enable_chunked_head", "find_trl_head", "has_chunked_head", "remat_head_bypassed"]

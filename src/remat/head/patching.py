@@ -63,6 +63,11 @@ def disable_chunked_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def has_chunked_head(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` is the chunked head's (:func:`enable_chunked_head` put it there)."""
+    return patches.patch_of(module, "forward", tag=_TAG) is not None
+
+
 def _chunked_forward(patch, *args, **kwargs):
     """The LM's ``forward``: as a frame ``torch.compile`` does not trace (see the module
     docstring); the model's own forward, which it calls, is traced."""

@@ -18,7 +18,7 @@ packed handles, and what is never moved, are in :mod:`remat.offload.records`; th
   (:mod:`remat.offload.streams`), so a model spread over several GPUs (``device_map="auto"``)
   offloads every block; the window and the pinned pool are shared by all devices.
 - Forward: a pack records an event on the compute stream and queues the slot. Device-to-host copies
-  are issued on a dedicated stream (waiting on that event) while less than ``_ISSUE_WINDOW`` bytes
+  are issued on a dedicated stream (waiting on that event) while less than ``ISSUE_WINDOW`` bytes
   are queued there, into buffers from a :class:`PinnedPool`. The engine keeps the GPU tensor alive
   and drops it once the copy's event has completed (``event.query()`` at later packs, at each
   offloaded block's end and at the first unpack of the backward) and its block has ended, so the
@@ -91,7 +91,7 @@ from remat.offload.streams import _Cuda, _Inline
 
 DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
-_ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
+ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
 
 
 
@@ -136,7 +136,7 @@ class OffloadEngine(_Backward):
         self._host_memory_limit = host_memory_limit
         self._inline = _inline
         self._delay = _copy_delay_cycles
-        self._issue_window = _ISSUE_WINDOW
+        self._issue_window = ISSUE_WINDOW
         self._start()
 
     def _start(self) -> None:

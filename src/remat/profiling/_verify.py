@@ -8,8 +8,9 @@ the chunked head was predicted 9.75 GiB and measured 10.08, over its budget. An 
 peak is predicted to the megabyte and needs no such check. A compiled one is checked here, so
 the budget a user gives is one the plan was seen to keep.
 
-How (:func:`measure_compiled`): the plan is applied as the user applies it (:func:`remat.apply`)
-and the model compiled as the plan's scope says (the whole model as ``Module.compile()`` does, or
+How (:func:`measure_compiled`): the plan is applied as the user applies it (the caller hands in
+the function that does, :func:`remat.apply`: this package sits below the API and never imports
+it) and the model compiled as the plan's scope says (the whole model as ``Module.compile()`` does, or
 each block alone), inside :func:`remat.treat.patches.suspended` and
 :func:`remat.profiling.snapshot.preserved`, so the model comes back as it was: its own plan,
 gradients, buffers and random state. :func:`remat.profiling._compiled.compiled_steps` runs two
@@ -55,17 +56,17 @@ def room_to_measure(model, prof, chosen) -> "str | None":
     return None
 
 
-def measure_compiled(model, batch, loss_fn, chosen, prof, *, blocks=None, backend: str = BACKEND) -> dict:
-    """``chosen`` applied to ``model`` and compiled as its profile's scope says: ``{"peak_bytes",
-    "step_s"}`` of two measured steps after two that compile (``loss_fn(model, batch)``: one
-    step's loss, as :func:`remat.profiling.profiler.model_loss` gives it). The model comes back as it was."""
-    from remat.api import apply
+def measure_compiled(model, batch, loss_fn, chosen, prof, *, apply_plan, blocks=None, backend: str = BACKEND) -> dict:
+    """``chosen`` applied to ``model`` by ``apply_plan(model, plan, blocks=blocks)`` (:func:`remat.apply`)
+    and compiled as its profile's scope says: ``{"peak_bytes", "step_s"}`` of two measured steps after
+    two that compile (``loss_fn(model, batch)``: one step's loss, as
+    :func:`remat.profiling.profiler.model_loss` gives it). The model comes back as it was."""
     scope = profile_scope(prof.notes) or "model"
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     with preserved(model), patches.suspended(model):
         model.train()
-        apply(model, chosen, blocks=blocks)
+        apply_plan(model, chosen, blocks=blocks)
         named = discover(model, blocks).blocks(model)
         try:
             # each step clears its gradients; preserved gives the user's back

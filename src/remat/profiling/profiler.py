@@ -182,8 +182,8 @@ def _known_gpu(name: str) -> bool:
 
 def _default_min_offload_bytes() -> int:
     try:
-        from remat.offload import engine as offload
-        return int(getattr(offload, "DEFAULT_MIN_BYTES", 2**20))
+        from remat.offload import DEFAULT_MIN_BYTES
+        return int(DEFAULT_MIN_BYTES)
     except ImportError:
         return 2**20
 
@@ -349,12 +349,12 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
 def engine_model() -> EngineModel:
     """The offload engine's settings (its defaults) as the planner's :class:`EngineModel`."""
     try:
-        from remat.offload import engine as offload
+        import remat.offload as offload
     except ImportError:
         return EngineModel()
     prefetch = inspect.signature(offload.OffloadEngine).parameters["prefetch_blocks"].default
     return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),
-                       issue_bytes=int(offload._ISSUE_WINDOW), prefetch_blocks=int(prefetch))
+                       issue_bytes=int(offload.ISSUE_WINDOW), prefetch_blocks=int(prefetch))
 
 
 def block_param_bytes(model: nn.Module, profile: Profile) -> tuple:
