@@ -15,7 +15,7 @@ target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the 
 Compiled models: ``plan(..., compile=True)`` profiles every block class x treatment and the
 head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans for the flow
 ``remat.apply(model, plan); model.compile()`` (or ``torch.compile(model)``). Compile changes
-the numbers a lot (the bench model's ``full`` keeps 27.6 GiB eager, 15.8 GiB compiled), so
+the numbers a lot (the bench model's ``full`` keeps little more than half as much compiled), so
 neither kind of plan transfers: a compiled plan applied to a model that is then *not* compiled
 runs correctly but its peak can be far above the prediction, and an eager plan under compile
 wastes speed. A compiled plan is measured once compiled before it is returned, and solved
@@ -48,9 +48,9 @@ from remat.units import parse_budget
 
 COMPILE_MARGIN = 0.03
 """A compiled plan is solved for its budget less this fraction of the budget above static memory:
-after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peaked up to
-2.1% above their prediction on the bench model (H100: a 11x full, 5x selective plan at 10.12 GiB
-for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no block alone does."""
+after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peak a
+couple of percent above their prediction, over their budget, the whole graph keeping what no
+block alone does (measured: docs/history.md)."""
 
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",

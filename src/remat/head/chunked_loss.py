@@ -14,8 +14,8 @@ All gradients are finished inside the forward loop, because the gradient of a
 cross-entropy with respect to its logits is known the moment the loss is. Backward only
 multiplies the stored ``grad_h`` / ``grad_W`` / ``grad_b`` by the incoming scalar. The
 obvious alternative, each chunk's loss under ``torch.utils.checkpoint``, recomputes the
-chunk's logits in backward: a second [tokens x hidden x vocab] matmul, measured at 0.75x
-(DESIGN.md). Here the head costs the same three matmuls as the plain path. The peak is
+chunk's logits in backward: a second [tokens x hidden x vocab] matmul (DESIGN.md's head
+probe measured its cost). Here the head costs the same three matmuls as the plain path. The peak is
 one chunk's logits (the fused kernel turns them into their gradient in place) plus the
 weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with tokens x vocab.
 
@@ -198,13 +198,13 @@ class _TargetRows:
     targets summed in fp32 beside it and written over theirs at the end.
 
     Why: a bf16 running sum rounds once a chunk, where the plain path's one GEMM rounds once;
-    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048, the
-    0.3-0.5 GiB that kept the chunked head above Liger's peak, which sums in bf16 at 1.33x the
-    plain path's gradient error, issue 11). The rows that carry the gradient's weight are the
-    targets' (each gets ``p - 1`` of its rows' hidden states; every other row only ``p``), and
-    there are at most ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets).
-    Summed in fp32 they keep the plain path's error (a CPU proxy, 8192 tokens at a 32k
-    vocabulary: 1.001-1.004x the fp32 sum's error, where a bf16 sum of 16 chunks had 1.7-2.2x).
+    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048: enough to
+    keep the chunked head above the peak of Liger's, which sums in bf16 and pays in gradient
+    error). The rows that carry the gradient's weight are the targets' (each gets ``p - 1`` of
+    its rows' hidden states; every other row only ``p``), and there are at most
+    ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets). Summed in fp32 they
+    keep the plain path's error, where a bf16 sum of many chunks does not (measured:
+    docs/history.md).
 
     A row's fp32 sum starts at the chunk where the row is first a target, from its bf16 sum so
     far: before that chunk the row got only ``p`` terms, small beside the ``p - 1`` to come, so

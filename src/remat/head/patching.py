@@ -130,9 +130,9 @@ def _head_loss(self, state, out, captured, labels, kwargs):
     It runs under the autocast that was in force where the model called its ``lm_head``, not the
     one around this call: a wrapper that enters autocast inside the model's ``forward`` (accelerate's
     ``prepare``, which wraps ``forward`` before remat's when it runs first) has left it by now, and
-    the plain head's matmul ran under it. Without this, ``prepare`` then ``apply`` computed the bf16
-    head in fp32 (loss 5.5568323 against 5.5568433, gradients up to 5.9e-4 apart) while ``apply``
-    then ``prepare`` matched the plain head."""
+    the plain head's matmul ran under it. Without this, ``prepare`` then ``apply`` would compute the
+    bf16 head in fp32, and its loss and gradients would differ from the plain head's, while ``apply``
+    then ``prepare`` matched them."""
     if len(captured) != 1:
         raise ValueError(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
                          "chunked head handles one call per forward: use head='plain'")

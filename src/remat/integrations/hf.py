@@ -35,8 +35,8 @@ How it fits the Trainer's order of events (transformers 5.x, ``Trainer.train``):
 
 Under several ranks (``args.world_size > 1``) Python's garbage collector runs between steps,
 every 50, on every rank at once, and not inside a step (:mod:`remat.integrations.collector`:
-an automatic collection on one rank holds the others at the next collective; a selective-heavy
-FSDP2 plan ran 14% slower with it on 2 x H100); ``collect_every=0`` leaves it to Python, an int
+an automatic collection on one rank holds the others at the next collective, and selective-heavy
+FSDP2 plans ran slower with it); ``collect_every=0`` leaves it to Python, an int
 sets the steps. One message says so when it is on; ``on_train_end`` gives Python its collector
 back (a ``train()`` that raises calls no callback: there ``gc.enable()`` is the caller's).
 

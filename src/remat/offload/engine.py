@@ -50,14 +50,14 @@ never imports the planner, and a test checks the two defaults agree); the device
 :mod:`remat.offload.streams`. This module re-exports the names callers import from it.
 
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-copies synchronously on the compute stream (measured 0.13x eager on the bench model) and allocates
+copies synchronously on the compute stream (many times slower than eager: DESIGN.md) and allocates
 pinned memory per tensor; torchtune/TRL-style offloading issues every copy at once, so GPU memory is
 not bounded while the bus lags, and uses ``record_stream``. Here the copy queue is short, the GPU
 memory waiting for the bus is capped, and the tail of the forward is never moved.
 
 Limits: the forward of an offloaded block runs at bus speed once the window is full (offloading
-everything is bus bound: on an H100 pinned copies run ~55 GB/s each way, so ~25 GiB of activations
-each way cost ~1 s against a 0.35 s compute step; offload some blocks, by plan). Copies in the two
+everything is bus bound: moving every block's activations each way takes longer than the
+compute step it hides behind, DESIGN.md's bus figures; offload some blocks, by plan). Copies in the two
 directions overlap only where a backward meets a forward (the bus limit is the sum of both
 directions at per-direction bandwidth). A saved view that covers less than half of its storage
 moves just its span; otherwise the whole storage moves. Storages shared by several blocks move once
@@ -65,7 +65,7 @@ per block. The in-place check misses one case autograd catches (:mod:`remat.offl
 says which; the backward then never uses a written value). Released records hold their memory until the
 next drain (a forward without backward: until the next forward or :meth:`OffloadEngine.stats`).
 Stream identities are compared by handle, never with ``!=`` (``torch.Stream`` compares
-unequal-to-None as False, which silently skipped every wait in the first version). Not for use
+unequal-to-None as False, which would silently skip every wait). Not for use
 inside CUDA-graph capture or ``torch.compile``d regions; move the model to its device before the
 first step.
 """

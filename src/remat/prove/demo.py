@@ -1,8 +1,8 @@
 """What a CPU can prove about remat, in well under a minute: ``remat bench`` on a machine without a GPU.
 
 A CPU cannot time a GPU's training step, and on a shared machine its own step times measure the
-load more than the code (two runs of the same CPU bench gave one row 11x eager's speed and
-another 2.6x). So without a GPU the bench shows only what a CPU measures exactly:
+load more than the code (two runs of the same CPU bench can put one row at several times
+another's ratio to eager). So without a GPU the bench shows only what a CPU measures exactly:
 
 1. **Gradients** (:func:`exactness`): every treatment on the built-in ``llama-tiny`` (fp32,
    attention dropout 0.1, so checkpointing must replay the same dropout masks) against an untouched
