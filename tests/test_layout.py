@@ -25,12 +25,14 @@ itself.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parent.parent / "src"
+REPOSITORY = Path(__file__).resolve().parent.parent
+SOURCE = REPOSITORY / "src"
 ROOT = "remat"
 
 LAYERS = (
@@ -230,6 +232,28 @@ def test_the_scan_sees_deferred_imports_cycles_and_private_crossings(tmp_path):
     assert private_crossings(modules) == ["remat.top:2 -> remat.low._impl.helper", "remat.top:4 -> remat.low.user._hidden"]
     assert upward_imports(modules, layers=(("remat.top",), ("remat.low",))) == [
         "remat.low._impl:2 -> remat.top (remat.low -> remat.top)"]
+
+
+def readme_layers() -> tuple:
+    """:data:`LAYERS` as the README's architecture section draws them: one entry a line of its
+    ``src/remat/`` listing, top to bottom, an entry marked "beside" in the layer above it."""
+    text = (REPOSITORY / "README.md").read_text().split("\n## Architecture\n", 1)[1]
+    listing = re.search(r"```\nsrc/remat/\n(.*?)```", text, re.S).group(1)
+    layers = []
+    for line in listing.splitlines():
+        entry = re.match(r"  (\w+)(/|\.py)\s+(beside)?", line)
+        if entry is None:
+            continue
+        name = ROOT if entry[1] == "__init__" else f"{ROOT}.{entry[1]}"
+        if entry[3]:
+            layers[-1] += (name,)
+        else:
+            layers.append((name,))
+    return tuple(layers)
+
+
+def test_the_readme_draws_the_layers_this_test_checks():
+    assert readme_layers() == LAYERS
 
 
 @pytest.mark.parametrize("package", ["head", "diagnosis"])
