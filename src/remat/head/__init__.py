@@ -19,9 +19,10 @@ Three layers, as Liger-Kernel splits its fused loss (ops / model glue / patching
 
 Imports: the loss op and kernels import torch (Triton only when a CUDA kernel is made) and nothing
 else of remat; the glue imports the op (transformers only inside a call, to name the model's loss
-function); the patching and the TRL check import the glue and :mod:`remat.treat.patches`, the one
-registry of changes to a user's module. This package must never import profiling, planning, the planner, the
-API, offload, the integrations or the command line: they call the head; the head calls none of them.
+function); the patching imports the glue, the TRL check the patching, and both
+:mod:`remat.treat.patches`, the one registry of changes to a user's module. This package must
+never import profiling, planning, the planner, the API, offload, the doctor, the integrations or
+the command line: they call the head; the head calls none of them.
 """
 from remat.head.chunked_loss import chunked_cross_entropy, default_chunk_tokens
 from remat.head.hf_model import check_chunked_head
