@@ -14,9 +14,9 @@ the checks of how the model runs (compiled, per block, sharded) against what its
 so that every check imports it and no check imports the entry.
 
 Imports run one way: this package uses the API, the planner, profiling, planning, the treatments
-and (to recognise TRL's fused head) :mod:`remat.integrations.hf`; it must never import the command
-line or the bench harness (:mod:`remat.cli`, :mod:`remat.prove`), which call it, and nothing below
-it imports it.
+and the head (:mod:`remat.head` also recognises TRL's fused head); it must never import the
+integrations, the bench harness or the command line (:mod:`remat.integrations`, :mod:`remat.prove`,
+:mod:`remat.cli`), which sit above it, and nothing below it imports it.
 """
 from remat.diagnosis.checkup import doctor
 from remat.diagnosis.findings import SEVERITIES, Finding
