@@ -31,7 +31,7 @@ import sys
 import torch
 
 import remat
-from remat.integrations.presets import build_model
+from remat.presets import build_model
 from remat.planning.plans import OFFLOADING_TREATMENTS
 from remat.planning.sharding import shard
 from remat.units import format_size

@@ -1,7 +1,7 @@
 """A run whose sequence length changes every step: does the chunked head's fused kernel stay on?
 
 The chunked head runs each chunk's softmax and gradient as one fused kernel
-(:mod:`remat.treat.xent_kernel`: a Triton kernel whose grid is the rows, or where it does not
+(:mod:`remat.head.xent_kernel`: a Triton kernel whose grid is the rows, or where it does not
 build one compiled by inductor for a padded, shape-stable chunk). A kernel compiled per shape
 would recompile at every new length (2.4-3.6 s each on an H200) and, at dynamo's recompile limit, fall back to the slower
 eager ops for the rest of the process (issue 11). This script trains the bench model on
@@ -14,7 +14,7 @@ order, twice over:
   (``torch._dynamo.utils.compilation_time_metrics``, every frame compiled in the run) is
   recorded beside it (``dynamo_compile_s``), with the number of graphs compiled;
 - the fused path stayed on when no shape fell back to the eager ops (``EAGER_SHAPES`` of
-  :mod:`remat.treat.xent_kernel` is empty and remat warned nothing); ``fused_kernel`` says which
+  :mod:`remat.head.xent_kernel` is empty and remat warned nothing); ``fused_kernel`` says which
   kernel ran (Triton's compile time is not in dynamo's count: the pass-1 overhead has it);
 - the plan is made for the longest length (``remat.plan(..., heads=["chunked"])``, with
   ``compile=True`` under ``--plan-compile``) and every step's peak is measured: the peak at
@@ -40,7 +40,7 @@ import warnings
 import torch
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.units import format_size, parse_budget
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
@@ -84,7 +84,7 @@ def compile_metrics() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     import transformers
-    from remat.treat import xent_kernel
+    from remat.head import xent_kernel
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _args import bench_parser  # noqa: E402  benchmarks/_args.py, beside this script
 
 import remat  # noqa: E402
-from remat.integrations.presets import build_model, load_config  # noqa: E402
-from remat.treat.chunked_loss import default_chunk_tokens  # noqa: E402
+from remat.presets import build_model, load_config  # noqa: E402
+from remat.head.chunked_loss import default_chunk_tokens  # noqa: E402
 from remat.prove.bench import _relate, environment, measure  # noqa: E402
 from remat.prove.strategies import Strategy, _compiled  # noqa: E402
 from remat.units import format_size, parse_budget  # noqa: E402

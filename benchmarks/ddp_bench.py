@@ -81,7 +81,7 @@ from _rows import (TRACE_PER_RANK, finished, kept, measured_row, prepare, run_th
                    step_fn, timed)
 
 import remat  # noqa: E402
-from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
+from remat.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
 from remat.prove.bench import environment  # noqa: E402
 from remat.prove.collectives import CollectiveCounter  # noqa: E402

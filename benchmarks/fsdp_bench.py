@@ -115,7 +115,7 @@ from _rows import (TRACE_PER_RANK, allocator_events, compiled_row, finished, kep
                    prepare, run_then_leave, settle, step_fn, timed)
 from _trace import format_breakdown, trace_step  # noqa: E402
 
-from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
+from remat.presets import build_model, load_config, materialise  # noqa: E402
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan  # noqa: E402
 from remat.planning.sharding import FSDP2_OVERHEADS  # noqa: E402
 from remat.prove.bench import environment  # noqa: E402

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import remat
 from remat.prove.bench import timed_steps
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.profiling.profiler import profile
 from remat.planning.sharding import shard
 try:

@@ -11,7 +11,7 @@ under each strategy:
   ``--chunks`` as ``full+chunked:N``);
 - ``chunked``: ``remat.apply(m, "keep", head="chunked")``, the head alone (and ``chunked:N`` for
   each size in ``--chunks``); ``chunked:N@fp32sum``: the same with the weight gradient summed in
-  fp32 as before the target-rows sum (``remat.treat.chunked_loss._TargetRows``), an A/B in one
+  fp32 as before the target-rows sum (``remat.head.chunked_loss._TargetRows``), an A/B in one
   process (restored after the row);
 - ``liger`` / ``cce``: a ``keep`` model whose head and loss are Liger's
   ``LigerFusedLinearCrossEntropyLoss`` / Apple's ``cut_cross_entropy.linear_cross_entropy`` on the
@@ -65,9 +65,9 @@ import remat
 from remat.api import current_plan
 from remat.prove.anchors import FUSED_LOSSES, fused_loss, fused_loss_forward, fused_loss_unavailable
 from remat.prove.bench import timed_steps
-from remat.treat import chunked_loss
-from remat.treat.chunked_loss import default_chunk_tokens
-from remat.integrations.presets import build_model, load_config
+from remat.head import chunked_loss
+from remat.head.chunked_loss import default_chunk_tokens
+from remat.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
 from _trace import format_breakdown, trace_step  # benchmarks/_trace.py

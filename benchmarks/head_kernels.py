@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from remat.prove.anchors import fused_loss, fused_loss_unavailable
-from remat.treat import chunked_loss
+from remat.head import chunked_loss
 
 from _trace import format_breakdown, trace_step  # benchmarks/_trace.py
 from head_bench import _Bf16Sum, _accumulator_restored, _fp32_sum  # the whole-model bench's A/B sums

@@ -44,7 +44,7 @@ GiB = 2 ** 30
 
 
 def _causal_lm(config):
-    from remat.integrations.presets import attention_for, build_model
+    from remat.presets import attention_for, build_model
     return build_model(config, device="cuda", dtype=torch.bfloat16, attn_implementation=attention_for(config))
 
 
@@ -100,7 +100,7 @@ def qwen3_next():
 def qwen2_vl():
     """The qwen2-vl-2b preset (Qwen2-VL-2B's shapes, random weights): image + text batches, two
     448 x 448 images per sequence of 4096 tokens, labels on every text token."""
-    from remat.integrations.presets import build_model, image_text_batch, load_config
+    from remat.presets import build_model, image_text_batch, load_config
     config = load_config("qwen2-vl-2b")
     model = build_model(config, device="cuda", dtype=torch.bfloat16)
     batch = image_text_batch(config, batch=2, seq=4096, images=2, dtype=torch.bfloat16)

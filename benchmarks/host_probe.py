@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remat  # noqa: E402
-from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
+from remat.presets import build_model, load_config, materialise  # noqa: E402
 
 TREATMENTS = ("keep", "full", "selective", "selective+guard", "mlp", "attention")
 """``selective+guard``: ``selective`` with its in-place guard on every forward (before it watched

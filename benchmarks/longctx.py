@@ -47,7 +47,7 @@ GiB = 2 ** 30
 
 def build(model_name: str):
     if model_name == "llama-1b":
-        from remat.integrations.presets import build_model, load_config
+        from remat.presets import build_model, load_config
         config = load_config("llama-1b")
         config.max_position_embeddings = 1 << 21
         return build_model(config, device="cuda", dtype=torch.bfloat16).train(), False

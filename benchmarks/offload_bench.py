@@ -49,7 +49,7 @@ from remat.prove.bench import timed_steps
 from remat.offload.engine import GiB
 from remat.treat.treatments import engine_of
 from remat.planning.offload_model import gpu_overhead_bytes
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 
 from _args import bench_parser  # benchmarks/_args.py, beside this script
 

@@ -38,7 +38,7 @@ import remat
 from remat.prove.bench import timed_steps
 from remat.treat.discovery import discover
 from remat.planning.plans import OFFLOADING_TREATMENTS
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.planning.simulator import simulate
 from remat.planning.solver import NoPlanFits, solve
 

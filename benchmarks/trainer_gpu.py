@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _args import bench_parser  # noqa: E402
 
 import remat  # noqa: E402
-from remat.integrations.presets import build_model, load_config  # noqa: E402
+from remat.presets import build_model, load_config  # noqa: E402
 from remat.prove.bench import environment  # noqa: E402
 from remat.units import parse_size  # noqa: E402
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import remat
 from remat.integrations.collector import StepCollector
-from remat.integrations.presets import build_model, load_config, materialise
+from remat.presets import build_model, load_config, materialise
 from remat.planning.costs import MEASURED_TREATMENTS
 from remat.planning.plans import TILED_TREATMENTS
 

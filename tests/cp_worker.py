@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.integrations.presets import build_model
+from remat.presets import build_model
 from remat.parallel import context_parallel, reduce_gradients, shard_sequence
 from remat.prove.collectives import CollectiveCounter
 

@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.integrations.presets import build_model
+from remat.presets import build_model
 from remat.prove.collectives import CollectiveCounter
 
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")
 HEADS = (("keep", "chunked"), ("full", "chunked"))
 FP32_TOL = dict(rtol=1e-5, atol=1e-7)     # reduction order (see the docstring)
 BF16_TOL = dict(rtol=2e-2, atol=2e-3)     # bf16 parameters and activations against fp32
-CHUNKED_TOL = dict(rtol=1e-5, atol=1e-7)  # the chunked head's own fp32 rounding (remat.treat.head)
+CHUNKED_TOL = dict(rtol=1e-5, atol=1e-7)  # the chunked head's own fp32 rounding (remat.head)
 
 
 def tiny_config(tie=False):

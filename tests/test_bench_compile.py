@@ -81,7 +81,7 @@ def _tiny_batch(seq=16):
 
 
 def _tiny_build():
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     return build_model(load_config("llama-tiny"), dtype=torch.float32)
 
 

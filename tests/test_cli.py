@@ -100,7 +100,7 @@ def test_a_config_file_of_any_name_and_an_attention_the_model_supports(capsys, t
     softcapping: remat must pick eager on both."""
     from transformers import Gemma2Config
 
-    from remat.integrations.presets import attention_for, load_config
+    from remat.presets import attention_for, load_config
     Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16).to_json_file(tmp_path / "gemma2-tiny.json")
     path = str(tmp_path / "gemma2-tiny.json")
@@ -147,7 +147,7 @@ def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys,
 
     import remat
     from remat.cli import plan as plan_cli
-    from remat.integrations.presets import build_model
+    from remat.presets import build_model
     from remat.profiling.profiler import profile
     built = {}
 
@@ -163,7 +163,7 @@ def test_plan_compile_builds_on_the_gpu_and_says_the_plan_is_for_compile(capsys,
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr("remat.integrations.presets.build_model", fake_build)
+    monkeypatch.setattr("remat.presets.build_model", fake_build)
     monkeypatch.setattr("remat.profiling.profiler.profile", fake_profile)
     out_path = tmp_path / "plan.json"
     assert main(["plan", *TINY, "--budget", "1GiB", *flag, "--out", str(out_path)]) == 0

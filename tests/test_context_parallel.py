@@ -112,7 +112,7 @@ def test_ring_attention_gradients_on_two_gpus(tmp_path):
 # --- bad input, refused before anything is touched (no process group needed) ---
 
 def _model(attn_implementation="sdpa"):
-    from remat.integrations.presets import build_model
+    from remat.presets import build_model
     config = tiny_config()
     config._attn_implementation = attn_implementation
     return build_model(config, seed=0)

@@ -13,7 +13,7 @@ import torch
 
 import remat
 from remat.cli import main
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.planning.context import RECOMPUTES_ATTENTION, AttentionShape, charges, context
 from remat.planning.costs import OPTIMIZER_HBM_FRACTION, OPTIMIZER_LAUNCH_S, OPTIMIZER_LAUNCHES
 from remat.planning.simulator import simulate

@@ -164,7 +164,7 @@ def test_the_solvers_additive_time_bounds_the_simulation(bus):
 
 def _tiny():
     import torch
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     torch.manual_seed(0)
     model = build_model(load_config("llama-tiny"), device="cpu", dtype=torch.float32)
     return model, torch.randint(0, model.config.vocab_size, (2, 64))
@@ -256,7 +256,7 @@ def test_plan_cuts_ddp_buckets_at_the_models_parameters():
     give for its parameters (computed here from the parameters themselves, in backward order)."""
     import torch
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planner import gradient_stream
     config = load_config("llama-tiny")
     model = build_model(config, device=torch.device("cpu"), dtype=torch.float32)

@@ -278,7 +278,7 @@ def test_train_fsdp_compile_plans_among_what_compiles_block_by_block(monkeypatch
 
     import torch
 
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.costs import MEASURED_TREATMENTS
     spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
     train_fsdp = importlib.util.module_from_spec(spec)

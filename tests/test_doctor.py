@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.integrations.doctor import Finding, doctor
+from remat.diagnosis import Finding, doctor
 
 pytest.importorskip("transformers")
 from test_integrations_hf import VOCAB, tiny_llama, with_lora  # noqa: E402
@@ -120,7 +120,7 @@ def test_reentrant_checkpointing_with_frozen_inputs(tmp_path):
     assert findings[0].severity == "error" and "lora_A" in findings[1].what
     # TrainingArguments asking for it: the Trainer's enable call adds the hook on this transformers
     args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
-    from remat.integrations.doctor import _enable_adds_input_grads
+    from remat.diagnosis.checkup import _enable_adds_input_grads
     expected = [] if _enable_adds_input_grads(base) else ["reentrant-frozen-inputs"]
     assert _checks(doctor(with_lora(_model()), training_args=args)) == expected
 
@@ -372,3 +372,8 @@ def test_per_block_compile_with_the_cache_on_is_flagged():
     whole = tiny_llama().train()
     whole.compile(backend="eager")
     assert "compiled-blocks-cache" not in _checks(doctor(whole))
+
+
+def test_the_documented_import_of_the_doctor_still_works():
+    from remat.integrations.doctor import Finding as documented_finding, doctor as documented
+    assert documented is doctor and documented_finding is Finding

@@ -199,7 +199,7 @@ def test_the_solver_minimises_the_step_with_exposed_communication():
     """Under FSDP2 the DP's objective is the simulator's step (compute + exposed collectives),
     and a plan's notes carry the collectives."""
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.sharding import shard
     from remat.planning.solver import plan_seconds
     from remat.profiling.profiler import block_param_bytes, profile
@@ -357,7 +357,7 @@ def test_the_solver_stays_under_budget_with_the_overheads():
     and its time is the simulator's (blocks resharded: the DP's additive time is exact)."""
     import remat
     import torch
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.solver import NoPlanFits, plan_seconds
     from remat.profiling.profiler import block_param_bytes, profile
     model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)

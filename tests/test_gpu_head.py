@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import remat
-from remat.treat import chunked_loss, xent_kernel
+from remat.head import chunked_loss, xent_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,7 +91,7 @@ def test_triton_kernel_against_the_eager_ops(dtype):
     """The Triton kernel alone: a vocabulary of two column blocks and a tail, ignored rows, padded
     rows, a valid target outside the vocabulary (NaN loss), and the gather of sorted columns
     (padded with column 0) for the unpadded rows only."""
-    from remat.treat import xent_triton
+    from remat.head import xent_triton
     torch.manual_seed(2)
     vocab, rows, real = 50000, 300, 290
     z = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
@@ -172,7 +172,7 @@ def test_chunked_head_under_inductor_matches_eager(how):
 def test_weight_gradient_accumulates_unrounded_on_cuda():
     """On CUDA (torch with ``addmm(out_dtype=)``) each chunk's weight-gradient product goes
     straight into the fp32 accumulator: closer to the fp64 product than a bf16 product added."""
-    from remat.treat import chunked_loss
+    from remat.head import chunked_loss
     g = torch.Generator().manual_seed(3)
     a = torch.randn(512, 2048, generator=g).bfloat16().cuda()
     b = torch.randn(2048, 256, generator=g).bfloat16().cuda()

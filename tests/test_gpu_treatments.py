@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _model():
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config("llama-tiny")
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 256, 704, 4
     config.attention_dropout = 0.1

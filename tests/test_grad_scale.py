@@ -1,4 +1,4 @@
-"""The chunked head's backward scaling (``remat.treat.grad_scale.times``): the product in fp32,
+"""The chunked head's backward scaling (``remat.head.grad_scale.times``): the product in fp32,
 rounded once, on every path it can take: the CPU's eager op and the eager blocks CUDA falls back
 to here, CUDA's Triton kernel on a GPU."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.treat import grad_scale
+from remat.head import grad_scale
 
 FACTOR = torch.tensor(1 / 3)  # not a power of two: rounding it to bf16 changes it
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -79,7 +79,7 @@ def test_the_chunked_heads_gradients_are_scaled_by_the_fp32_factor_on_cuda(vocab
     """A loss times 1/3 (three accumulation steps) on CUDA: each gradient is the unscaled one
     times the fp32 factor, rounded once, as the plain head's are (with either weight-gradient
     sum: the vocabularies choose them)."""
-    from remat.treat.chunked_loss import chunked_cross_entropy
+    from remat.head.chunked_loss import chunked_cross_entropy
     g = torch.Generator().manual_seed(1)
     h = torch.randn(300, 64, generator=g).bfloat16().cuda().requires_grad_()
     w = (torch.randn(vocab, 64, generator=g) / 8).bfloat16().cuda().requires_grad_()

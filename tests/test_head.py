@@ -15,10 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.prove.memtrack import PeakTracker
-from remat.treat.chunked_loss import chunked_cross_entropy, default_chunk_tokens
-from remat.treat.head import disable_chunked_head, enable_chunked_head
+from remat.head.chunked_loss import chunked_cross_entropy, default_chunk_tokens
+from remat.head import disable_chunked_head, enable_chunked_head
 
 FP32_TOL = 1e-6
 BF16_FACTOR = 1.5  # ours vs fp64 may be at most this times the plain path's error vs fp64

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from remat.prove.memtrack import PeakTracker
-from remat.treat import chunked_loss
-from remat.treat.chunked_loss import _Accumulator, _TargetRows, chunked_cross_entropy
+from remat.head import chunked_loss
+from remat.head.chunked_loss import _Accumulator, _TargetRows, chunked_cross_entropy
 
 HIDDEN, VOCAB, TOKENS, CHUNK = 64, 16384, 1024, 64   # 16 chunks: a bf16 sum rounds 16 times
 

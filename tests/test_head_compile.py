@@ -1,7 +1,7 @@
 """The chunked head under ``torch.compile`` (issue 11): same loss and gradients as eager.
 
 The head's interception and loss run outside the compiled graphs on purpose (see
-:mod:`remat.treat.head`); the model's forward up to ``lm_head`` is compiled. Backend
+:mod:`remat.head`); the model's forward up to ``lm_head`` is compiled. Backend
 ``aot_eager`` (dynamo and AOTAutograd, no code generation): inductor's CPU compile of this
 tiny Llama took over 4 minutes on the 2-core test machine; tests/test_gpu_head.py runs
 the same three ways with inductor on CUDA.

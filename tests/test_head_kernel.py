@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat.treat import chunked_loss, xent_kernel
-from remat.treat.chunked_loss import chunked_cross_entropy
-from remat.treat.xent_kernel import eager_kernel, kernel_rows, run_fused, softmax_xent
+from remat.head import chunked_loss, xent_kernel
+from remat.head.chunked_loss import chunked_cross_entropy
+from remat.head.xent_kernel import eager_kernel, kernel_rows, run_fused, softmax_xent
 
 
 def _chunk(rows, vocab=53, dtype=torch.float32, seed=0):

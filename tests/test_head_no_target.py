@@ -69,7 +69,7 @@ def test_num_items_in_batch_0_with_valid_targets_gives_the_models_loss_and_finit
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_loss_op_with_no_valid_target(dtype):
-    from remat.treat.chunked_loss import chunked_cross_entropy
+    from remat.head.chunked_loss import chunked_cross_entropy
     h = torch.randn(10, 8, dtype=dtype, requires_grad=True)
     w = torch.randn(16, 8, dtype=dtype, requires_grad=True)
     b = torch.randn(16, dtype=dtype, requires_grad=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.offload.pinned import PinnedPool
 from remat.planning.offload_model import pinned_bytes
 from remat.planning.plans import OFFLOADING_TREATMENTS

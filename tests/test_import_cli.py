@@ -20,7 +20,7 @@ def test_cli_help_imports_no_torch():
 
 
 def test_using_remat_does_not_initialise_cuda():
-    out = _run("import torch, remat; from remat.integrations.presets import load_config, build_model;"
+    out = _run("import torch, remat; from remat.presets import load_config, build_model;"
                "m = build_model(load_config('llama-tiny')); remat.apply(m, 'full');"
                "print(torch.cuda.is_initialized())")
     assert out.strip() == "False"
@@ -39,7 +39,7 @@ def test_env_command_runs(capsys):
 
 
 def test_presets_and_config_paths(tmp_path):
-    from remat.integrations.presets import load_config
+    from remat.presets import load_config
     cfg = load_config("llama-8b")
     assert cfg.num_hidden_layers == 32 and cfg.vocab_size == 128256
     cfg.save_pretrained(tmp_path)

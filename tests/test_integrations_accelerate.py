@@ -1,14 +1,14 @@
 """accelerate: ``Accelerator(mixed_precision="bf16").prepare(model)`` before or after
 ``remat.apply``; bf16 autocast stays on, the chunked head is called, and the gradients are
 those of the same prepared model without remat (exact for the plain head; the chunked head
-within bf16's own rounding of the head: 2e-2 relative, as remat.treat.head documents for
+within bf16's own rounding of the head: 2e-2 relative, as remat.head documents for
 bf16 against the plain path). (prepare, then remove: tests/test_patches.py.)
 """
 import pytest
 import torch
 
 import remat
-from remat.treat import head as head_module
+from remat.head import hf_model as head_module
 
 accelerate = pytest.importorskip("accelerate")
 from test_integrations_hf import VOCAB, tiny_llama  # noqa: E402

@@ -5,7 +5,7 @@ non-reentrant checkpointing.
 Exact (``torch.equal``) for the plain head: the treatments recompute the same ops in the
 same order. The chunked head computes the same fp32 loss a chunk of tokens at a time, in
 another order of summation: losses and parameters within 1e-5 relative (the head's own
-fp32 rounding, see remat.treat.head) for the loss of each of three AdamW steps. Parameters
+fp32 rounding, see remat.head) for the loss of each of three AdamW steps. Parameters
 are compared only for the plain head: Adam divides each gradient entry by its own running
 magnitude, so an entry whose gradient is ~0 turns a 1e-8 difference into a step of up to the
 learning rate; the per-step losses are what the two heads must agree on.

@@ -61,7 +61,8 @@ def reference(tmp_path_factory):
 
 
 def test_sft_default_config_with_callback_matches_trl_defaults(reference, tmp_path):
-    from remat.integrations.hf import RematCallback, find_trl_head
+    from remat.head import find_trl_head
+    from remat.integrations.hf import RematCallback
     said = []
     model = tiny_llama()
     callback = RematCallback(spec="full", say=said.append)
@@ -74,7 +75,7 @@ def test_sft_default_config_with_callback_matches_trl_defaults(reference, tmp_pa
 
 def test_sft_chunked_head_applied_before_is_taken_off_not_silently_bypassed(tmp_path, monkeypatch):
     from remat.integrations.hf import RematCallback
-    from remat.treat import head as head_module
+    from remat.head import hf_model as head_module
     calls = []
     original = head_module.chunked_cross_entropy
 
@@ -103,7 +104,7 @@ def test_sft_lora_with_budget(tmp_path):
 
 
 def test_doctor_names_a_chunked_head_trl_bypasses(tmp_path):
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     from trl.trainer.utils import add_fused_lm_head
     model = tiny_llama().train()
     model.config.use_cache = False

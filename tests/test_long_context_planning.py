@@ -45,13 +45,13 @@ def test_attention_rates_per_head_dimension():
 
 
 def test_fake_chunked_head_runs_the_kernels_footprint_not_the_eager_blocks(monkeypatch):
-    from remat.treat import chunked_loss
+    from remat.head import chunked_loss
 
     def eager(*args, **kwargs):
         raise AssertionError("a fake-tensor profile ran the eager chunk kernel")
     monkeypatch.setattr(chunked_loss, "eager_kernel", eager)
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config("llama-tiny")
     model = build_model(config, device="meta", dtype=torch.bfloat16)
     ids = torch.zeros(1, 4096, dtype=torch.long)
@@ -75,7 +75,7 @@ def test_attention_shapes_come_from_the_config():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_model_at_long_context_is_profiled_with_fake_tensors_at_measured_rates():
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.profiling import profiler
     model = build_model(load_config("llama-tiny"), device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(1, profiler.LONG_CONTEXT_TOKENS, dtype=torch.long, device="cuda")

@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
 
 def _meta(name="llama-tiny", layers=None):
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config(name)
     if layers is not None:
         config.num_hidden_layers = layers
@@ -69,7 +69,7 @@ def test_doctor_cli_reports_an_untouched_model_that_does_not_fit(capsys):
 
 def test_doctor_agrees_with_estimate_to_the_byte_and_never_calls_an_oom_slower(capsys):
     """Issue 2: Hugging Face checkpointing over the budget was "fits, a plan is 6% faster"."""
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     table = _estimate(capsys, "--batch", "2", "--seq", "128")
     rows = {(r["strategy"], r["head"]): r["peak_bytes"] for r in table["rows"]}
     full, keep = rows[("full", "plain")], rows[("keep", "plain")]
@@ -90,14 +90,14 @@ def test_doctor_agrees_with_estimate_to_the_byte_and_never_calls_an_oom_slower(c
 
 def test_doctor_without_a_batch_compares_what_every_plan_keeps():
     """llama-8b's weights and gradients alone are 15 GiB: no plan fits 10 GiB."""
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     findings = doctor(_meta("llama-8b"), budget="10GiB")
     assert [f.check for f in findings] == ["does-not-fit"]
     assert "> budget 10.00 GiB" in findings[0].what and findings[0].predicted_peak_bytes > 14 * 2**30
 
 
 def test_doctor_judges_the_plan_a_callback_will_make(capsys):
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     from remat.integrations.hf import RematCallback
     assert doctor(_meta(), _ids(), callback=RematCallback(budget="1GiB"), gpu="h100") == []
     findings = doctor(_meta(), _ids(), callback=RematCallback(budget="1MiB"), gpu="h100")
@@ -127,7 +127,7 @@ def test_a_plan_knows_what_it_was_made_for_and_apply_refuses_another_model():
     remat.apply(bigger, plan, strict=False)                    # on purpose: the named blocks, the rest keep
     from remat.api import treatments
     assert treatments(bigger)["model.layers.3"] == "keep"
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     found = {f.check: f for f in doctor(bigger)}
     assert found["plan-mismatch"].severity == "error" and "'model.layers.2'" in found["plan-mismatch"].what
 
@@ -151,7 +151,7 @@ def test_a_plan_for_another_batch_shape_warns_once_and_doctor_says_so():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="remat: a KV cache")
         model(**_batch(batch=2)).loss.backward()               # once per apply, not every step
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     assert "plan-batch" in [f.check for f in doctor(model, _batch(batch=2))]
     same = remat.apply(tiny_llama().train(), plan)
     with warnings.catch_warnings():
@@ -301,7 +301,7 @@ def test_remat_names_transformers_5_apis_and_calls_no_deprecated_one(capsys):
 
 
 def test_doctor_has_no_use_cache_note_for_a_model_remat_treats():
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     model = tiny_llama().train()
     assert model.config.use_cache is True                      # the config's default
     assert [f.check for f in doctor(model, _batch())] == ["use-cache"]
@@ -364,7 +364,7 @@ def test_the_readme_states_the_suite_time_and_the_cpu_plan_limit():
 
 
 def test_a_gpu_plan_on_a_cpu_model_with_attention_dropout_is_noted():
-    from remat.integrations.doctor import doctor
+    from remat.diagnosis import doctor
     model = tiny_llama().train()
     model.config.use_cache = False
     remat.apply(model, remat.plan(model, _batch(), "1GiB", gpu="h100"))

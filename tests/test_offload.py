@@ -24,7 +24,7 @@ from remat.treat.discovery import discover
 from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline
 from remat.treat.treatments import engine_of
 from remat.planning.offload_model import gpu_overhead_bytes
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.treat.treatments import apply_treatment
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import remat
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.planning.plans import OFFLOADING_TREATMENTS
 from remat.profiling.profiler import profile
 
@@ -548,7 +548,7 @@ def test_gpu_plan_compile_end_to_end_flow():
 def test_gpu_three_profiles_pick_one_plan():
     """Stable plans: three independent eager profiles on one GPU choose the same plan per budget
     (issue 11: two profiles an hour apart chose 11x selective + 5x full and 16x mlp for one budget)."""
-    from remat.planner import _allowed
+    from remat.planner import allowed_treatments
     from remat.planning.simulator import simulate
     from remat.planning.solver import solve
     model = _bench_like()
@@ -557,7 +557,7 @@ def test_gpu_three_profiles_pick_one_plan():
     keep = simulate(profiles[0], "keep", head="plain").peak_bytes
     budgets = [int(keep * f) for f in (0.45, 0.6, 0.8)]
     for budget in budgets:
-        plans = [solve(p, budget, treatments=_allowed(p, None)) for p in profiles]
+        plans = [solve(p, budget, treatments=allowed_treatments(p, None)) for p in profiles]
         chosen = {(tuple(sorted(p.blocks.items())), p.head, p.chunk_tokens) for p in plans}
         assert len(chosen) == 1, (budget, [p.summary() for p in plans],
                                   [p.notes["predicted_step_s"] for p in plans])

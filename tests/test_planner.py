@@ -17,7 +17,7 @@ import torch
 import remat
 from remat.prove.memtrack import PeakTracker
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
-from remat.integrations.presets import build_model, load_config
+from remat.presets import build_model, load_config
 from remat.profiling.profiler import profile
 from remat.planning.simulator import simulate
 from remat.planning.offload_model import engine_bounds, gpu_overhead_bytes
@@ -309,7 +309,7 @@ def test_cuda_profile_predicts_max_memory_allocated(spec):
 def test_fsdp_shard_transform_is_identity_at_one_and_shrinks_static_and_gradients():
     import torch
 
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.sharding import shard
     from remat.profiling.profiler import block_param_bytes, profile
     from remat.planning.simulator import simulate
@@ -376,7 +376,7 @@ def test_optimizer_state_follows_the_parameter_dtype(dtype, adamw_bytes):
     8-bit states are 2 bytes a parameter whatever the dtype; frozen parameters have none."""
     import torch
 
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.profiling.profiler import profile
     model = build_model(load_config("llama-tiny"), device="meta", dtype=getattr(torch, dtype))
     model.model.embed_tokens.weight.requires_grad_(False)
@@ -394,7 +394,7 @@ def test_one_profile_serves_many_budgets():
     import torch
 
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
     ids = torch.zeros(2, 256, dtype=torch.long)
     prof = remat.profile(model, ids, gpu="h100")

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 pytest.importorskip("transformers")
-from remat.integrations.presets import build_model, load_config, materialise  # noqa: E402
+from remat.presets import build_model, load_config, materialise  # noqa: E402
 
 
 def _leaves_norms_alone(model):

@@ -47,7 +47,7 @@ def test_a_base_model_plan_applies_to_its_peft_wrapper_and_back():
 
 
 def test_a_head_that_fails_is_a_warning_and_the_plan_goes_on(monkeypatch):
-    import remat.treat.head as head
+    import remat.head as head
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -59,7 +59,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     checkpointed as one unit, see :mod:`remat.planning.plans`), a ``{block_name: treatment}``
     mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
-    tokens at a time; see :mod:`remat.treat.head`. ``tile_tokens``: tokens per chunk of the
+    tokens at a time; see :mod:`remat.head`. ``tile_tokens``: tokens per chunk of the
     tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`; default: the plan's, else
     8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
     them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
@@ -90,13 +90,13 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         except ValueError as error:
             raise ValueError(f"block {name}: {error}") from None
     if plan.head == "chunked":
-        from remat.treat.head import check_chunked_head
+        from remat.head import check_chunked_head
         check_chunked_head(model, chunk_tokens=plan.chunk_tokens)
     previous = patches.remove(model)
     try:
         engine = None
         if offloading:
-            from remat.offload.engine import OffloadEngine
+            from remat.offload import OffloadEngine
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
         segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})
@@ -104,7 +104,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index,
                             segment=segments.get(name, (None, 0)), tile_tokens=plan.tile_tokens)
         if plan.head == "chunked":
-            from remat.treat.head import enable_chunked_head
+            from remat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
         _guard_hf_checkpointing(model)
         patches.install_value(model, _PLAN, plan, tag="plan")

@@ -10,12 +10,12 @@ A model on the GPU is measured there (CUDA events, allocator statistics); any ot
 model -- on the CPU, or on the ``meta`` device without weights -- is profiled with fake
 tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
 on a laptop. Offload treatments are only planned when :mod:`remat.offload.engine` imports and the
-target is a GPU; the chunked head only when :mod:`remat.treat.head` can reproduce the model's loss.
+target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the model's loss.
 
 Compiled models: ``plan(..., compile=True)`` profiles every block class x treatment and the
 head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans for the flow
 ``remat.apply(model, plan); model.compile()`` (or ``torch.compile(model)``). Compile changes
-the numbers a lot (the bench model's ``full`` keeps 27.6 GiB eager, 15.8 GiB compiled), so
+the numbers a lot (the bench model's ``full`` keeps little more than half as much compiled), so
 neither kind of plan transfers: a compiled plan applied to a model that is then *not* compiled
 runs correctly but its peak can be far above the prediction, and an eager plan under compile
 wastes speed. A compiled plan is measured once compiled before it is returned, and solved
@@ -23,7 +23,7 @@ again if it peaked over the budget (:func:`verified`, :mod:`remat.profiling._ver
 plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and ``remat doctor`` to
 check against how the model runs. Compiled plans need the model on a GPU
 (fake tensors cannot run compiled code: ValueError) and never offload (see
-:data:`remat.profiling._compiled.OFFLOAD_UNDER_COMPILE`).
+:data:`remat.profiling.OFFLOAD_UNDER_COMPILE`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
-from remat.profiling._compiled import compile_scope, profile_scope
+from remat.profiling import compile_scope, profile_scope
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import model_loss
 from remat.profiling.profiler import profile as _profile
@@ -49,9 +49,9 @@ from remat.units import parse_budget
 
 COMPILE_MARGIN = 0.03
 """A compiled plan is solved for its budget less this fraction of the budget above static memory:
-after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peaked up to
-2.1% above their prediction on the bench model (H100: a 11x full, 5x selective plan at 10.12 GiB
-for 9.91 predicted, over its 10 GiB budget), the whole graph keeping what no block alone does."""
+after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peak a
+couple of percent above their prediction, over their budget, the whole graph keeping what no
+block alone does (measured: docs/history.md)."""
 
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
@@ -127,7 +127,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     if scope and treatments is not None:
         offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
         if offloading:
-            from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
+            from remat.profiling import OFFLOAD_UNDER_COMPILE
             raise ValueError(f"treatments {offloading} cannot be planned with compile=True: {OFFLOAD_UNDER_COMPILE}; "
                              "leave them out, or plan without compile=True")
     if profiled is not None and profile_scope(profiled.notes) != scope:
@@ -147,7 +147,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
         prof = replicated(prof, model, ddp_world)
-    allowed = _allowed(prof, treatments)
+    allowed = allowed_treatments(prof, treatments)
     if not (scope and verify):
         return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
     if fsdp_world != 1 or ddp_world != 1 or cp_world != 1:
@@ -200,14 +200,15 @@ def verified(model: nn.Module, batch, prof: Profile, budget_bytes: int, *, loss_
     if not prof.notes.get("compile"):
         return chosen
     if measure is None:
-        from remat.profiling._verify import measure_compiled, room_to_measure
+        from remat.api import apply
+        from remat.profiling import measure_compiled, room_to_measure
         why = room_to_measure(model, prof, chosen)
         if why:
             return _noted(chosen, f"not measured: {why}")
         batch, loss_fn = model_loss(batch, loss_fn)
 
         def measure(candidate):
-            return measure_compiled(model, batch, loss_fn, candidate, prof, blocks=blocks)
+            return measure_compiled(model, batch, loss_fn, candidate, prof, apply_plan=apply, blocks=blocks)
     say = progress or (lambda message: None)
     slack = int(VERIFY_SLACK * max(0, budget_bytes - prof.static_bytes))
     tries, plans, held_back = [], [], 0
@@ -354,7 +355,9 @@ def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
     return chosen
 
 
-def _allowed(prof, treatments) -> Optional[list]:
+def allowed_treatments(prof, treatments) -> Optional[list]:
+    """The treatments a plan of ``prof`` may use: ``treatments`` as given, else every one profiled
+    less the offloading ones where offload cannot run (a CPU, no offload engine, a compiled profile)."""
     available = list(prof.treatments())  # any block's: a hybrid's blocks differ (solver offers each its own)
     if treatments is not None:
         return list(treatments)
@@ -366,7 +369,7 @@ def _allowed(prof, treatments) -> Optional[list]:
 def default_host_limit() -> Optional[int]:
     """Pinned bytes the offload engine's pool may hold by default on this machine (None without it)."""
     try:
-        from remat.offload.pinned import default_limit
+        from remat.offload import default_limit
     except ImportError:
         return None
     return default_limit()

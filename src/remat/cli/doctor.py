@@ -4,7 +4,7 @@ The model is built on the ``meta`` device (no weights, no GPU), as ``remat plan`
 optionally with a saved remat plan applied (``--plan``; applied even when it was made for another
 model, which is then reported), with Hugging Face checkpointing on (``--hf-checkpointing``, with
 ``--reentrant`` / ``--no-preserve-rng`` for its keywords) or to be trained by a
-``RematCallback(budget=--budget)`` (``--callback``), and :func:`remat.integrations.doctor.doctor`
+``RematCallback(budget=--budget)`` (``--callback``), and :func:`remat.diagnosis.doctor`
 looks at it. With ``--budget`` remat profiles the model at ``--batch`` x ``--seq`` (as ``remat
 estimate`` does: the same peak to the byte) and says whether the setup fits -- "does not fit:
 predicted X > budget Y" is an error, with the plan that fits or the floor -- and, when it fits,
@@ -32,7 +32,7 @@ A setup over its budget is an error (exit status 1) with the plan that fits or t
 budget 20.00 GiB for the model as it is", and the plan that fits 20 GiB.
 
 In a script (a real step, TrainingArguments and an accelerate config too):
-  from remat.integrations.doctor import doctor
+  from remat.diagnosis import doctor
   for finding in doctor(model, batch, training_args=args, budget="40GiB"): print(finding)
 """
 
@@ -60,8 +60,8 @@ def run(args) -> int:
     import torch
 
     from remat.cli.plan import check_model_arguments
-    from remat.integrations.doctor import doctor
-    from remat.integrations.presets import build_model, load_config
+    from remat.diagnosis import doctor
+    from remat.presets import build_model, load_config
     from remat.units import parse_budget
     budget = parse_budget(args.budget) if args.budget else None
     check_model_arguments(args)

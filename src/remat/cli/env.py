@@ -53,10 +53,10 @@ def collect() -> dict:
 
 def _host_memory() -> dict:
     # MemAvailable bounds how much pinned host memory offload can take
-    from remat.offload.pinned import _HOST_FRACTION, host_memory
+    from remat.offload import HOST_FRACTION, host_memory
     memory = host_memory()
     return {"host_memory_bytes": memory["total"] or 0, "host_available_bytes": memory["available"],
-            "offload_pinned_limit_bytes": int(memory["available"] * _HOST_FRACTION)}
+            "offload_pinned_limit_bytes": int(memory["available"] * HOST_FRACTION)}
 
 
 def meaning(info: dict) -> list:

@@ -8,7 +8,7 @@ on stdout and nothing else, for scripts.
 A vision-language config (LLaVA, PaliGemma, Qwen2-VL, Qwen2.5-VL) plans on image + text
 batches: ``--images`` per sequence of ``--image-size`` (Qwen2-VL: any size, rounded as its
 processor rounds it; LLaVA and PaliGemma: their tower's size), built from the config alone
-(:func:`remat.integrations.presets.image_text_batch`: the image token once per image feature,
+(:func:`remat.presets.image_text_batch`: the image token once per image feature,
 inside ``--seq``). The plan covers the vision tower's blocks, the language model's blocks and
 the head; the steps that read the batch's ids (the image-token merge, M-RoPE positions) run
 for real, and the ``real`` line says where.
@@ -137,7 +137,7 @@ def image_size_of(text):
 def check_image_arguments(args, config) -> None:
     """``--images`` and ``--image-size`` fit the model: a text model takes neither, a vision-language
     model at least one image of a size its tower takes (ValueError naming the option)."""
-    from remat.integrations.presets import check_images_fit, is_vision_language
+    from remat.presets import check_images_fit, is_vision_language
     images, size = getattr(args, "images", None), image_size_of(getattr(args, "image_size", None))
     if not is_vision_language(config):
         if images is not None or size is not None:
@@ -220,7 +220,7 @@ def profile_from_args(args, say):
     ``(profile, model, ids)``: the model and batch it measured, which a compiled plan is measured on."""
     import torch
 
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.profiling.profiler import block_param_bytes, profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = load_config(args.model)
@@ -266,10 +266,10 @@ def profile_from_args(args, say):
 
 def batch_from_args(args, config, dtype, random=False):
     """The batch a plan is made for: token ids (``random``: drawn, for a real model; else zeros), or a
-    vision-language model's image + text batch (:func:`remat.integrations.presets.image_text_batch`)."""
+    vision-language model's image + text batch (:func:`remat.presets.image_text_batch`)."""
     import torch
 
-    from remat.integrations.presets import image_text_batch, is_vision_language
+    from remat.presets import image_text_batch, is_vision_language
     if is_vision_language(config):
         return image_text_batch(config, batch=args.batch, seq=args.seq, images=getattr(args, "images", None) or 1,
                                 image_size=image_size_of(getattr(args, "image_size", None)), dtype=dtype)
@@ -280,7 +280,7 @@ def batch_from_args(args, config, dtype, random=False):
 
 def images_line(args, config) -> str:
     """What a vision-language plan's batch holds, in words (empty for a text model)."""
-    from remat.integrations.presets import image_geometry, is_vision_language
+    from remat.presets import image_geometry, is_vision_language
     if not is_vision_language(config):
         return ""
     images = getattr(args, "images", None) or 1
@@ -290,8 +290,8 @@ def images_line(args, config) -> str:
 
 
 def treatments_from_args(prof, args):
-    from remat.planner import _allowed
-    allowed = _allowed(prof, None)
+    from remat.planner import allowed_treatments
+    allowed = allowed_treatments(prof, None)
     if args.no_offload:
         allowed = [t for t in allowed if "offload" not in t]
     return allowed

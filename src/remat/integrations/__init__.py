@@ -1,1 +1,1 @@
-"""Glue to the libraries users train with (Hugging Face configs and models, PEFT, trainers)."""
+"""Glue to what users train with: the Hugging Face Trainer and TRL, Lightning, accelerate, and the garbage collector between steps."""

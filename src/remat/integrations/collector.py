@@ -9,9 +9,9 @@
 
 Why: under several ranks (FSDP2, DDP) an automatic collection starts on one rank whenever its
 allocation counters say so, in the middle of a step, and every other rank waits for it at the
-next collective. Measured on 2 x H100 (``benchmarks/results/issue12``): an FSDP2 plan heavy in
-``selective`` (whose per-op dispatch makes garbage) ran 0.662 s a step with automatic collection
-against 0.579 s for a near-identical plan without it, and a DDP plan 5.5% slower. A collection
+next collective: an FSDP2 plan heavy in ``selective`` (whose per-op dispatch makes garbage), and
+a DDP plan too, ran measurably slower with automatic collection (``benchmarks/results/issue12``,
+docs/history.md). A collection
 every ``every`` steps at the step's end happens at the same step on every rank, so they pause
 together, once. torchtitan and torchtnt train the same way.
 

@@ -35,8 +35,8 @@ How it fits the Trainer's order of events (transformers 5.x, ``Trainer.train``):
 
 Under several ranks (``args.world_size > 1``) Python's garbage collector runs between steps,
 every 50, on every rank at once, and not inside a step (:mod:`remat.integrations.collector`:
-an automatic collection on one rank holds the others at the next collective; a selective-heavy
-FSDP2 plan ran 14% slower with it on 2 x H100); ``collect_every=0`` leaves it to Python, an int
+an automatic collection on one rank holds the others at the next collective, and selective-heavy
+FSDP2 plans ran slower with it); ``collect_every=0`` leaves it to Python, an int
 sets the steps. One message says so when it is on; ``on_train_end`` gives Python its collector
 back (a ``train()`` that raises calls no callback: there ``gc.enable()`` is the caller's).
 
@@ -98,7 +98,6 @@ first step; later plans are made on fake tensors (host seconds).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -107,6 +106,7 @@ import torch.nn as nn
 from transformers import TrainerCallback
 
 from remat.guard import batch_tokens, check_recovery, redo_out_of_memory  # one rule and one loop with remat.Guard
+from remat.head import find_trl_head
 from remat.integrations._planning import BatchPlanner
 from remat.integrations.collector import collect_every as collect_every_steps, started
 from remat.treat import patches
@@ -166,7 +166,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self._take_over_args(args)
         self._take_over_model(model)
         self._optimizer = _optimizer_state(args)
-        self.trl_head = _find_trl_head(model) is not None
+        self.trl_head = find_trl_head(model) is not None
         if self.trl_head:
             self._cooperate_with_trl(model)
         if self.spec is not None:
@@ -353,38 +353,3 @@ def _optimizer_state(args) -> str:
     if "adam" not in name:
         return "none"
     return "adamw8bit" if "8bit" in name else "adamw"
-
-
-def find_trl_head(model: nn.Module) -> Optional[nn.Module]:
-    """The module whose ``forward`` TRL replaced with its fused LM head, or None."""
-    return _find_trl_head(model)
-
-
-def _find_trl_head(model: nn.Module) -> Optional[nn.Module]:
-    for module in model.modules():
-        if _is_trl_fused(module.__dict__.get("forward")):
-            return module
-    for patch in patches.patches(model):  # remat's patch installed over TRL's head: what it replaced
-        if patch.attribute == "forward" and _is_trl_fused(patch.previous):
-            return patch.module
-    return None
-
-
-def _is_trl_fused(forward) -> bool:
-    """TRL's fused ``forward``, possibly inside wrappers made with ``functools.wraps`` (accelerate's
-    autocast). TRL's own ``functools.wraps`` copies the model's ``__name__`` and ``__module__``,
-    so the code object is what tells."""
-    func, seen = getattr(forward, "__func__", forward), 0
-    while func is not None and seen < 8:
-        code = getattr(func, "__code__", None)
-        if code is not None and code.co_name == "_fused_forward" and os.sep + "trl" + os.sep in code.co_filename:
-            return True
-        func, seen = getattr(func, "__wrapped__", None), seen + 1
-        func = getattr(func, "__func__", func)
-    return False
-
-
-def remat_head_bypassed(model: nn.Module) -> bool:
-    """True when remat's chunked head sits under TRL's fused head, which never calls it."""
-    holder = _find_trl_head(model)
-    return holder is not None and patches.patch_of(holder, "forward", tag="head") is not None

@@ -18,7 +18,7 @@ packed handles, and what is never moved, are in :mod:`remat.offload.records`; th
   (:mod:`remat.offload.streams`), so a model spread over several GPUs (``device_map="auto"``)
   offloads every block; the window and the pinned pool are shared by all devices.
 - Forward: a pack records an event on the compute stream and queues the slot. Device-to-host copies
-  are issued on a dedicated stream (waiting on that event) while less than ``_ISSUE_WINDOW`` bytes
+  are issued on a dedicated stream (waiting on that event) while less than ``ISSUE_WINDOW`` bytes
   are queued there, into buffers from a :class:`PinnedPool`. The engine keeps the GPU tensor alive
   and drops it once the copy's event has completed (``event.query()`` at later packs, at each
   offloaded block's end and at the first unpack of the backward) and its block has ended, so the
@@ -50,14 +50,14 @@ never imports the planner, and a test checks the two defaults agree); the device
 :mod:`remat.offload.streams`. This module re-exports the names callers import from it.
 
 How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-copies synchronously on the compute stream (measured 0.13x eager on the bench model) and allocates
+copies synchronously on the compute stream (many times slower than eager: DESIGN.md) and allocates
 pinned memory per tensor; torchtune/TRL-style offloading issues every copy at once, so GPU memory is
 not bounded while the bus lags, and uses ``record_stream``. Here the copy queue is short, the GPU
 memory waiting for the bus is capped, and the tail of the forward is never moved.
 
 Limits: the forward of an offloaded block runs at bus speed once the window is full (offloading
-everything is bus bound: on an H100 pinned copies run ~55 GB/s each way, so ~25 GiB of activations
-each way cost ~1 s against a 0.35 s compute step; offload some blocks, by plan). Copies in the two
+everything is bus bound: moving every block's activations each way takes longer than the
+compute step it hides behind, DESIGN.md's bus figures; offload some blocks, by plan). Copies in the two
 directions overlap only where a backward meets a forward (the bus limit is the sum of both
 directions at per-direction bandwidth). A saved view that covers less than half of its storage
 moves just its span; otherwise the whole storage moves. Storages shared by several blocks move once
@@ -65,7 +65,7 @@ per block. The in-place check misses one case autograd catches (:mod:`remat.offl
 says which; the backward then never uses a written value). Released records hold their memory until the
 next drain (a forward without backward: until the next forward or :meth:`OffloadEngine.stats`).
 Stream identities are compared by handle, never with ``!=`` (``torch.Stream`` compares
-unequal-to-None as False, which silently skipped every wait in the first version). Not for use
+unequal-to-None as False, which would silently skip every wait). Not for use
 inside CUDA-graph capture or ``torch.compile``d regions; move the model to its device before the
 first step.
 """
@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -84,13 +85,13 @@ import torch.nn as nn
 
 from remat.offload.backward import _Backward
 from remat.offload.pinned import GiB, MiB, PinnedPool  # noqa: F401  (GiB re-exported)
-from remat.offload.records import (_HOST, _INFLIGHT, _PENDING, _BlockContext, _Packed, _Record,
-                                   _Slot, _storage_of, keep_reason, parameter_storages)
+from remat.offload.records import (_HOST, _INFLIGHT, _PENDING, _Packed, _Record, _Slot, _storage_of,
+                                   keep_reason, parameter_storages)
 from remat.offload.streams import _Cuda, _Inline
 
 DEFAULT_WINDOW_RECORDS = 1  # default max_pending_bytes: this many times the largest record packed
 DEFAULT_MIN_BYTES = MiB  # smaller storages stay on the GPU (the profiler counts offload bytes with it)
-_ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
+ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, enough to never idle
 
 
 
@@ -135,7 +136,7 @@ class OffloadEngine(_Backward):
         self._host_memory_limit = host_memory_limit
         self._inline = _inline
         self._delay = _copy_delay_cycles
-        self._issue_window = _ISSUE_WINDOW
+        self._issue_window = ISSUE_WINDOW
         self._start()
 
     def _start(self) -> None:
@@ -382,3 +383,24 @@ class OffloadEngine(_Backward):
             while deque and deque[0][1].query():
                 start, end, name = deque.popleft()
                 self._times[name] += start.elapsed_time(end) / 1e3
+
+
+class _BlockContext:
+    """``with engine.saved_tensors(key):`` one record, hooks installed for the duration."""
+
+    __slots__ = ("engine", "key", "record", "hooks")
+
+    def __init__(self, engine: OffloadEngine, key: int):
+        self.engine, self.key = engine, key
+
+    def __enter__(self):
+        self.record = self.engine._open(self.key)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self.engine._pack, self.record), self.engine._unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.engine._close(self.record)
+        return False

@@ -8,7 +8,7 @@ Each free buffer carries a *fence*: the event of the last copy that read it, whi
 into it must wait on; the pool only stores fences, the engine records and waits on them.
 
 The limit. Pinned memory cannot be swapped, so the pool never holds more than ``limit`` bytes
-(default ``_HOST_FRACTION`` = 60% of MemAvailable, read once at the first allocation and left to
+(default ``HOST_FRACTION`` = 60% of MemAvailable, read once at the first allocation and left to
 the OS otherwise). Before it would grow past the limit it drops free buffers of other size
 classes (largest first) and asks PyTorch to give its cached pinned blocks back; if that is not
 enough it raises a ValueError naming the bytes needed, the bytes available and what to change.
@@ -34,7 +34,7 @@ from remat.units import format_size
 
 MiB = 1 << 20
 GiB = 1 << 30
-_HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave the rest to the OS
+HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave the rest to the OS
 
 
 
@@ -60,9 +60,9 @@ def _mem_available() -> int:
 
 
 def default_limit() -> int:
-    """The bytes a pool without a ``limit`` may hold: ``_HOST_FRACTION`` of MemAvailable now (what the
+    """The bytes a pool without a ``limit`` may hold: ``HOST_FRACTION`` of MemAvailable now (what the
     planner holds offload plans to, :func:`remat.planner.plan`'s ``host_memory``)."""
-    return int(_HOST_FRACTION * _mem_available())
+    return int(HOST_FRACTION * _mem_available())
 
 
 class PinnedPool:
@@ -125,6 +125,6 @@ class PinnedPool:
                 f"{format_size(self.in_use_bytes + size)} ({format_size(self.in_use_bytes)} already holding saved "
                 f"tensors + {format_size(size)} for a {format_size(nbytes)} tensor), but only "
                 f"{format_size(self.limit)} is available to offload (limit: host_memory_limit, default "
-                f"{_HOST_FRACTION:.0%} of MemAvailable). Offload fewer blocks (e.g. 'every:2:offload', "
+                f"{HOST_FRACTION:.0%} of MemAvailable). Offload fewer blocks (e.g. 'every:2:offload', "
                 "or 'full+offload', which moves only block inputs), or pass "
                 "OffloadEngine(model, host_memory_limit=...) if the host has more to give.")

@@ -4,8 +4,8 @@ How it works. :class:`remat.offload.engine.OffloadEngine` gives each forward cal
 :class:`_Record`; each distinct storage span the block saves is a :class:`_Slot` of it (one storage
 saved by several ops, or as several views, moves once and comes back as the same views); what
 autograd holds instead of an offloaded tensor is a :class:`_Packed` handle naming its slot and the
-view to rebuild. :class:`_BlockContext` opens a record and installs the engine's saved-tensor hooks
-for one block's forward.
+view to rebuild. The engine opens a record and installs its saved-tensor hooks for one block's
+forward; these objects know nothing of the engine beyond the release queue a handle appends to.
 
 - Kept where they are, never moved (:func:`keep_reason`, a pure function of the tensor): parameters,
   buffers and anything sharing their storage (storage identity, the local shard of a DTensor
@@ -32,15 +32,11 @@ again only when the model's first parameter or its storage changes; a storage ma
 """
 from __future__ import annotations
 
-import functools
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
-
-if TYPE_CHECKING:
-    from remat.offload.engine import OffloadEngine
 
 _PENDING, _INFLIGHT, _HOST, _KEPT = "pending", "in flight", "host", "kept"
 
@@ -149,24 +145,3 @@ class _Packed:
         # Any thread, any moment (a GC pass inside a pack): only the atomic append, no engine logic.
         record = self.slot.record
         record.engine._released.append(record)
-
-
-class _BlockContext:
-    """``with engine.saved_tensors(key):`` one record, hooks installed for the duration."""
-
-    __slots__ = ("engine", "key", "record", "hooks")
-
-    def __init__(self, engine: OffloadEngine, key: int):
-        self.engine, self.key = engine, key
-
-    def __enter__(self):
-        self.record = self.engine._open(self.key)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self.engine._pack, self.record), self.engine._unpack)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        self.engine._close(self.record)
-        return False

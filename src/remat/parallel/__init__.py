@@ -10,7 +10,8 @@
 the whole sequence; :mod:`remat.planning.context` is what the planner charges for it
 (``remat.plan(..., cp_world=N)``).
 """
-from remat.parallel.attention import CPAttention, context_parallel, rank_and_world, reduce_gradients
+from remat.parallel.attention import CPAttention, context_parallel, reduce_gradients
+from remat.parallel.groups import rank_and_world
 from remat.parallel.sequence import check_batch, check_model, shard_for, shard_sequence
 
 __all__ = ["CPAttention", "check_batch", "check_model", "context_parallel", "rank_and_world", "reduce_gradients",

@@ -55,29 +55,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from remat.parallel.groups import process_group, rank_and_world
 from remat.parallel.sequence import check_model
 
 PATHS = ("auto", "ring", "gather")
-
-
-def rank_and_world(group=None) -> tuple:
-    """``(rank, world)`` of this process in ``group``: a ProcessGroup, a 1-D DeviceMesh or None (default)."""
-    pg = process_group(group)
-    return dist.get_rank(pg), dist.get_world_size(pg)
-
-
-def process_group(group=None):
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context parallelism needs torch.distributed initialised (torch.distributed."
-                           "init_process_group, e.g. under torchrun)")
-    if group is None:
-        return dist.group.WORLD
-    if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
-        if group.ndim != 1:
-            raise ValueError(f"pass the context-parallel dimension of the mesh (mesh['cp']), a 1-D mesh, got a "
-                             f"{group.ndim}-D mesh")
-        return group.get_group()
-    return group
 
 
 class _GatherKV(torch.autograd.Function):

@@ -45,6 +45,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from remat.parallel.groups import rank_and_world
+
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
@@ -54,7 +56,6 @@ def shard_sequence(batch: dict, group=None, *, model: Optional[nn.Module] = None
     """This rank's share of ``batch`` (a dict of a causal LM's inputs, the whole sequence, the same on
     every rank of ``group``): see the module doc. ``group``: the CP process group, a 1-D
     ``DeviceMesh``, or None for the default group. ``model``: also checked (:func:`check_model`)."""
-    from remat.parallel.attention import rank_and_world
     rank, world = rank_and_world(group)
     return shard_for(batch, rank, world, model=model)
 

@@ -11,8 +11,9 @@ load balancing: :mod:`remat.parallel.attention`):
 
 - compute: the pieces are contiguous, so rank ``r`` attends to ``r`` whole pieces beyond its own
   causal one; the step waits for the last rank, whose ``world - 1`` extra ``s x s`` blocks are charged
-  (forward ``4 b h s^2 d`` FLOPs each at the matmul rate x :data:`ATTENTION_EFFICIENCY`, backward
-  :data:`BACKWARD_FACTOR` times that);
+  (forward ``4 b h s^2 d`` FLOPs each at the attention rate measured for the head dimension, else
+  the matmul rate x :data:`ATTENTION_EFFICIENCY`; backward :data:`BACKWARD_FACTOR` times that
+  at the backward's rate);
 - exchange: in forward one all-gather of every rank's keys and values (``world x`` a rank's K/V,
   ``(world - 1) / world`` of it over each GPU's link at the bus rate), overlapped with the rank's own
   causal block only; in backward the same all-gather again (overlapped with that block's backward),
@@ -51,8 +52,9 @@ from typing import Optional
 from remat.planning.costs import Profile, dtype_bytes
 
 ATTENTION_EFFICIENCY = 0.45
-"""Attention kernels' FLOP rate as a fraction of the matmul rate (the fake-tensor roofline's,
-``remat.profiling._meters.ATTENTION_EFFICIENCY``, calibrated on H100 anchors)."""
+"""Attention kernels' FLOP rate as a fraction of the matmul rate where the profile's rates hold no
+measured attention rate for the head dimension (:meth:`remat.planning.costs.Rates.attention_flops`,
+which bf16/fp16 attention uses otherwise), as the fake-tensor roofline takes it."""
 BACKWARD_FACTOR = 2.5
 """Attention's backward FLOPs over its forward's (flash attention: five matmuls against two)."""
 LATENCY_S = 50e-6
@@ -121,17 +123,21 @@ def charges(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
     d, dv = attention.head_dim, attention.value_dim or attention.head_dim
     kv = b * s * attention.kv_heads * (d + dv) * element          # one rank's keys and values
     q = b * s * attention.heads * d * element
-    rate = (profile.rates.fp32_flops if element >= 4 else profile.rates.matmul_flops) * ATTENTION_EFFICIENCY
+    fallback = (profile.rates.fp32_flops if element >= 4 else profile.rates.matmul_flops) * ATTENTION_EFFICIENCY
+    measured = element < 4 and profile.rates.attention_flops(d, False) is not None
+    rate = profile.rates.attention_flops(d, False) if measured else fallback
+    backward_rate = profile.rates.attention_flops(d, True) if measured else fallback
     block_s = 2 * b * attention.heads * s * s * (d + dv) / rate   # one whole s x s block, forward
+    backward_block_s = block_s * rate / backward_rate             # its backward's FLOPs / BACKWARD_FACTOR
     extra = world - 1
     bus = bus_Bps or profile.rates.bus_Bps
     gather_s = extra * kv / bus                                     # world x kv gathered, (world-1)/world moved
     hop_s = kv * 4 / element / bus                                  # fp32 K/V gradients, one hop
     fwd_exposed = max(0.0, gather_s - block_s / 2) + LATENCY_S      # hidden behind the causal block only
-    bwd_exposed = (max(0.0, gather_s - BACKWARD_FACTOR * block_s / 2) + extra * max(0.0, hop_s - BACKWARD_FACTOR
-                   * block_s) + hop_s + (1 + world) * LATENCY_S)
+    bwd_exposed = (max(0.0, gather_s - BACKWARD_FACTOR * backward_block_s / 2) + extra * max(
+        0.0, hop_s - BACKWARD_FACTOR * backward_block_s) + hop_s + (1 + world) * LATENCY_S)
     fp32 = 4 / element
-    return dict(fwd_s=extra * block_s + fwd_exposed, bwd_s=BACKWARD_FACTOR * extra * block_s + bwd_exposed,
+    return dict(fwd_s=extra * block_s + fwd_exposed, bwd_s=BACKWARD_FACTOR * extra * backward_block_s + bwd_exposed,
                 fwd_bytes=int(world * kv + q * fp32), bwd_bytes=int(world * kv + (q + 3 * kv) * fp32),
                 compute_s=(1 + BACKWARD_FACTOR) * extra * block_s, fwd_exposed_s=fwd_exposed,
                 bwd_exposed_s=bwd_exposed, exchange_bytes=int(2 * extra * kv + world * kv * fp32))

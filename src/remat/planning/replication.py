@@ -26,10 +26,9 @@ each gradient is copied into its bucket (read + write, in its block's backward, 
 embeddings' backward), with ``gradient_as_bucket_view=False`` every reduced bucket is copied back
 into the gradients once the last all-reduce ends, each all-reduce costs ``latency_s``, and compute
 slows by ``contention`` while the link is busy. The constants are :data:`DDP_OVERHEADS`, the first
-estimates FSDP2 started from: with them llama-1b's DDP steps on 2 x H100 measured 4-7% above
-prediction (``benchmarks/results/issue12``). FSDP2's refit ones do not carry over: its 0.41 ms a
-collective is mostly Python hooks, and DDP's reducer launches from C++ (50 buckets at 0.41 ms
-would add 0.02 s to a 0.2 s step); to refit them, use the kernel-time breakdown
+estimates FSDP2 started from, which hold DDP's steps within a few percent of prediction (measured:
+docs/history.md). FSDP2's refit ones do not carry over: its per-collective latency is mostly
+Python hooks, and DDP's reducer launches from C++; to refit them, use the kernel-time breakdown
 ``benchmarks/ddp_bench.py --trace`` records, as ``benchmarks/fit_overheads.py`` does for FSDP2.
 
 Checked against torch 2.13's ``torch/nn/parallel/distributed.py`` and ``reducer.cpp``:
@@ -45,8 +44,8 @@ Buckets: since torch 2.x (checked in 2.13: ``BucketCapacityConfig``) DDP with it
 arguments starts with one bucket and, after the first iteration, rebuilds them in the order the
 gradients became ready, the first capped at 1 MiB and the rest at ``bucket_cap_mb``, parameters
 never split. With the model's parameters (``stream``, what :func:`remat.plan` passes) buckets are
-cut that way: llama-1b on 2 x H100 measured 50 all-reduces a step, the model says 50 (byte cuts
-said 116). Without them the stream is cut by bytes, the root's gradients last.
+cut that way, and the count of all-reduces a step is the one measured (cuts by bytes alone
+over-count them). Without them the stream is cut by bytes, the root's gradients last.
 
 Limits: DDP's forward buffer broadcast (``broadcast_buffers``), ``find_unused_parameters``,
 ``static_graph``, communication hooks and DDP's mixed precision are not modelled; backward order

@@ -10,28 +10,22 @@ run is solved exactly like one for a single GPU. Memory, per rank:
 - parameters and optimizer state: ``1/world`` of them stay (static), and the optimizer's step
   (``Profile.optimizer_s``) updates ``1/world`` of them;
 - all-gathered parameters in flight: one of the largest block's parameters, all step long.
-  Measured on 2 and 4 x H100 (llama-8b, 1 x 4096 a rank, eager and four remat plans each,
-  peaks in the head's forward and in blocks' backward alike): what a rank holds beyond the
-  profile is the root's parameters (below) plus one block, not the two (current and
-  prefetched) this model first counted -- 0.41 GiB, one block, too many at every budget.
-  With ``reshard_after_forward=False`` a block stays unsharded from its forward to the end
+  What a rank was measured to hold beyond the profile, with peaks in the head's forward and in
+  blocks' backward alike, is the root's parameters (below) plus one block, not two (the current
+  and the prefetched one). With ``reshard_after_forward=False`` a block stays unsharded from its forward to the end
   of its backward: its parameters join what it keeps (and its forward and backward peaks),
   and the prefetched block is the one in static (unmeasured);
 - the root's own parameters (embeddings, final norm, LM head) unsharded, in full, all step
   long (FSDP2 keeps the root unsharded from its forward to the end of its backward), beside
-  their shard, which FSDP2 keeps as every parameter's (before: the shard was not counted, and
-  llama-8b plans on 2 ranks peaked 0.51 GiB above prediction, past their budgets: the root's
-  1.96 GiB over 2 ranks, less the extra block);
+  their shard, which FSDP2 keeps as every parameter's;
 - each block's parameter gradients: full size during its backward (already in the block's
   measured backward peak), then reduce-scattered, so ``1/world`` of them stay afterwards;
 - reduce-scatter buffers in flight: FSDP2 copies a block's gradients into a flat buffer in the
   reduce dtype (its copy-in) and holds that buffer until the next block's reduce-scatter is
   issued, so during a block's backward the buffer of the block after it is alive, and at its end
   its own joins it: two blocks' gradient bytes (reduce dtype) on every block's backward peak and
-  on the embeddings' backward. Measured on 4 x H100 (llama-8b, 1 x 4096 a rank): plans whose peak
-  falls in the backward of a block (``full`` with the chunked head) peaked 0.83-0.84 GiB above a
-  model without this term, 2.07 of the 0.406 GiB block gradients; plans that peak at the head
-  were within 0.2% either way.
+  on the embeddings' backward (plans that peak in a block's backward showed these two buffers;
+  plans that peak at the head do not see them).
 
 Time: one all-gather per block in forward and (resharded) again in backward, one
 reduce-scatter per block, the root's all-gather first and its reduce-scatter last; bytes in
@@ -39,23 +33,20 @@ the param dtype (gathers) and the reduce dtype (``MixedPrecisionPolicy(reduce_dt
 default the param dtype); seconds at the bus bandwidth ``bus_Bps`` (the profile's rates, or a
 rate measured on the process group: :func:`remat.profiling._calibrate.bus_rate`). A treatment
 that recomputes adds no all-gather: FSDP2 keeps the block unsharded through its backward, the
-recompute included (65 all-gathers, 33 reduce-scatters per step for every treatment on a
-32-layer model, ``benchmarks/results/issue12``). How the collectives overlap compute is the
-simulator's (:mod:`remat.planning.simulator`).
+recompute included (the collectives counted per step are the same for every treatment). How the
+collectives overlap compute is the simulator's (:mod:`remat.planning.simulator`).
 
 Eager ``selective`` is left out (:data:`EAGER_SELECTIVE_UNDER_FSDP2`, in ``notes["selective"]``):
 under FSDP2 its GPU waits for its host, which no per-block GPU time shows. torch's
-selective-checkpoint modes dispatch every op of its forward and recompute in Python (its host
-took 0.72-0.81 of its forward's GPU time where the other treatments took 0.24-0.45, one H100,
-``benchmarks/host_probe.py``), and FSDP2's hooks add host work to every block and keep the host
-at most a block or two ahead: at world 1 its forward ran 1.6-2.6 ms a llama-8b block longer than
-the others', and at world 4 selective-heavy plans ran 10-28% over their predicted step (4 x H100
-and 4 x H200) while plans of the other treatments at the same budgets ran within +3.9% and
-faster. A host-time term fitted at world 1 (phase = max(GPU, host / share), host times from the
-profile's chains) was tried and dropped: rank 0's host times in a torchrun profile read twice
-those of a lone process and the term over-predicted the same plans by 14-26%
-(``benchmarks/results/issue12``). Compiled, ``selective`` costs its host nothing special and
-stays; on one GPU the host runs far ahead and it stays too.
+selective-checkpoint modes dispatch every op of its forward and recompute in Python, several
+times the host time of the other treatments (``benchmarks/host_probe.py``), and FSDP2's hooks add
+host work to every block and keep the host at most a block or two ahead, so selective-heavy
+plans run well over their predicted step where plans of the other treatments hold theirs. A
+host-time term (phase = max(GPU, host / share), host times from the profile's chains) is not
+modelled instead: a torchrun profile's host times are not those of a lone process, and such a
+term over-predicted the same plans. Compiled, ``selective`` costs its host nothing special and
+stays; on one GPU the host runs far ahead and it stays too. (The measurements:
+docs/history.md.)
 
 Same plan on every rank: plan on rank 0 and broadcast ``plan.to_dict()``
 (``torch.distributed.broadcast_object_list``; ``examples/train_fsdp.py`` and
@@ -75,10 +66,9 @@ whose numbers are validated, stays the one source of truth.
 Overheads beside the link (:class:`Overheads`, fields of the
 :class:`~remat.planning.comm.Collectives`, charged on the compute stream in the phase where they
 happen by :class:`Link`, the simulator's model of the link; the plan's notes and
-:meth:`~remat.planning.simulation.Simulation.stages` show each). On two H100s, llama-8b at
-1 x 4096 tokens a rank, every strategy measured 0.11-0.12 s a step above a time model that
-charged only the link (eager: 0.398 s predicted, 0.509 measured), while the link was busy 0.095 s
-a step, nearly all of it hidden. What the link time leaves out:
+:meth:`~remat.planning.simulation.Simulation.stages` show each). A time model that charges only
+the link under-predicts every strategy's step by far more than the link's exposed time. What the
+link time leaves out:
 
 - copies (torch 2.13's ``_fsdp_collectives``): an all-gather first copies the rank's shard into
   the flat gather buffer (``all_gather_copy_in``: read + write ``2 B / world``; it runs on FSDP2's
@@ -96,20 +86,15 @@ a step, nearly all of it hidden. What the link time leaves out:
 - ``latency_s``: a fixed cost per collective on the compute stream (the launch, FSDP2's pre- and
   post-forward/backward hooks in Python, the stream waits).
 
-The defaults (:data:`FSDP2_OVERHEADS`; each constant's docstring says where it came from) are
-fitted by ``benchmarks/fit_overheads.py`` to the stock rows (``eager``, ``torch_ac``) of two traced
-``benchmarks/fsdp_bench.py`` runs on 2 x H100 (llama-8b, 1 x 4096 tokens a rank, plans from a
-profile measured on the GPU on random tokens): copies at 1.08 of the datasheet HBM bandwidth as
-their bytes are counted here, compute 0.19 s slower per second of link time beside it, 0.35 ms
-per collective. A later run with these constants measured remat's plans (offload plans among
-them) within +0.0..+2.8% of prediction, and selective-heavy plans within -2.5..+1.2%, with
-Python's garbage collector kept out of the steps; with automatic collection a selective-heavy
-plan ran 21.8% over (a collection on one rank holds the others at the next collective: not
-modelled, it depends on the whole program's heap). An earlier fit (0.99, 0.52, 0.41 ms) came
-from runs profiled on all-zero tokens, which ran 8% faster than real data and left that error
-to the overheads. :meth:`Overheads.fit` turns a
-trace's sums into constants; pass others to :func:`shard` (and
-:func:`remat.planning.replication.replicate`) for other GPUs.
+The defaults (:data:`FSDP2_OVERHEADS`; each constant's docstring says what it measures) are
+fitted by ``benchmarks/fit_overheads.py`` to the stock rows (``eager``, ``torch_ac``) of traced
+``benchmarks/fsdp_bench.py`` runs, from a profile measured on the GPU on random tokens (all-zero
+tokens run faster than real data and would leave that error to the overheads). Python's garbage
+collector must be kept out of the steps for the prediction to hold: a collection on one rank
+holds the others at the next collective, which is not modelled (it depends on the whole
+program's heap; :mod:`remat.integrations.collector`). :meth:`Overheads.fit` turns a trace's sums
+into constants; pass others to :func:`shard` (and :func:`remat.planning.replication.replicate`)
+for other GPUs. The fits and the runs that checked them: docs/history.md.
 
 Limits: HSDP and CPU offload of shards are not modelled; the root's gradients are kept in full
 (conservative); with a ``MixedPrecisionPolicy`` whose param dtype is narrower than the
@@ -128,19 +113,18 @@ from remat.planning.costs import Profile, dtype_bytes
 
 HBM_BPS_FRACTION = 1.08
 """FSDP2's copies' bytes as this module counts them, over the ``fsdp_copy`` kernels' seconds, over the
-datasheet HBM bandwidth (two 2 x H100 traces, ``benchmarks/results/issue12/overheads_fit.json``:
-1.08). Above 1 because the count is an approximation (the all-gather copy-in runs on its own
-stream and part of it overlaps; a probe of the kernels alone: ``split_with_sizes_copy`` at 0.81,
-``_chunk_cat`` at 0.63 in bf16, 0.28 when it casts to fp32); the fit keeps the total right."""
+datasheet HBM bandwidth (fitted: ``benchmarks/results/issue12/overheads_fit.json``). It can exceed 1
+because the count is an approximation (the all-gather copy-in runs on its own stream and part of
+it overlaps; each copy kernel alone runs below the datasheet rate); the fit keeps the total right."""
 CONTENTION = 0.19
 """Seconds by which compute slows per second of link time beside it: the compute kernels of a
-traced FSDP2 step against the same kernels as the profile measured them alone (llama-8b,
-2 x H100, ``eager`` and ``torch_ac``: 0.19). NCCL's ring kernels hold SMs and HBM bandwidth."""
+traced FSDP2 step against the same kernels as the profile measured them alone (fitted on the
+stock rows, ``eager`` and ``torch_ac``). NCCL's ring kernels hold SMs and HBM bandwidth."""
 LATENCY_S = 0.35e-3
 """Seconds per collective on the step beyond its kernels: FSDP2's pre/post hooks in Python, stream
 waits, idle gaps, and exposed communication the FIFO link model does not see (what the stock
-rows' measured steps had beyond everything else, 0.03 s a step over 97 collectives). Charged on
-the compute stream in the phase that issues the collective."""
+rows' measured steps had beyond everything else, per collective). Charged on the compute stream
+in the phase that issues the collective."""
 
 
 EAGER_SELECTIVE_UNDER_FSDP2 = (
@@ -153,7 +137,7 @@ EAGER_SELECTIVE_UNDER_FSDP2 = (
 class Overheads:
     """What a collective costs the compute stream beyond the link's time (see the module doc).
 
-    The defaults are fitted on two H100s (``benchmarks/fit_overheads.py``); :meth:`fit` makes others
+    The defaults are fitted by ``benchmarks/fit_overheads.py``; :meth:`fit` makes others
     from a kernel-time breakdown (``benchmarks/fsdp_bench.py --trace``).
     """
 

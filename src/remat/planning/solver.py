@@ -44,21 +44,18 @@ resolution; mixed plans that fit by less than the rounding can still be missed.
 least a uniform plan needs.
 
 Recompute margin: profiled block times carry noise of about a percent, and under compile a
-block timed alone misses what the whole graph fuses across its neighbours. On the bench model
-(1 x H100, issue 11) one profile timed compiled ``selective`` blocks 0.3% faster than ``keep``
-ones, so the solver chose 16x selective where the budget held 16x keep; the plan ran 2% slower
-than keeping everything, in the same process, and other profiles of the same model chose keep.
+block timed alone misses what the whole graph fuses across its neighbours, so a treatment that
+does more work than ``keep`` can be timed a fraction of a percent faster than it, be chosen where
+the budget holds ``keep``, and run slower; two profiles of one model can then choose two plans.
 So the solver minimises a score: each block's seconds plus, for a treatment other than
 ``keep``, :data:`RECOMPUTE_MARGIN` (1%) of that block's ``keep`` seconds. Recompute, offload and
 every other treatment that does more work than keeping is chosen when the budget needs it, or
 when its predicted gain is larger than the margin. The head likewise: the chunked head is
-charged the margin of the plain head's forward and backward, what it replaces (the same bench, another
-run: chunked(8192) and the plain head predicted 0.1% of the step apart were chosen one run
-each). A first version charged the head 1% of the whole step; it outweighed six blocks' margins,
-and a 32 GiB plan took 6x selective to keep the plain head where 16x keep with the chunked head
-fitted, and ran 1.4% slower (H100). The plan found is at most the margin of the step slower in
-prediction than the least-time plan, and the same across profiles whose noise stays under it.
-The plan's reported time is the simulator's.
+charged the margin of the plain head's forward and backward, what it replaces, and not a margin
+of the whole step, which would outweigh several blocks' margins and buy the plain head with
+recompute. The plan found is at most the margin of the step slower in prediction than the
+least-time plan, and the same across profiles whose noise stays under it (the plans that showed
+this: docs/history.md). The plan's reported time is the simulator's.
 
 One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
 least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;

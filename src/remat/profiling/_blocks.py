@@ -17,10 +17,10 @@ Why chains of one block rather than one run, or the whole model: a step queues e
 block's forward and then their backwards, and a block timed in that pattern reads what it
 costs there, while memory needs one run only.
 
-Stable times (issue 11: one budget got two plans from two profiles an hour apart, the
-``selective`` block's host-side time being the unstable term): a block's seconds are the
-median of every reading of ``ROUNDS`` timed chains (not of one chain), with Python's garbage
-collector held off while timing.
+Stable times (two profiles of one model must choose one plan for one budget; a ``selective``
+block's host-side time is the unstable term): a block's seconds are the median of every reading
+of ``ROUNDS`` timed chains (not of one chain), with Python's garbage collector held off while
+timing.
 
 A block with no backward (frozen parameters, an input that needs no gradient: a frozen vision
 tower) runs its forward only; it saves nothing, under any treatment.
@@ -152,10 +152,10 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
     return marks, saved, input_saved[0], out_bytes
 
 
-# Timed chains per block x treatment after the warm one. One chain's median moved a host-bound
-# ``selective`` block by several percent between two profiles on one H100 (two plans chosen
-# for one budget, issue 11); the median over all readings of a few chains, with the garbage
-# collector held off while timing, is what a steady step shows.
+# Timed chains per block x treatment after the warm one. One chain's median moves a host-bound
+# ``selective`` block by several percent between two profiles (two plans for one budget); the
+# median over all readings of a few chains, with the garbage collector held off while timing,
+# is what a steady step shows.
 ROUNDS = 3
 
 
@@ -165,9 +165,8 @@ def _block_seconds(block, args, kwargs, count: int, call=None, rounds: int = 1) 
     but each chain's first, over ``rounds`` timed chains.
 
     A first, untimed chain makes the caching allocator hold ``count`` runs' memory (a warm step
-    allocates nothing; a cold ``cudaMalloc`` costs the host ~1 ms a block, which a first-time
-    chain read as a host-bound block: +12.7% on qwen-1.5b ``keep``, whose chain was the first
-    of its profile, on an H200). Python's garbage collector is held off while timing (one
+    allocates nothing; a cold ``cudaMalloc`` costs the host about a millisecond a block, which a
+    first-time chain reads as a host-bound block). Python's garbage collector is held off while timing (one
     collection inside a chain reads as a slow, host-bound block; the readings are medians of
     steady runs, and a step's median is too).
     """

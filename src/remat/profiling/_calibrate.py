@@ -8,15 +8,14 @@ fits in free memory, CUDA events at every block's forward and backward and aroun
 head (:func:`_staged_step`), and scales the profile's seconds by the median ratio of
 in-step to profiled time (forward, backward, head).
 
-Why: a block runs 0-10% slower inside a whole step than alone, even back to back
-(clocks, power under sustained load); without the calibration every step was
-under-predicted by 4-6% on the bench model.
+Why: a block runs up to several percent slower inside a whole step than alone, even back to
+back (clocks, power under sustained load); without the calibration every step is under-predicted.
 
 What the scaled parts still do not explain of that step's wall time (launch gaps, the loss's
 glue, the step's start and end) is :func:`with_residual`'s ``step_overhead_s``, added to every
-plan's step (never negative: a step the parts over-explain is noted, not charged). On 2 x H100
-the unsharded llama-8b step (1 x 4096) measured 0.432 s where its GPU kernels were busy 0.402 s:
-such time was in no prediction before.
+plan's step (never negative: a step the parts over-explain is noted, not charged): a step's wall
+time exceeds the time its GPU kernels are busy, and that difference belongs in the prediction.
+(The measurements: docs/history.md.)
 
 Limits: one ratio per phase for all treatments, so recompute-heavy treatments come out a
 few percent high; skipped (noted in ``notes["calibration"]``) when no uniform plan fits
@@ -41,8 +40,8 @@ from remat.treat.treatments import apply_treatment, remove_treatment
 def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
     """Pinned host copy rates (bytes/s) on ``device``: device to host, host to device.
 
-    The fastest of ``repeats`` copies: interference only slows a copy down (one median read
-    29.6 GB/s host-to-device where every other measurement read 55 on the same H200).
+    The fastest of ``repeats`` copies: interference only slows a copy down, so a median can read
+    half the rate every other measurement reads.
     """
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -126,7 +125,7 @@ def uniform_applied(model, named, treatment: str, head):
     for _, block in named:
         apply_treatment(block, treatment)
     if head.mode == "chunked":
-        from remat.treat.head import enable_chunked_head
+        from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
     try:
         yield
@@ -134,7 +133,7 @@ def uniform_applied(model, named, treatment: str, head):
         for _, block in named:
             remove_treatment(block)
         if head.mode == "chunked":
-            from remat.treat.head import disable_chunked_head
+            from remat.head import disable_chunked_head
             disable_chunked_head(model)
         model.zero_grad(set_to_none=True)
 
@@ -142,14 +141,13 @@ def uniform_applied(model, named, treatment: str, head):
 def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     """Scale the blocks' and the head's seconds to what they take inside a real step.
 
-    Measured on an H200: a block ran 0-10% slower inside a whole step than alone, even
-    back to back (likely sustained load: clocks, power), a systematic under-prediction of
-    the step. So one real step is run with the fastest
-    uniform plan that fits in free memory (keep if it fits), with CUDA events at every
-    block's forward and backward and around the head; the ratios in-step / profiled
-    (median over blocks: forward, backward; head) scale every treatment's seconds. One
-    ratio for all treatments: recompute-heavy ones come out a few percent high (llama-1b
-    ``full`` +2.7%). Skipped (noted) when no uniform plan fits.
+    A block runs slower inside a whole step than alone, even back to back (likely sustained
+    load: clocks, power), a systematic under-prediction of the step. So one real step is run
+    with the fastest uniform plan that fits in free memory (keep if it fits), with CUDA events
+    at every block's forward and backward and around the head; the ratios in-step / profiled
+    (median over blocks: forward, backward; head) scale every treatment's seconds. One ratio
+    for all treatments: recompute-heavy ones come out a few percent high. Skipped (noted) when
+    no uniform plan fits.
     """
     chosen = calibration_plan(model, prof)
     if chosen is None:

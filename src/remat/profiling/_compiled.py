@@ -4,9 +4,9 @@ The user's flow is ``plan = remat.plan(model, batch, budget, compile=True); rema
 plan); model.compile()``, or, under FSDP2 as torchtitan trains, each block compiled alone
 before ``fully_shard`` while the root (embeddings, head, loss) runs eager:
 ``remat.plan(..., compile="blocks")`` (:data:`SCOPES`). Compile changes every treatment's
-memory (the bench model's ``full`` keeps 27.59 GiB eager, 15.79 GiB compiled: AOTAutograd's
-partitioner saves other tensors than eager autograd, and inductor fuses the pointwise ops whose
-outputs eager keeps) and its time, so a compiled plan must be profiled compiled. How:
+memory (AOTAutograd's partitioner saves other tensors than eager autograd, and inductor fuses
+the pointwise ops whose outputs eager keeps; the bench model's ``full`` keeps little more than
+half as much compiled) and its time, so a compiled plan must be profiled compiled. How:
 
 - A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
   ``torch.compile(block, dynamic=False)`` with a fresh dynamo cache, once per class × treatment)
@@ -17,23 +17,20 @@ outputs eager keeps) and its time, so a compiled plan must be profiled compiled.
   frame, so the embeddings and the head+loss are compiled graphs of their own and the meter
   reads between them. The chunked head's interception runs eager as it does in the user's flow.
 - ``compile="blocks"``: the blocks as above, the head as eager runs it (no model compile around
-  the stubs), and the calibration steps compile each block alone, not the model: on 4 x H200
-  (llama-8b, FSDP2) plans made for the whole model compiled peaked 1.2-2.9 GiB above their
-  prediction when only their blocks were, the plain head's eager logits and loss being the
-  difference.
+  the stubs), and the calibration steps compile each block alone, not the model: plans made for
+  the whole model compiled peak above their prediction when only their blocks are, the plain
+  head's eager logits and loss being the difference.
 - Calibration (:func:`calibrate_compiled`): one real compiled step of the fastest uniform plan
   that fits in free memory; forward and backward seconds are scaled by in-step / profiled, as
   the eager calibration does per block (a compiled step has no block boundaries to time).
   Memory too: the whole model compiled as one graph keeps more than its blocks compiled alone
-  (on the bench model, H100: ``keep`` 1.56 GiB more over 16 blocks, with the plain and with
-  the chunked head alike; a 12x keep, 4x selective plan 1.06 GiB more), so the step's measured
-  peak beyond the prediction is added to the calibrated treatment's kept bytes, an equal share
-  per block. Only ever added: a step that peaks lower leaves the profile as it is (over-
-  predicting costs speed, under-predicting breaks the budget). A second compiled step, uniform
-  ``full``, does the same for the region checkpoints (``full``, ``mlp``, ``attention``: a
-  9x full, 4x selective, 3x mlp plan peaked 0.59 GiB, one hidden state per ``full`` block, above
-  its prediction); ``selective`` keeps its own numbers (a 13x selective, 2x full, 1x mlp plan
-  was within 0.16 GiB, the two ``full`` blocks' share).
+  (with the plain and with the chunked head alike), so the step's measured peak beyond the
+  prediction is added to the calibrated treatment's kept bytes, an equal share per block. Only
+  ever added: a step that peaks lower leaves the profile as it is (over-predicting costs speed,
+  under-predicting breaks the budget). A second compiled step, uniform ``full``, does the same
+  for the region checkpoints (``full``, ``mlp``, ``attention``, whose plans otherwise peak about
+  one hidden state per ``full`` block above their prediction); ``selective`` keeps its own
+  numbers, which hold. (The plans that showed each: docs/history.md.)
 
 A backend that counts graphs (:class:`CountingBackend`) wraps inductor: a block that compiled
 no graph (dynamo skipped the frame, or fell back to eager at a cache limit) raises instead of
@@ -192,7 +189,7 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
         return prof
     from remat.planning.simulator import simulate
     # the head whose own peak is smallest, so the blocks' kept bytes set the step's peak (with the
-    # plain head's backward peak on top, a 9x full plan's excess did not show: H100, bench model)
+    # plain head's backward peak on top, a full plan's excess does not show)
     head = min(prof.heads, key=lambda h: simulate(prof, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
     sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
@@ -210,8 +207,8 @@ def charged_region_checkpoints(prof: Profile, calibrated: str, full_extra: int) 
 
     ``full`` gets ``full_extra``. ``mlp`` and ``attention`` checkpoint part of a block and keep
     the rest as ``keep`` does, so they get the larger of ``full_extra`` and what the first step
-    added to ``keep`` (H100, bench model: charged full's excess alone, a 10 GiB compiled plan
-    with 5 mlp blocks peaked 0.57 GiB above its prediction, past its budget)."""
+    added to ``keep`` (charged full's excess alone, compiled plans with ``mlp`` blocks peaked
+    above their prediction, past their budget)."""
     added = prof.notes["calibration"]["kept_bytes_added_per_block"]
     charges = {t: full_extra if t == "full" else max(full_extra, added.get("keep", 0))
                for t in REGION_CHECKPOINTS if t in prof.treatments(0) and t != calibrated}

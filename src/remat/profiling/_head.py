@@ -3,7 +3,7 @@
 How (:func:`_head_cost`): every block's forward is replaced by a stub (:class:`_Stubs`) and
 the step runs (:func:`_stub_run`) with six marks: embeddings, the stubs, head forward and
 backward, the stubs' backward, and the embeddings' backward. The ``chunked`` mode enables the
-chunked head (:mod:`remat.treat.head`) around its runs, once per chunk option (the candidate
+chunked head (:mod:`remat.head`) around its runs, once per chunk option (the candidate
 chunk sizes, none above the batch's token count: :func:`_chunk_options`); a model it cannot
 serve gets the reason from :func:`_chunked_unavailable` instead.
 
@@ -49,7 +49,7 @@ STUB_TAG = "profile-stub"
 
 def _chunked_unavailable(model):
     """Why the chunked head cannot run on ``model`` (no LM head, a loss it cannot reproduce), or None."""
-    from remat.treat.head import check_chunked_head
+    from remat.head import check_chunked_head
     try:
         check_chunked_head(model)
     except (TypeError, ValueError) as e:
@@ -65,7 +65,7 @@ def _chunk_options(chunks, hidden) -> list:
 
 def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend=None) -> HeadCost:
     if mode == "chunked":
-        from remat.treat.head import enable_chunked_head
+        from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)
     try:
         with contextlib.ExitStack() as stack:
@@ -79,7 +79,7 @@ def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeat
                 check_compiled(counter, f"the {mode} head")
     finally:
         if mode == "chunked":
-            from remat.treat.head import disable_chunked_head
+            from remat.head import disable_chunked_head
             disable_chunked_head(model)
     # marks: (end, peak, seconds) per phase; phases 1 and 4 are the stubs' own work and its backward
     (pre_end, pre_peak, pre_s), _, (hf_end, hf_peak, hf_s), (hb_end, hb_peak, hb_s), _, (pb_end, pb_peak, pb_s) = m

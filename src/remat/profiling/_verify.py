@@ -2,14 +2,14 @@
 
 Why: a compiled plan's peak is predicted from each block compiled alone plus two calibration
 steps of uniform plans (:mod:`remat.profiling._compiled`). The whole model compiled as one graph
-can keep more around a mix of treatments than either shows, and by more than the 3% compile
-margin: on 1 x H100 (bench model, 10 GiB) the plan 10x full, 4x selective, 1x mlp, 1x keep with
-the chunked head was predicted 9.75 GiB and measured 10.08, over its budget. An eager plan's
+can keep more around a mix of treatments than either shows, and by more than the compile
+margin (:data:`remat.planner.COMPILE_MARGIN`): a mixed plan can peak over its budget. An eager plan's
 peak is predicted to the megabyte and needs no such check. A compiled one is checked here, so
 the budget a user gives is one the plan was seen to keep.
 
-How (:func:`measure_compiled`): the plan is applied as the user applies it (:func:`remat.apply`)
-and the model compiled as the plan's scope says (the whole model as ``Module.compile()`` does, or
+How (:func:`measure_compiled`): the plan is applied as the user applies it (the caller hands in
+the function that does, :func:`remat.apply`: this package sits below the API and never imports
+it) and the model compiled as the plan's scope says (the whole model as ``Module.compile()`` does, or
 each block alone), inside :func:`remat.treat.patches.suspended` and
 :func:`remat.profiling.snapshot.preserved`, so the model comes back as it was: its own plan,
 gradients, buffers and random state. :func:`remat.profiling._compiled.compiled_steps` runs two
@@ -20,9 +20,9 @@ it compares with the plan's predicted peak and its budget. Dynamo's caches are r
 plan made for a larger budget than this GPU has free is returned unmeasured, and says so.
 
 The re-planning of a plan measured over its budget is :func:`remat.planner.verified`'s.
-Limits: the measurement holds for this process. In the bench each plan then peaked what its
-measurement said to within 512 bytes, but the same plan in three fresh processes peaked 9.94, 10.02
-and 10.08 GiB (1 x H100): a plan saved and run in another process keeps only the compile margin.
+Limits: the measurement holds for this process: in it a plan peaks what its measurement said,
+but the same plan in fresh processes peaks differently from one to the next (compiled graphs
+differ), so a plan saved and run in another process keeps only the compile margin.
 """
 from __future__ import annotations
 
@@ -55,17 +55,17 @@ def room_to_measure(model, prof, chosen) -> "str | None":
     return None
 
 
-def measure_compiled(model, batch, loss_fn, chosen, prof, *, blocks=None, backend: str = BACKEND) -> dict:
-    """``chosen`` applied to ``model`` and compiled as its profile's scope says: ``{"peak_bytes",
-    "step_s"}`` of two measured steps after two that compile (``loss_fn(model, batch)``: one
-    step's loss, as :func:`remat.profiling.profiler.model_loss` gives it). The model comes back as it was."""
-    from remat.api import apply
+def measure_compiled(model, batch, loss_fn, chosen, prof, *, apply_plan, blocks=None, backend: str = BACKEND) -> dict:
+    """``chosen`` applied to ``model`` by ``apply_plan(model, plan, blocks=blocks)`` (:func:`remat.apply`)
+    and compiled as its profile's scope says: ``{"peak_bytes", "step_s"}`` of two measured steps after
+    two that compile (``loss_fn(model, batch)``: one step's loss, as
+    :func:`remat.profiling.profiler.model_loss` gives it). The model comes back as it was."""
     scope = profile_scope(prof.notes) or "model"
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     with preserved(model), patches.suspended(model):
         model.train()
-        apply(model, chosen, blocks=blocks)
+        apply_plan(model, chosen, blocks=blocks)
         named = discover(model, blocks).blocks(model)
         try:
             # each step clears its gradients; preserved gives the user's back

@@ -29,10 +29,10 @@ events around runs queued back to back as a step queues them (a block: three for
 a row, then their three backwards; the head: three stubbed steps), the first one dropped,
 so launch latency overlaps the work queued before it and only a host that cannot keep up
 (a ``selective`` block's Python call per op on a small model) shows, as it does in a step.
-Timing a lone, synchronised run instead over-predicted ``selective`` by 22-24% on an H200;
-timing the GPU alone behind a sleep and the host apart, as two pipelined clocks, missed
-by 10-30% (a host run from an idle GPU read 1-2 ms more per checkpointed block than a
-step shows). A last real step (``calibrate``) scales the seconds to in-step ones, and the
+Timing a lone, synchronised run instead over-predicts ``selective`` (its host time no longer
+overlaps work queued before it); timing the GPU alone behind a sleep and the host apart, as
+two pipelined clocks, misses too (a host run from an idle GPU reads more per checkpointed block
+than a step shows; both measured: docs/history.md). A last real step (``calibrate``) scales the seconds to in-step ones, and the
 pinned copy rates are measured. Saved-tensor hooks (warm-up run only) record which
 storages a block saves, to tell whether it keeps its input and how many bytes the offload
 engine would move.
@@ -271,7 +271,7 @@ def measured_attention(device, shapes, tokens: int) -> tuple:
 
 # Runs per timing on a GPU: a block's chain holds REPEATS + 1 forwards (memory permitting) and is
 # timed ROUNDS times (remat.profiling._blocks); the stubbed head step runs REPEATS + 1 times.
-# Was 3 and one chain: the plan for one budget flipped between two profiles on one H100 (issue 11).
+# Fewer runs and one chain let the plan for one budget flip between two profiles of one model.
 REPEATS = 5
 
 
@@ -287,8 +287,8 @@ def _known_gpu(name: str) -> bool:
 
 def _default_min_offload_bytes() -> int:
     try:
-        from remat.offload import engine as offload
-        return int(getattr(offload, "DEFAULT_MIN_BYTES", 2**20))
+        from remat.offload import DEFAULT_MIN_BYTES
+        return int(DEFAULT_MIN_BYTES)
     except ImportError:
         return 2**20
 
@@ -455,12 +455,12 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
 def engine_model() -> EngineModel:
     """The offload engine's settings (its defaults) as the planner's :class:`EngineModel`."""
     try:
-        from remat.offload import engine as offload
+        import remat.offload as offload
     except ImportError:
         return EngineModel()
     prefetch = inspect.signature(offload.OffloadEngine).parameters["prefetch_blocks"].default
     return EngineModel(window_bytes=None, window_records=int(offload.DEFAULT_WINDOW_RECORDS),
-                       issue_bytes=int(offload._ISSUE_WINDOW), prefetch_blocks=int(prefetch))
+                       issue_bytes=int(offload.ISSUE_WINDOW), prefetch_blocks=int(prefetch))
 
 
 def block_param_bytes(model: nn.Module, profile: Profile) -> tuple:

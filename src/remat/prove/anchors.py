@@ -1,6 +1,6 @@
 """The field's fused linear cross-entropy losses as bench anchors: Liger and Apple's CCE.
 
-remat's chunked head (:mod:`remat.treat.head`) is one answer to the LM head's logits, the
+remat's chunked head (:mod:`remat.head`) is one answer to the LM head's logits, the
 largest activation of a long-sequence step; the field's answer is a fused kernel that never
 writes the ``[tokens, vocab]`` logits at all. The bench measures both in the same process on
 the same batch, so a claim about the head is made against the kernels people actually use:

@@ -171,7 +171,7 @@ def run(model_name: str, *, batch_size: int, seq: int, device: str, dtype, strat
     call (not at import: tests and notebooks replace it), or None."""
     if progress is True:
         progress = sys.stderr
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config(model_name)
     dev = torch.device(device)
     env = environment(dev)

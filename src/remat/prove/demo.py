@@ -1,8 +1,8 @@
 """What a CPU can prove about remat, in well under a minute: ``remat bench`` on a machine without a GPU.
 
 A CPU cannot time a GPU's training step, and on a shared machine its own step times measure the
-load more than the code (two runs of the same CPU bench gave one row 11x eager's speed and
-another 2.6x). So without a GPU the bench shows only what a CPU measures exactly:
+load more than the code (two runs of the same CPU bench can put one row at several times
+another's ratio to eager). So without a GPU the bench shows only what a CPU measures exactly:
 
 1. **Gradients** (:func:`exactness`): every treatment on the built-in ``llama-tiny`` (fp32,
    attention dropout 0.1, so checkpointing must replay the same dropout masks) against an untouched
@@ -83,7 +83,7 @@ def run(out_dir: str, say: Callable[[str], None] = lambda message: None) -> dict
 
 # -- 1 and 2: gradients and peaks of llama-tiny on the CPU -------------------------------------
 def _tiny(dropout: float):
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     config = load_config("llama-tiny")
     config.attention_dropout = dropout
     return build_model(config, dtype=torch.float32).train()
@@ -175,7 +175,7 @@ def frontier() -> list:
     """Records of part 3: predicted peak and speed of the stock strategies and remat's plans for
     ``llama-1b`` at 4 x 4096 on an H100, from its config on the meta device."""
     import remat
-    from remat.integrations.presets import build_model, load_config
+    from remat.presets import build_model, load_config
     from remat.planning.plans import resolve
     from remat.planning.simulator import simulate
     from remat.planning.solver import NoPlanFits

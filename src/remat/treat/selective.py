@@ -37,9 +37,9 @@ before Hopper on torch < 2.9, compiled non-bf16), and torch's variable-length at
 tested.
 
 Cost: every op of a selective block's forward and recompute passes through torch's caching mode
-in Python: host time (llama-8b blocks on an H100: 0.72 of the forward's GPU time where ``keep``
-takes 0.24; the guard on every forward added 7-15% to it, ``benchmarks/results/issue12/host_probe.md``),
-and garbage that makes Python's collector run more often.
+in Python: host time (several times ``keep``'s; the in-place guard, if it ran on every forward,
+would add to it: ``benchmarks/results/issue12/host_probe.md``), and garbage that makes Python's
+collector run more often.
 Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
 others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
 steps there.

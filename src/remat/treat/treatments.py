@@ -195,7 +195,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         return _checkpoint(function, args)
     if state.treatment == "selective":
         # the in-place guard watches a block's first forward of each call structure: its per-op
-        # dispatch added 7-15% to selective's forward host time (H100), and what it catches is in the code
+        # dispatch adds to selective's forward host time on every call, and what it catches is in the code
         guard = structure is not None and structure not in state.guarded
         out = _checkpoint(function, args, context_fn=functools.partial(selective_context, guard=guard))
         if guard:

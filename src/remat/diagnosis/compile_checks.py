@@ -3,8 +3,8 @@ not, whole or a block at a time, sharded, and (``check_made_for``) the model, ba
 and versions the applied plan names (:attr:`remat.Plan.made_for`).
 
 Each check reads the model as it is (its applied plan's notes, its config, FSDP2's module
-classes) and the compile scope :func:`remat.integrations.doctor.compile_scope_of` saw, and
-returns :class:`~remat.integrations.doctor.Finding` s: ``compile-mismatch`` (a plan made for
+classes) and the compile scope :func:`remat.diagnosis.findings.compile_scope_of` saw, and
+returns :class:`~remat.diagnosis.findings.Finding` s: ``compile-mismatch`` (a plan made for
 another mode or scope than the one that runs), ``compiled-blocks-cache``,
 ``fsdp-eager-selective``, ``compiled-attention-mask`` and the ``plan-*`` checks; the doctor
 module's docstring says what each means. They are read-only and cheap: no step, no profile.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from remat.integrations.doctor import Finding, applied_plan
+from remat.diagnosis.findings import Finding, applied_plan
 from remat.treat.treatments import treatment_of
 
 
@@ -101,7 +101,7 @@ def _check_compile_scope(plan, scope: str) -> list:
 
 
 def check_compiled_mask(model, batch, compiled: bool) -> list:
-    from remat.profiling._fake import padded_mask
+    from remat.profiling import padded_mask
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     config = getattr(model, "config", None)
     if (not compiled or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.device.type == "meta"

@@ -1,14 +1,14 @@
 """The chunked head's gradients times backward's incoming factor: multiplied in fp32, rounded once.
 
-:mod:`remat.treat.chunked_loss` finishes every gradient inside its forward; its backward only
+:mod:`remat.head.chunked_loss` finishes every gradient inside its forward; its backward only
 multiplies them by one factor (the loss's incoming gradient, times 1/N for fp16 heads), an fp32
 0-dim tensor on the gradients' device. Eager CUDA ``bf16_tensor * fp32_0dim_tensor`` first casts
 the factor to bf16 (the operands' common dtype: a 0-dim tensor does not promote), so a factor
 that is not a power of two (1/3 from three accumulation steps; fp16's 1/N) lost its low bits: the
 same relative error, up to 2^-9, on every element of the gradient, a bias where the plain head
 multiplies in fp32. The CPU reads a 0-dim CPU tensor as an fp32 scalar, so CPU runs never
-showed it. The mixed-dtype multiply was slow too: it is not vectorised (0.96 ms for a
-128256 x 2048 bf16 weight on an H200, where one pass at the memory's speed takes 0.26 ms).
+showed it. The mixed-dtype multiply is slow too: it is not vectorised, several times one pass
+at the memory's speed over a 128k-vocabulary weight.
 
 :func:`times` computes ``t * factor`` in fp32 and rounds once to the output's dtype, in place
 or into a given tensor:
@@ -28,8 +28,8 @@ import functools
 
 import torch
 
-from remat.treat import xent_triton
-from remat.treat.xent_kernel import compile_failure
+from remat.head import xent_triton
+from remat.head.xent_kernel import compile_failure
 
 BLOCK_BYTES = 2 ** 27   # the fp32 block the eager CUDA path makes at a time
 ELEMENTS = 16384        # elements a program of the kernel scales

@@ -1,11 +1,11 @@
 """One chunk of the chunked cross-entropy: its summed loss, and its logits turned into their gradient in place.
 
-:mod:`remat.treat.chunked_loss` walks the hidden states a chunk of rows at a time; for each
+:mod:`remat.head.chunked_loss` walks the hidden states a chunk of rows at a time; for each
 chunk's logits ``z`` this module computes ``sum(logsumexp(x) - x[target])`` over the valid rows
 and rewrites ``z`` as ``(softmax(x) - onehot) * pre`` (``x = z.float()``), so one chunk-sized
 buffer serves both the logits and their gradient.
 
-How: on CUDA, one hand-written Triton kernel (:mod:`remat.treat.xent_triton`) reads the logits
+How: on CUDA, one hand-written Triton kernel (:mod:`remat.head.xent_triton`) reads the logits
 from memory once and writes the gradient once, and copies out the target rows' columns the
 weight-gradient sum wants (``gather``). Where it does not build (warned once), one kernel
 compiled by inductor (:func:`softmax_xent`, ``torch.compile(dynamic=False, fullgraph=True)``)
@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from remat.treat import xent_triton
+from remat.head import xent_triton
 
 ROUND = 128  # the fewest rows the kernel is compiled for (and the chunk sizes' multiple)
 EAGER_BLOCK_BYTES = 2 ** 27  # the eager path's fp32 copy of the logits, a block of rows at a time
@@ -173,7 +173,7 @@ def fused_kernel(device):
 def run_fused(z, y, ignore_index: int, pre, gather=None):
     """The chunk's loss, its logits ``z`` turned into their gradient in place, and with
     ``gather = (columns, out)`` the gradient's ``columns`` copied into ``out`` (its first
-    ``out.shape[0]`` rows): by the Triton kernel (:mod:`remat.treat.xent_triton`); where that does
+    ``out.shape[0]`` rows): by the Triton kernel (:mod:`remat.head.xent_triton`); where that does
     not build, the compiled in-place kernel; for a shape that cannot compile, the compiled
     out-of-place one; for a shape neither compiles, the eager ops (each step down warned once,
     the Triton kernel's for the process, the others' a shape)."""

@@ -1,7 +1,7 @@
 """Cross-entropy of a linear head, a chunk of rows at a time: the [rows x vocab] logits never exist.
 
 This module is the loss op alone (torch only; it knows nothing of Hugging Face; the model
-integration is :mod:`remat.treat.head`). :func:`chunked_cross_entropy` walks the hidden
+integration is :mod:`remat.head.hf_model`). :func:`chunked_cross_entropy` walks the hidden
 states ``chunk_tokens`` rows at a time:
 
     z = h_c @ W^T (+ b)           in the compute dtype (the head's, or autocast's)
@@ -14,8 +14,8 @@ All gradients are finished inside the forward loop, because the gradient of a
 cross-entropy with respect to its logits is known the moment the loss is. Backward only
 multiplies the stored ``grad_h`` / ``grad_W`` / ``grad_b`` by the incoming scalar. The
 obvious alternative, each chunk's loss under ``torch.utils.checkpoint``, recomputes the
-chunk's logits in backward: a second [tokens x hidden x vocab] matmul, measured at 0.75x
-(DESIGN.md). Here the head costs the same three matmuls as the plain path. The peak is
+chunk's logits in backward: a second [tokens x hidden x vocab] matmul (DESIGN.md's head
+probe measured its cost). Here the head costs the same three matmuls as the plain path. The peak is
 one chunk's logits (the fused kernel turns them into their gradient in place) plus the
 weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with tokens x vocab.
 
@@ -29,7 +29,7 @@ bytes until backward, never fp32 and narrow copies of the whole at once); backwa
 into a new tensor. Where the scale (the incoming gradient, e.g. 1 / accumulation steps) is
 not a power of two either rounds twice, to the weight's dtype and after scaling, a
 difference far below the bf16 inputs' own rounding (tests/test_head.py compares with the
-plain path). The scaling multiplies in fp32 (:func:`remat.treat.grad_scale.times`; eager CUDA
+plain path). The scaling multiplies in fp32 (:func:`remat.head.grad_scale.times`; eager CUDA
 would round the factor to bf16 first).
 
 N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
@@ -42,7 +42,7 @@ valid, the plain path's gradient is infinite and ours is zero.
 
 On CUDA, with no transform, each chunk's loss and gradient are one compiled, shape-stable
 kernel that writes the gradient into the logits' buffer; elsewhere the same arithmetic runs as
-eager ops, a block of rows at a time (:mod:`remat.treat.xent_kernel`, which also says what
+eager ops, a block of rows at a time (:mod:`remat.head.xent_kernel`, which also says what
 falls back, and when).
 
 Limits: rounding follows the plain path (logits in the compute dtype, then ``.float()``);
@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat.treat.grad_scale import times
-from remat.treat.xent_kernel import (ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses,
-                                    shape_kernel)
+from remat.head.grad_scale import times
+from remat.head.xent_kernel import (ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses,
+                                   shape_kernel)
 
 _GiB = 2 ** 30
 _MAX_CHUNK = 8192       # assumed: beyond this the matmuls gain no speed, only memory
@@ -201,13 +201,13 @@ class _TargetRows:
     targets summed in fp32 beside it and written over theirs at the end.
 
     Why: a bf16 running sum rounds once a chunk, where the plain path's one GEMM rounds once;
-    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048, the
-    0.3-0.5 GiB that kept the chunked head above Liger's peak, which sums in bf16 at 1.33x the
-    plain path's gradient error, issue 11). The rows that carry the gradient's weight are the
-    targets' (each gets ``p - 1`` of its rows' hidden states; every other row only ``p``), and
-    there are at most ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets).
-    Summed in fp32 they keep the plain path's error (a CPU proxy, 8192 tokens at a 32k
-    vocabulary: 1.001-1.004x the fp32 sum's error, where a bf16 sum of 16 chunks had 1.7-2.2x).
+    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048: enough to
+    keep the chunked head above the peak of Liger's, which sums in bf16 and pays in gradient
+    error). The rows that carry the gradient's weight are the targets' (each gets ``p - 1`` of
+    its rows' hidden states; every other row only ``p``), and there are at most
+    ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets). Summed in fp32 they
+    keep the plain path's error, where a bf16 sum of many chunks does not (measured:
+    docs/history.md).
 
     A row's fp32 sum starts at the chunk where the row is first a target, from its bf16 sum so
     far: before that chunk the row got only ``p`` terms, small beside the ``p - 1`` to come, so

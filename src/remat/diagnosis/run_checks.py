@@ -1,8 +1,8 @@
-"""The checks of :func:`remat.integrations.doctor.doctor` that run the model: one real training
+"""The checks of :func:`remat.diagnosis.doctor` that run the model: one real training
 step, remat's profile at a budget, and the applied plan measured on CUDA.
 
-:mod:`remat.integrations.doctor` holds the report (:class:`~remat.integrations.doctor.Finding`,
-the ordering) and the checks that only read the setup; this module the ones that cost a step
+:mod:`remat.diagnosis.checkup` holds the entry (the ordering) and the checks that only read the
+setup, :mod:`remat.diagnosis.findings` what a finding is; this module the ones that cost a step
 or a profile, each a function of the model and batch that returns findings. They share how a
 step's loss is taken (:func:`step_loss`) and run the model eagerly even when it was compiled
 (:func:`eager`): a training step or a fake-tensor profile under ``torch.compile`` would
@@ -22,7 +22,7 @@ import time
 import torch
 
 from remat.api import batch_check_held, hf_argument_name
-from remat.integrations.doctor import Finding, applied_plan, hf_checkpointing_on
+from remat.diagnosis.findings import Finding, applied_plan, hf_checkpointing_on
 from remat.planning.plans import Plan
 
 FASTER = 0.05      # a plan this much faster than the applied one is worth a finding
@@ -186,7 +186,7 @@ def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
 def _setup(model, batch, prof, budget, training_args, callback):
     """``(plan, words, finding)``: the plan that will run and how to name it, or a finding when the
     setup will refuse to run (a callback whose budget nothing fits)."""
-    from remat.integrations.doctor import args_checkpointing
+    from remat.diagnosis.findings import args_checkpointing
     from remat.planning.plans import resolve
     from remat.planning.solver import NoPlanFits
     from remat.units import format_size

@@ -1,17 +1,16 @@
-"""Chunked LM head for Hugging Face models: the loss from ``labels`` without [tokens x vocab] logits.
+"""The Hugging Face side of the chunked head: what a model's forward does with its labels and
+its logits, read from the model, and that loss computed again by the chunked op.
 
-How: the model's forward runs as usual up to its output embedding (``lm_head``); that one
-call is intercepted, the hidden states it receives are kept, and the loss is computed
-from them by :func:`remat.treat.chunked_loss.chunked_cross_entropy` (the loss op, a chunk
-of tokens at a time; it knows nothing of Hugging Face). This module is the integration:
-finding the LM inside the model (PEFT wrappers are looked through), reproducing the
-model's loss semantics, its logit transform, and checking the transform on a probe.
+The chunked op (:func:`remat.head.chunked_loss.chunked_cross_entropy`) knows nothing of Hugging
+Face; :mod:`remat.head.patching` intercepts the model's ``lm_head`` call and hands the hidden states
+it received to :func:`model_loss` here, which reproduces the model's loss semantics and logit
+transform and checks the transform on a probe.
 
 What is reproduced from the model: label shifting (``ForCausalLMLoss``: labels padded
 with ``ignore_index`` and shifted; ``shift_labels=`` used as given), masked-LM and
 encoder-decoder labels (no shift), ``ignore_index``, the mean over non-ignored tokens or
 ``sum / num_items_in_batch`` (with no valid target the loss is the model's nan and the
-gradients are zeros, see :mod:`~remat.treat.chunked_loss`), Gemma's
+gradients are zeros, see :mod:`~remat.head.chunked_loss`), Gemma's
 ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, an
 lm_head bias, a ``final_logits_bias`` buffer added to the logits (BART, mBART, Pegasus,
 Marian), tied embeddings (the gradient for the shared weight is returned once and autograd
@@ -19,34 +18,16 @@ adds it to the embedding's), frozen heads (LoRA: no weight gradient is computed)
 transform of the hidden state before ``lm_head`` (T5's ``d_model ** -0.5`` when tied) needs
 nothing: the chunked loss starts from what ``lm_head`` receives. The logit transform is
 *checked*, once per model and dtype: the intercepted ``lm_head`` returns a small probe tensor
-and the model's own post-processing of it must equal ours, else the call raises (the probe is
-one row of vocabulary width where the model adds a logits bias: the bias broadcasts over it
-and no [tokens x vocab] tensor is made). fp32 matches the model's loss and gradients within
-1e-6 relative (the plain path's own fp32 rounding noise), bf16 within the plain path's own
-error against fp64.
-
-Integration: :func:`enable_chunked_head` installs, through :mod:`remat.treat.patches`,
-the LM module's ``forward`` (:func:`_chunked_forward`) and its ``lm_head``'s
-(:func:`_capture`, a pass-through except inside a chunked call);
-:func:`disable_chunked_head` removes both. A call with ``labels`` while grad is enabled
-returns the model's usual output class with ``loss`` set and ``logits=None``; any other
-call (generation, evaluation, ``torch.no_grad()`` with labels, which the Trainer's eval
-loop uses to get logits) runs the original forward untouched. The treated ``forward``
-keeps the model's signature (``inspect.signature``), so the Trainer's
-``remove_unused_columns`` and its ``num_items_in_batch`` detection see the real one.
-
-``torch.compile`` (``model.compile()``, ``torch.compile(model)``, per-block compile): the
-interception and the loss run as Python on purpose, the graph breaks at two clean
-boundaries. The chunked ``forward`` is a frame dynamo skips (``torch.compiler.disable``,
-not recursive), so the model's own forward it calls is compiled; the ``lm_head`` capture
-and the loss are skipped entirely (the loss op compiles its own kernel on CUDA). The
-obvious alternative, letting dynamo trace the interception, recompiled the model at every
-step (a new patch object per call) or, on CUDA, traced around the patched ``lm_head``.
+(:func:`probe`) and the model's own post-processing of it must equal ours, else the call raises
+(the probe is one row of vocabulary width where the model adds a logits bias: the bias
+broadcasts over it and no [tokens x vocab] tensor is made). fp32 matches the model's loss and
+gradients within 1e-6 relative (the plain path's own fp32 rounding noise), bf16 within the plain
+path's own error against fp64.
 
 Encoder-decoders (T5, mT5, BART, mBART, Pegasus, Marian, M2M100, Whisper): the chunked call
 passes ``labels=None``, so what the model's forward does with ``labels`` before its decoder
-runs is done here instead: read from the forward's statements (:func:`_seq2seq`), each one
-recognised or the model refused with that statement named (:class:`_DecoderInputs`: the
+runs is done by the chunked call instead: read from the forward's statements (:func:`_seq2seq`),
+each one recognised or the model refused with that statement named (:class:`DecoderInputs`: the
 decoder's inputs shifted from the labels by the model's own function, ``use_cache = False``,
 Whisper's length check). Their loss must be ``CrossEntropyLoss()`` (or with
 ``ignore_index=-100``) over the lm_head's logits and the labels as they are: the mean over
@@ -73,15 +54,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from remat.treat import patches
-from remat.treat.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
+from remat.head.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
 
-_TAG = "head"
 _PROBE = (-48.0, -6.0, -1.5, -0.25, 0.0, 0.5, 3.0, 40.0)  # exact in fp16/bf16
 
 
 @dataclass(frozen=True)
-class _DecoderInputs:
+class DecoderInputs:
     """What an encoder-decoder's forward does with ``labels`` before its decoder runs (read by
     :func:`_seq2seq`); the chunked call passes ``labels=None`` and does it in :meth:`prepare`."""
 
@@ -110,21 +89,23 @@ class _DecoderInputs:
 
 
 @dataclass
-class _HeadState:
+class HeadState:
+    """What the chunked head knows of one model: its loss semantics, and during a call what it captured."""
+
     signature: Any
     chunk_tokens: Optional[int]
     masked: bool            # masked LM or encoder-decoder: labels are not shifted
     num_items: bool         # the model's loss honours num_items_in_batch / ignore_index kwargs
     aux_coef: bool          # the model adds router_aux_loss_coef * aux_loss when labels are given
-    decoder: Optional[_DecoderInputs] = None  # an encoder-decoder's labels branch, done by the chunked call
+    decoder: Optional[DecoderInputs] = None  # an encoder-decoder's labels branch, done by the chunked call
     row_probe: bool = False  # the model adds a logits bias: the probe is one row of vocabulary width
     verified: set = field(default_factory=set)
     captured: Optional[list] = None  # during a chunked call: where the lm_head's input goes
 
 
 def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
-    """Raise the error :func:`enable_chunked_head` would raise, without changing ``model``;
-    returns the LM module and the state the head would run with."""
+    """Raise the error :func:`~remat.head.patching.enable_chunked_head` would raise, without
+    changing ``model``; returns the LM module and the state the head would run with."""
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens <= 0):
         raise ValueError(f"chunk_tokens must be a positive integer or None (None: chosen for the "
@@ -142,32 +123,8 @@ def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
         raise ValueError(f"{type(lm).__name__}.forward has no 'labels' parameter; the chunked head "
                          "replaces the loss computed from labels: use head='plain'")
     masked, num_items, aux, decoder = _loss_semantics(lm, signature)
-    return lm, _HeadState(signature=signature, chunk_tokens=chunk_tokens, masked=masked, num_items=num_items,
+    return lm, HeadState(signature=signature, chunk_tokens=chunk_tokens, masked=masked, num_items=num_items,
                           aux_coef=aux, decoder=decoder, row_probe=_logits_bias(lm) is not None)
-
-
-def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) -> nn.Module:
-    """Compute ``model``'s LM loss a chunk of tokens at a time (in place; returns ``model``).
-
-    ``chunk_tokens``: rows per chunk; None picks
-    :func:`~remat.treat.chunked_loss.default_chunk_tokens` for the vocabulary. Raises
-    ValueError or TypeError for a model whose head or loss this module cannot reproduce
-    exactly, before changing anything. The LM's ``forward`` keeps its signature (``inspect.signature``), so
-    the Trainer's ``remove_unused_columns`` sees the model's real arguments.
-    """
-    lm, state = check_chunked_head(model, chunk_tokens)
-    for fn, recursive in _EAGER_FRAMES:  # made now, so a compiled forward only looks them up
-        _eager(fn, recursive)
-    disable_chunked_head(lm)
-    patches.install(lm, "forward", _chunked_forward, tag=_TAG, state=state)
-    patches.install(lm.get_output_embeddings(), "forward", _capture, tag=_TAG, state=state)
-    return model
-
-
-def disable_chunked_head(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_chunked_head`; a no-op on a model without it."""
-    patches.remove(model, tag=_TAG)
-    return model
 
 
 def _find_lm(model: nn.Module) -> nn.Module:
@@ -241,9 +198,9 @@ _CROSS_ENTROPY = re.compile(r"(\w+) = (?:torch\.nn\.|nn\.)?CrossEntropyLoss\((?:
 _LOSS_CALL = re.compile(r"\w+ = (\w+)\((\w+)\.view\(-1, (.+)\), labels\.(?:view|reshape)\(-1\)\)")
 
 
-def _seq2seq(lm, source, signature, refuse, cross_entropy=True) -> _DecoderInputs:
+def _seq2seq(lm, source, signature, refuse, cross_entropy=True) -> DecoderInputs:
     """How an encoder-decoder's forward uses ``labels``, from its statements: before the
-    output embedding's call, what :class:`_DecoderInputs` does; after it (``cross_entropy``),
+    output embedding's call, what :class:`DecoderInputs` does; after it (``cross_entropy``),
     ``CrossEntropyLoss()`` over that call's logits and the labels unshifted. Any other statement
     that reads ``labels`` or runs under ``if labels ...`` is named in a ValueError."""
     head = lm.get_output_embeddings()
@@ -283,7 +240,7 @@ def _seq2seq(lm, source, signature, refuse, cross_entropy=True) -> _DecoderInput
         raise ValueError(refuse.format(f"its forward has no '{missing}' parameter"))
     if cross_entropy:
         _check_cross_entropy(lm, body[at + 1:], body[at].targets[0].id, head.out_features, refuse)
-    return _DecoderInputs(**found)
+    return DecoderInputs(**found)
 
 
 def _check_cross_entropy(lm, statements, logits, vocab, refuse):
@@ -370,98 +327,25 @@ def _scalar_transform(lm: nn.Module):
     return ("identity",), None
 
 
-def _chunked_forward(patch, *args, **kwargs):
-    """The LM's ``forward``: as a frame ``torch.compile`` does not trace (see the module
-    docstring); the model's own forward, which it calls, is traced."""
-    return _eager(_forward, recursive=False)(patch, *args, **kwargs)
-
-
-def _forward(patch, *args, **kwargs):
-    state = patch.state
-    bound = state.signature.bind_partial(*args, **kwargs)
-    labels = bound.arguments.get("labels")
-    if labels is None or not torch.is_grad_enabled():
-        return patch.call_previous(*args, **kwargs)
-    bound.arguments["labels"] = None
-    if state.decoder is not None:  # what the model's forward would have done with its labels
-        state.decoder.prepare(patch.module, bound.arguments, labels)
-    state.captured = []
-    try:
-        out = patch.call_previous(*bound.args, **bound.kwargs)
-    finally:
-        captured, state.captured = state.captured, None
-    return _eager(_head_loss)(patch.module, state, out, captured, labels, kwargs)
-
-
-def _capture(patch, hidden, *args, **kwargs):
-    """The ``lm_head``'s ``forward``: inside a chunked call it keeps the hidden states and
-    returns a small probe instead of the logits (see :func:`_verify`); else the lm_head."""
-    if patch.state.captured is None:
-        return patch.call_previous(hidden, *args, **kwargs)
-    return _eager(_keep)(patch.state, hidden, patch.module.weight)
-
-
-def _keep(state, hidden, weight):
-    state.captured.append((hidden, _autocast_at(hidden.device.type)))
-    return _probe(hidden, weight.shape[0], state.row_probe, compute_dtype_of(hidden, weight))
-
-
-def _autocast_at(device_type: str):
-    """The autocast in force where the model calls its ``lm_head``: ``(device type, dtype)``, or None."""
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return device_type, torch.get_autocast_dtype(device_type)
-    except (RuntimeError, TypeError, ValueError):   # a device type autocast does not know (meta)
-        pass
-    return None
-
-
-def _as_at_head(autocast, device_type: str):
-    """The loss runs under the autocast the ``lm_head`` call saw (see :func:`_head_loss`)."""
-    import contextlib
-    now = _autocast_at(device_type)
-    if autocast == now:
-        return contextlib.nullcontext()
-    if autocast is None:
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(autocast[0], dtype=autocast[1])
-
-
-def _probe(hidden, vocab, row, dtype):
+def probe(hidden, vocab, row, dtype):
     """What the intercepted ``lm_head`` returns: ``_PROBE`` per token, or (``row``) one row of
     ``vocab`` values, for a model that adds a [vocab] bias to its logits."""
-    probe = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+    values = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
     if row:
-        return probe.repeat(-(-vocab // len(_PROBE)))[:vocab].reshape((1,) * (hidden.dim() - 1) + (vocab,))
-    return probe.expand(*hidden.shape[:-1], len(_PROBE)).clone()
+        return values.repeat(-(-vocab // len(_PROBE)))[:vocab].reshape((1,) * (hidden.dim() - 1) + (vocab,))
+    return values.expand(*hidden.shape[:-1], len(_PROBE)).clone()
 
 
-def _head_loss(self, state, out, captured, labels, kwargs):
-    """The chunked loss from the captured hidden states, in the model's output class.
-
-    It runs under the autocast that was in force where the model called its ``lm_head``, not the
-    one around this call: a wrapper that enters autocast inside the model's ``forward`` (accelerate's
-    ``prepare``, which wraps ``forward`` before remat's when it runs first) has left it by now, and
-    the plain head's matmul ran under it. Without this, ``prepare`` then ``apply`` computed the bf16
-    head in fp32 (loss 5.5568323 against 5.5568433, gradients up to 5.9e-4 apart) while ``apply``
-    then ``prepare`` matched the plain head."""
-    if len(captured) != 1:
-        raise ValueError(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
-                         "chunked head handles one call per forward: use head='plain'")
-    head = self.get_output_embeddings()
-    hidden, autocast = captured[0]
-    hidden = hidden.to(head.weight.device)
-    with _as_at_head(autocast, hidden.device.type):
-        return _loss_of(self, state, out, hidden, head, labels, kwargs)
-
-
-def _loss_of(self, state, out, hidden, head, labels, kwargs):
+def model_loss(self, state, out, hidden, head, labels, kwargs):
+    """``self``'s loss from the ``hidden`` states its ``head`` received, by the chunked op, in its
+    forward's output ``out`` (``loss`` set, ``logits`` dropped); ``kwargs``: the forward's keywords.
+    The logit transform is checked on the probe ``out`` carries, once per compute dtype."""
     is_tuple = isinstance(out, tuple)
     probe_out = out[0] if is_tuple else out.logits
     key, transform = _logit_transform(self)
     cd = compute_dtype_of(hidden, head.weight)
     if (cd, key) not in state.verified and not is_fake(hidden):  # fake tensors hold no values
-        _verify(self, probe_out, transform, _probe(hidden, head.weight.shape[0], state.row_probe, cd))
+        _verify(self, probe_out, transform, probe(hidden, head.weight.shape[0], state.row_probe, cd))
         state.verified.add((cd, key))
 
     get = kwargs.get  # loss keywords (Trainer's num_items_in_batch ...) are always passed by name
@@ -486,25 +370,13 @@ def _loss_of(self, state, out, hidden, head, labels, kwargs):
     return type(out)(loss=loss, **fields)
 
 
-# frames torch.compile must not trace: (function, recursive); see the module docstring
-_EAGER_FRAMES = ((_forward, False), (_keep, True), (_head_loss, True))
-_EAGER = {}
-
-
-def _eager(fn, recursive=True):
-    """``torch.compiler.disable(fn, recursive)``, made once (importing dynamo takes seconds,
-    so not at import time; a Hugging Face model has imported it already)."""
-    wrapped = _EAGER.get(fn.__name__)
-    if wrapped is None:
-        wrapped = _EAGER[fn.__name__] = torch.compiler.disable(fn, recursive=recursive)
-    return wrapped
-
-
-def _verify(lm, probe_out, transform, probe):
-    expected = probe if transform is None else transform(probe)
-    shape = tuple(probe.shape)
+def _verify(lm, probe_out, transform, probe_in):
+    """``probe_out``, what ``lm``'s forward made of the ``probe_in`` its ``lm_head`` returned, is
+    ``transform(probe_in)``; else a ValueError."""
+    expected = probe_in if transform is None else transform(probe_in)
+    shape = tuple(probe_in.shape)
     ok = (torch.is_tensor(probe_out) and tuple(probe_out.shape) == shape and torch.allclose(
-        probe_out.detach().float(), expected.float().expand(shape), rtol=2 * torch.finfo(probe.dtype).eps, atol=0))
+        probe_out.detach().float(), expected.float().expand(shape), rtol=2 * torch.finfo(probe_in.dtype).eps, atol=0))
     if not ok:
         got = probe_out.detach().reshape(-1)[:len(_PROBE)].tolist() if torch.is_tensor(probe_out) else probe_out
         want = expected.float().reshape(-1)[:len(_PROBE)].tolist()

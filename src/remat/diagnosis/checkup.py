@@ -1,0 +1,286 @@
+"""``remat doctor``: what is wrong with a training setup's memory and recomputation, worst first.
+
+    findings = doctor(model, batch, training_args=args, budget="40GiB")
+    for f in findings:
+        print(f)            # severity, what, why it matters, the fix
+
+Each check reads the model (its remat plan, Hugging Face checkpointing switches and their
+keyword arguments, frozen parameters, dropout, config) and, when given, ``TrainingArguments``
+and an accelerate config; with a batch, one real training step (forward and backward, the
+model's parameters, gradients, buffers and RNG put back afterwards: see
+:func:`remat.profiling.snapshot.preserved`); with a budget, remat's profile of the model at
+that batch. A good setup gets an empty list. The checks, cheapest to state first:
+
+- ``does-not-fit``: (with a budget) the setup's predicted peak is above the budget -- the model as
+  it is, with Hugging Face checkpointing, with its applied plan, or with the plan a ``callback``
+  (:class:`~remat.integrations.hf.RematCallback`) will make. The peak is remat's simulation on the
+  profile ``remat estimate`` makes (the two agree to the byte); the fix is the plan that fits, or,
+  when none does, the floor and what lowers it. A callback whose budget nothing fits is this error
+  too: it stops at its first batch, as ``remat.plan`` does.
+- ``plan-mismatch``: the applied plan was made for another model (another class, another number of
+  blocks: applied with ``strict=False``); what it predicts is another model's.
+- ``plan-batch`` / ``plan-dtype``: the applied plan was made for another batch shape or dtype than
+  the step's: its peak and time are for those.
+- ``plan-gpu`` (a note): the plan's times are another GPU's, or it runs on the CPU, where attention
+  kernels keep other tensors than the CUDA ones the plan counts (with attention dropout the CPU's
+  math kernel keeps the [seq x seq] probabilities: CPU peaks 1.4-2x such a plan's).
+- ``plan-versions`` (a note): the plan was made under another torch or transformers (minor version).
+- ``no-grad``: a parameter with ``requires_grad`` gets no gradient in the step (an adapter cut
+  off by reentrant checkpointing, a module the forward never reaches).
+- ``use-cache``: ``config.use_cache`` is on while training a model without remat: the forward
+  builds a cache nobody reads (with remat applied this is fine, and not reported).
+- ``hf-and-fsdp-checkpointing``: ``gradient_checkpointing`` / ``activation_checkpointing`` and
+  FSDP's ``activation_checkpointing`` both on: every block recomputed twice (transformers 5
+  refuses the pair when it builds the accelerator).
+- ``reentrant-frozen-inputs``: reentrant checkpointing (``use_reentrant=True``) on a model whose
+  input embeddings are frozen (LoRA) without ``enable_input_require_grads``: the checkpointed
+  blocks' inputs do not require grad, so the adapters inside get no gradient.
+- ``rng-not-preserved``: ``preserve_rng_state=False`` with dropout: the recomputed forward draws
+  other dropout masks than the forward did, and the gradients are wrong.
+- ``head-bypassed``: remat's chunked head sits under TRL's fused LM head, which never calls it.
+- ``compile-mismatch``: the applied plan was made for a compiled model (``notes["compile"]``) and
+  the model runs uncompiled, or the reverse: the plan's peak and time do not hold (compile changes
+  every treatment's memory). "Compiled": a ``torch.compile`` wrapper, ``Module.compile()`` on the
+  model or a block, or ``compiled=True`` for a model compiled after doctor runs. Seen compiled, also
+  a plan for the whole model compiled (``compile=True``) on a model whose blocks alone are compiled
+  (its head runs eager, above the plan's peak), or a ``compile="blocks"`` plan on a whole compiled model.
+- ``compiled-blocks-cache``: blocks compiled each alone (per-block compile) while
+  ``config.use_cache`` is on: each block's call meets the KV cache in another state, so every
+  block is a new graph and past dynamo's ``recompile_limit`` (8) the rest run eager, treated by
+  remat or not.
+- ``fsdp-eager-selective``: blocks treated ``selective`` in a model that FSDP2 shards (``fully_shard``
+  applied), running eager: torch's selective modes keep the host busy enough that the GPU waits for
+  it (the planner leaves eager ``selective`` out under FSDP2: :mod:`remat.planning.sharding`).
+- ``compiled-attention-mask``: the model runs compiled with SDPA and the batch carries an
+  ``attention_mask`` of all ones: under compile transformers then builds the full
+  ``[batch, 1, seq, seq]`` mask (it cannot read the mask's values without a graph break), and
+  SDPA runs a masked kernel over every query-key pair instead of its causal one; remat's skip
+  (:mod:`remat.treat.mask_skip`) only acts on batches without a mask.
+- ``keep-fits``: checkpointing is on but keeping every activation fits the budget: the
+  recomputation (20-30% of a step) buys nothing.
+- ``faster-plan``: another plan fits the same budget with a predicted step time at least 5%
+  shorter than the applied one (Hugging Face checkpointing counts as ``full`` on every block).
+- ``prediction-off``: (``run_step=True`` on CUDA, a remat plan applied) the measured peak or
+  step time is more than 10% from the plan's prediction.
+- ``plans-not-checked`` (a note): ``keep-fits`` / ``faster-plan`` could not be judged: a segments
+  plan (not simulated: no prediction to compare) or a compiled run (remat's profile here is eager).
+
+The checks that only read the setup live here with the entry, those of how the model is
+compiled or sharded in :mod:`remat.diagnosis.compile_checks`; those that run a step, a profile
+or a measurement are in :mod:`remat.diagnosis.run_checks`. What a finding is, and the readings of
+the model they share, are in :mod:`remat.diagnosis.findings`.
+
+Ordering: errors (wrong results or a crash to come) before warnings (memory or time lost)
+before notes; within a severity, by ``cost``: the fraction of the step's time or memory at
+stake, as far as remat can estimate it.
+
+Limits: the step, the profile and the measurement run on the model as it is (its device, its
+dtype); a model on the ``meta`` device can be profiled but not stepped. The step and the profile
+run a compiled model eagerly (compiling there would take minutes and measure nothing they need);
+only the measurement (``run_step``) runs it compiled, as it trains.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+from remat.diagnosis import compile_checks as compiling, run_checks as runs
+from remat.diagnosis.findings import (SEVERITIES, Finding, args_checkpointing, compile_scope_of, hf_checkpointing_on,
+                                      unwrapped)
+
+
+def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
+           accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
+           compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1) -> list:
+    """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
+
+    ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
+    (model state put back). ``budget``: the memory budget the setup must fit (bytes or
+    ``"24GiB"``); with a batch, remat profiles the model to compare plans (``gpu``, ``optimizer``
+    as :func:`remat.plan`). ``run_step``: on CUDA, also measure the applied plan's peak and step
+    time against its prediction. ``loss_fn(model, batch)``: the step's loss (default: a Hugging
+    Face model's ``.loss``, labels = input_ids when absent). ``compiled``: whether training runs
+    the model compiled; default: as it is now (a ``torch.compile`` wrapper, or ``Module.compile()``
+    called on it or its blocks); pass True for a model compiled after this call. ``callback``: the
+    :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train the model: the
+    setup judged is the plan it makes at its budget (default ``budget``). ``fsdp_world``: the model
+    is sharded over that many FSDP2 ranks (the budget is one rank's). Empty list: nothing found.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"doctor expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                        "call doctor(model, batch, budget=...)")
+    if callback is not None and not hasattr(callback, "plan_if_longer"):
+        raise TypeError(f"doctor's callback= takes a remat RematCallback (Hugging Face or Lightning), got "
+                        f"{type(callback).__name__}")
+    if budget is None and callback is not None and getattr(callback, "budget", None) is not None:
+        budget = callback.budget
+    scope = compile_scope_of(model) if compiled is None else None   # told, not seen: its scope is unknown
+    compiled = bool(scope) if compiled is None else bool(compiled)
+    inner = unwrapped(model)   # the step and the profile run the model itself, eagerly
+    findings = []
+    kwargs = _checkpoint_kwargs(inner, training_args)
+    findings += _check_training_args(training_args, accelerate_config)
+    findings += _check_reentrant(inner, training_args, kwargs)
+    findings += _check_rng(inner, training_args, kwargs)
+    findings += _check_head_bypassed(inner)
+    findings += compiling.check_compile(inner, compiled, scope)
+    findings += compiling.check_fsdp_selective(inner, compiled)
+    findings += compiling.check_compiled_blocks_cache(inner, scope)
+    findings += compiling.check_compiled_mask(inner, batch, compiled)
+    findings += compiling.check_made_for(inner, batch)
+    if batch is not None and not _on_meta(inner):
+        findings += runs.check_step(inner, batch, loss_fn)
+    if batch is not None and budget is not None:
+        findings += runs.check_plans(inner, batch, budget, training_args, loss_fn, gpu, optimizer, compiled,
+                                     callback=callback, fsdp_world=fsdp_world)
+    elif budget is not None:
+        findings += runs.check_static(inner, budget, optimizer)
+    if run_step and batch is not None and _on_cuda(inner):
+        findings += runs.check_prediction(model, batch, loss_fn)
+    return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), -f.cost))
+
+
+# -- what the setup asks for -----------------------------------------------------------------
+def _checkpoint_kwargs(model: nn.Module, training_args) -> dict:
+    """The ``torch.utils.checkpoint`` keywords in force: the model's (HF checkpointing on), else
+    those TrainingArguments will pass."""
+    for m in model.modules():
+        fn = m.__dict__.get("_gradient_checkpointing_func")
+        if getattr(m, "gradient_checkpointing", False) is True and fn is not None:
+            return dict(getattr(fn, "keywords", {}) or {})
+    if args_checkpointing(training_args):
+        for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+            value = getattr(training_args, name, None)
+            if isinstance(value, dict):
+                return dict(value)
+    return {}
+
+
+def _check_training_args(training_args, accelerate_config) -> list:
+    fsdp_ac = False
+    if training_args is not None:
+        config = getattr(training_args, "fsdp_config", None) or {}
+        fsdp_ac = bool(getattr(training_args, "fsdp", None)) and _truthy(config.get("activation_checkpointing"))
+    if isinstance(accelerate_config, dict):
+        fsdp = accelerate_config.get("fsdp_config") or {}
+        fsdp_ac = fsdp_ac or _truthy(fsdp.get("fsdp_activation_checkpointing", fsdp.get("activation_checkpointing")))
+    if not (fsdp_ac and args_checkpointing(training_args)):
+        return []
+    return [Finding(
+        check="hf-and-fsdp-checkpointing", severity="error", cost=0.25,
+        what="TrainingArguments turn on gradient_checkpointing (activation_checkpointing in transformers 5) and "
+             "FSDP's activation_checkpointing as well",
+        why="each block would be recomputed twice in backward (transformers 5 refuses the pair when it builds "
+            "the accelerator)",
+        fix="keep one: fsdp_config={'activation_checkpointing': True} with activation_checkpointing=False "
+            "(gradient_checkpointing in transformers 4), or remat (RematCallback / remat.apply before FSDP) with "
+            "both off")]
+
+
+def _truthy(value) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _frozen_inputs(model: nn.Module) -> bool:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    if embeddings is None or getattr(embeddings, "weight", None) is None:
+        return False
+    trainable = any(p.requires_grad for p in model.parameters())
+    fixed = not embeddings.weight.requires_grad
+    hooked = any(_registered(getattr(m, "_require_grads_hook", None)) for m in model.modules())
+    return trainable and fixed and not hooked
+
+
+def _registered(handle) -> bool:
+    """Whether a hook handle's hook is still installed: transformers 4.x's
+    ``disable_input_require_grads`` removes the hook but leaves the handle on the model (5.x
+    deletes it), so the handle's presence alone does not say the hook runs."""
+    hooks = handle.hooks_dict_ref() if hasattr(handle, "hooks_dict_ref") else None
+    return hooks is not None and getattr(handle, "id", None) in hooks
+
+
+def _enable_adds_input_grads(model: nn.Module) -> bool:
+    """Whether this transformers' checkpointing switch calls ``enable_input_require_grads`` for a
+    text model (transformers 5 does; 4.x did only for its own PEFT integration)."""
+    import inspect
+    for m in model.modules():
+        for name in ("_activation_checkpointing_enable", "gradient_checkpointing_enable"):
+            method = getattr(type(m), name, None)
+            if method is None:
+                continue
+            try:
+                source = inspect.getsource(method)
+            except (OSError, TypeError):
+                continue
+            if "needs_embedding_grads" in source and "enable_input_require_grads()" in source:
+                return True
+    return False
+
+
+def _check_reentrant(model, training_args, kwargs) -> list:
+    if kwargs.get("use_reentrant") is not True or not _frozen_inputs(model):
+        return []
+    on_model = hf_checkpointing_on(model)
+    if not on_model and not (args_checkpointing(training_args) and not _enable_adds_input_grads(model)):
+        return []   # the Trainer's enable call will add the input-grad hook itself
+    return [Finding(
+        check="reentrant-frozen-inputs", severity="error", cost=1.0,
+        what="reentrant checkpointing (use_reentrant=True) on a model whose input embeddings are frozen (LoRA) "
+             "and no enable_input_require_grads()",
+        why="a reentrant checkpoint only back-propagates into its tensor inputs that require grad; the hidden "
+            "states do not, so the adapters inside checkpointed blocks get no gradient and do not train",
+        fix="use_reentrant=False in activation_checkpointing_kwargs (gradient_checkpointing_kwargs in "
+            "transformers 4), or call model.enable_input_require_grads(), "
+            "or use remat (non-reentrant, frozen inputs handled)")]
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+    config = getattr(model, "config", None)
+    return any(float(getattr(config, name, 0) or 0) > 0
+               for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
+
+
+def _check_rng(model, training_args, kwargs) -> list:
+    if kwargs.get("preserve_rng_state", True) is not False or not _has_dropout(model):
+        return []
+    if not (hf_checkpointing_on(model) or args_checkpointing(training_args)):
+        return []
+    return [Finding(
+        check="rng-not-preserved", severity="error", cost=1.0,
+        what="checkpointing with preserve_rng_state=False on a model with dropout",
+        why="the recomputed forward draws other dropout masks than the forward did, so the gradients belong "
+            "to no forward that ran",
+        fix="drop preserve_rng_state from activation_checkpointing_kwargs (gradient_checkpointing_kwargs in "
+            "transformers 4; the default, True, is right), or use "
+            "remat, which always preserves it")]
+
+
+def _check_head_bypassed(model) -> list:
+    from remat.head import remat_head_bypassed
+    if not remat_head_bypassed(model):
+        return []
+    return [Finding(
+        check="head-bypassed", severity="warning", cost=0.1,
+        what="remat's chunked head is applied under TRL's fused LM head, which computes the loss from the "
+             "backbone itself and never calls it",
+        why="the plan's head memory and time are not what runs; remat's head is dead code in this model",
+        fix="apply remat with head='plain' (TRL's fused head already avoids the full logits), or train with "
+            "remat.integrations.hf.RematCallback, which does this")]
+
+
+def _on_meta(model) -> bool:
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "meta"
+
+
+def _on_cuda(model) -> bool:
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cuda"
