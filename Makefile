@@ -1,8 +1,10 @@
 # Entry points for a fresh machine (see README):
 #   make demo   -> venv, install, `remat bench`: on a GPU the real bench; without one, what a CPU
 #                  proves (exact gradients, CPU peaks beside predictions, llama-1b's predicted frontier)
-#   make test   -> venv, install with test extras, run the test suite
-#   make test-all -> the suite, then the zoo sweep
+#   make test   -> venv, install with test extras, run the test suite less its `slow` tests
+#                  (under 10 minutes on 2 cores; CI's .ci/run runs this)
+#   make test-slow -> only the `slow` tests (tests/conftest.py lists the ones marked there, with why)
+#   make test-all -> the whole suite, slow tests included, then the zoo sweep
 #   make zoo    -> the registry zoo: every model type transformers maps to a training head, every
 #                  treatment, plain and chunked head, remat.plan (tens of minutes; not in make test)
 # torch is installed first and pinned to the local CPU wheel so that pip never
@@ -13,6 +15,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # the suite runs in this many processes (pytest-xdist; CI has 2 cores); TEST_WORKERS=0 runs it in one
 TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 # the zoo sweep runs this many model processes at a time, each stopped after ZOO_TIMEOUT seconds
 ZOO_WORKERS ?= 2
 ZOO_TIMEOUT ?= 900
@@ -32,11 +35,16 @@ demo: install
 	$(BIN)/remat bench
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	$(PYTEST) -m "not slow" tests
 
-test-all: test zoo
+test-slow: install
+	$(PYTEST) -m slow tests
+
+test-all: install
+	$(PYTEST) tests
+	$(MAKE) zoo
 
 zoo: install
 	$(BIN)/python benchmarks/zoo_sweep.py --workers $(ZOO_WORKERS) --timeout $(ZOO_TIMEOUT) --out benchmarks/results/zoo
 
-.PHONY: install demo test test-all zoo
+.PHONY: install demo test test-slow test-all zoo

@@ -15,7 +15,6 @@ import torch
 
 import remat
 
-pytestmark = pytest.mark.slow
 BACKEND = "aot_eager"
 
 
@@ -40,7 +39,8 @@ def _steps(model, ids, labels):
     return out.loss.detach(), {n: p.grad.detach() for n, p in named}
 
 
-@pytest.mark.parametrize("how", ["model.compile", "torch.compile", "per-block"])
+@pytest.mark.parametrize("how", ["model.compile", pytest.param("torch.compile", marks=pytest.mark.slow),
+                                 pytest.param("per-block", marks=pytest.mark.slow)])
 def test_compiled_chunked_head_matches_eager(how):
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend

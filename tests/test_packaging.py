@@ -99,7 +99,6 @@ def _old_build_backend():
     return None
 
 
-@pytest.mark.slow
 def test_torch_only_install_can_plan_a_plain_module(tmp_path):
     if _old_build_backend():
         pytest.skip(_old_build_backend())

@@ -205,7 +205,6 @@ def test_plan_json_round_trip_and_reapply(tmp_path):
     assert_same(other, reference, _lm_step, _lm_inputs(other))
 
 
-@pytest.mark.slow
 def test_compiled_model_runs_segments_eagerly_and_exact():
     model, x = _sequential(4), torch.randn(6, 8)
     reference = copy.deepcopy(model)
