@@ -9,7 +9,9 @@ of silently checkpointing every block twice.
 
 Under ``torch.compile`` an applied model also gets transformers' attention-mask decision as
 eager mode makes it (:mod:`remat.treat.mask_skip`: SDPA's causal kernel instead of a
-materialised mask, process-wide while the model lives); ``remove`` gives that back too.
+materialised mask, inside this model's forward only, where the installed versions need it;
+``mask_skip=False`` leaves it out); ``remove`` gives that back too, and so does the model's
+finalizer for a model deleted without it.
 
 Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
 plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
@@ -37,7 +39,8 @@ import torch
 import torch.nn as nn
 
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
-from remat.treat import mask_skip, patches
+from remat.treat import mask_skip as _mask_skip
+from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
@@ -49,7 +52,7 @@ _BATCH_TAG = "batch-check"
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
           tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None,
-          strict: bool = True) -> nn.Module:
+          strict: bool = True, mask_skip: bool = True) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
@@ -64,6 +67,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
     them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
     this model, block for block (module docstring); False applies the blocks it names, by suffix.
+    ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where
+    eager mode skips it (:mod:`remat.treat.mask_skip`: only inside this model's forward, only where
+    the installed torch and transformers need it); False leaves transformers' functions alone.
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
@@ -114,7 +120,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         patches.remove(model)
         patches.reinstall(previous)
         raise
-    mask_skip.hold(model, structure.block_names)
+    if mask_skip:
+        _mask_skip.hold(model, structure.block_names)
+    else:
+        _mask_skip.release(model)
     return model
 
 
@@ -124,7 +133,7 @@ def remove(model: nn.Module) -> nn.Module:
     remat's part inside it passes calls straight through."""
     _check_module(model, "remove", "remat.remove(model)")
     patches.remove(model)
-    mask_skip.release(model)
+    _mask_skip.release(model)
     return model
 
 

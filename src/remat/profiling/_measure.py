@@ -52,13 +52,9 @@ def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
     backend name to measure compiled (see :mod:`remat.profiling._compiled`), else eager;
     ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks."""
-    try:
-        return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                             repeats, backend, scope)
-    finally:
-        if backend is not None:  # the user's own compile must not meet the profile's cache entries
-            import torch._dynamo
-            torch._dynamo.reset()
+    # each compiled measurement takes its graphs back out of dynamo's cache (profiling._compiled)
+    return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
+                         repeats, backend, scope)
 
 
 def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend,
