@@ -20,7 +20,9 @@ block's compiled call and with the model compiled around the stubs (``compile="b
 head's runs eager, as the root runs when only the blocks are compiled); see
 :mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
 than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
-warned); dynamo's cache is reset afterwards, so the user's own compile starts empty.
+warned); each compiled measurement takes its graphs back out of dynamo's cache when it ends
+(:mod:`remat.treat.dynamo_cache`), so the user's own compile starts without them and the user's
+other compiled graphs stay.
 
 Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
 costs; a head mode the model refuses is noted and left out, and a model whose embeddings
