@@ -258,7 +258,7 @@ def test_a_plain_loop_copies_nothing_and_hooks_nothing():
 
 def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatch):
     """The rule, with a GPU stood in for: the existing gradients' bytes next to the budget less the
-    plan's predicted peak."""
+    step's peak (the plan's predicted one, or the allocator's if higher)."""
     import remat.guard as guard_module
     model = _llama()
     _micro_steps(model, _batches(count=1))
@@ -279,8 +279,13 @@ def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatc
         def untyped_storage(self):
             return self.grad.untyped_storage()
     existing = [(p, Grad(g)) for p, g in grads]
+    measured = [0]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: measured[0])
     assert guard_module._fits_beside_plan(model, 11 * nbytes, existing)
     assert not guard_module._fits_beside_plan(model, 11 * nbytes - 1, existing)
+    measured[0] = 12 * nbytes   # the allocator saw a higher peak than the plan predicted: that one counts
+    assert not guard_module._fits_beside_plan(model, 12 * nbytes, existing)
+    assert guard_module._fits_beside_plan(model, 13 * nbytes, existing)
 
 
 def test_both_budget_none_callers_use_the_one_default(monkeypatch):

@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
+from remat.planning.plans import Plan, resolve
+from remat.planning.records import block_records
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
@@ -89,10 +90,11 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
                                    chunk_tokens=chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
                                    tile_tokens=tile_tokens if tile_tokens is not None else plan.tile_tokens)
     named = structure.blocks(model)
-    offloading = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
-    for name, block in named:
+    records = block_records(plan, [name for name, _ in named])   # the plan resolved once, per block
+    offloading = any(r.offload for r in records)
+    for (name, block), record in zip(named, records):
         try:
-            check_treatment(block, plan.blocks.get(name, "keep"))
+            check_treatment(block, record)
         except ValueError as error:
             raise ValueError(f"block {name}: {error}") from None
     if plan.head == "chunked":
@@ -105,10 +107,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             from remat.offload import OffloadEngine
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
-        segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})
-        for index, (name, block) in enumerate(named):
-            apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index,
-                            segment=segments.get(name, (None, 0)), tile_tokens=plan.tile_tokens)
+        segments = segments_of(records)
+        for (name, block), record in zip(named, records):
+            apply_treatment(block, record, engine=engine, segment=segments.get(record.segment))
         if plan.head == "chunked":
             from remat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)

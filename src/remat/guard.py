@@ -374,16 +374,16 @@ class GradKeeper:
 
 
 def _fits_beside_plan(model: nn.Module, budget: Optional[int], existing: list) -> bool:
-    """Whether a copy of ``existing`` gradients fits on their GPU under ``budget`` beside the predicted
-    peak of the plan applied to ``model`` (or, without one, the step's peak measured so far)."""
+    """Whether a copy of ``existing`` gradients fits on their GPU under ``budget`` beside the step's
+    peak: the larger of the applied plan's predicted peak and the peak the allocator has seen (a plan
+    made for the first micro-batch may not count the gradients that later ones add to)."""
     device = existing[0][1].device
     if device.type != "cuda":
         return True
     from remat.api import current_plan
     plan = current_plan(model)
-    peak = plan.notes.get("predicted_peak_bytes") if plan is not None else None
-    if peak is None:
-        peak = torch.cuda.max_memory_allocated(device)
+    predicted = plan.notes.get("predicted_peak_bytes") if plan is not None else None
+    peak = max(predicted or 0, torch.cuda.max_memory_allocated(device))
     if budget is None:
         budget = free_memory_budget(model, "remat", "")
     need = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for _, g in existing}.values())

@@ -42,6 +42,7 @@ from remat.profiling._capture import _hidden_of, _nbytes, _tensor_attributes_res
 from remat.profiling._meters import _chain, _gc_paused
 from remat.planning.costs import BlockCost
 from remat.planning.offload_model import pinned_bytes
+from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment, remove_treatment
 
 
@@ -61,7 +62,7 @@ class _Sink(torch.autograd.Function):
 
 def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None,
                 backend=None) -> BlockCost:
-    apply_treatment(block, treatment)
+    apply_treatment(block, block_record(treatment))
     stack = contextlib.ExitStack()  # a compiled call's graphs leave dynamo's cache with it
     try:
         call = block
