@@ -157,7 +157,8 @@ def needed(name: str, original: Callable) -> bool:
     """Whether ``original`` (``masking_utils.<name>``) answers otherwise under ``torch.compile``
     than in eager mode for an unpadded batch: what the wrapper is for. Asked once per function
     (a ``fullgraph`` compile of a private function with the eager backend, its graph dropped
-    after); True where dynamo cannot trace the question (the wrapper as before)."""
+    after, the answer kept); True where dynamo cannot trace the question (wrapped, as before; asked
+    again at the next :func:`hold`)."""
     known = _NEEDED.get(id(original))
     if known is not None and known[0] is original:
         return known[1]
@@ -169,13 +170,12 @@ def needed(name: str, original: Callable) -> bool:
     try:
         eager = ask(positions)
         traced = bool(torch.compile(compiled_answer, backend="eager", fullgraph=True)(positions)[0, 0] == 1)
-        answer = traced != eager
-    except Exception:  # noqa: BLE001 -- any failure to trace the question: keep remat's answer
-        answer = True
+    except Exception:  # noqa: BLE001 -- the question cannot be traced here: wrap, and ask again next time
+        return True
     finally:
         _reset_code(compiled_answer.__code__)  # remat's own function: none of the user's graphs
-    _NEEDED[id(original)] = (original, answer)
-    return answer
+    _NEEDED[id(original)] = (original, traced != eager)
+    return traced != eager
 
 
 def _reset_code(code) -> None:
