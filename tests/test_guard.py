@@ -304,3 +304,30 @@ def test_both_budget_none_callers_use_the_one_default(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"RematCallback\(budget=None\).*not on a GPU.*spec='full'"):
         BatchPlanner().resolve_budget(_llama())
+
+
+def test_under_fsdp_every_existing_gradient_is_copied_before_the_step(monkeypatch):
+    """FSDP adds the reduced gradients to ``.grad`` outside autograd, where no hook sees it: the keeper
+    then copies them all when it is made, and a redo still restores them."""
+    import remat.guard as guard_module
+    from remat.guard import GradKeeper
+    monkeypatch.setattr(guard_module, "_autograd_accumulates", lambda model: False)
+    model = _llama()
+    _micro_steps(model, _batches(count=1))
+    saved = {id(p): p.grad.clone() for p in model.parameters()}
+    keeper = GradKeeper(model, 2**30)
+    assert set(keeper.copies) == set(saved)
+    with keeper.watching():
+        for p in model.parameters():      # as FSDP's reduce-scatter adds, outside autograd
+            p.grad.add_(1.0)
+    keeper.restore()
+    assert all(torch.equal(p.grad, saved[id(p)]) for p in model.parameters())
+
+
+def test_autograd_accumulates_except_under_fsdp():
+    from remat.guard import _autograd_accumulates
+
+    class FSDPLinear(torch.nn.Linear):
+        pass
+    assert _autograd_accumulates(_llama())
+    assert not _autograd_accumulates(torch.nn.Sequential(FSDPLinear(2, 2)))

@@ -326,7 +326,8 @@ class GradKeeper:
 
     Made before the step: it notes each parameter's ``.grad`` tensor (a reference, no copy). Inside
     :meth:`watching`, a hook on each parameter that has one copies it just before autograd adds the
-    step's gradient to it, once. :meth:`restore` puts the copies back into those tensors, the
+    step's gradient to it, once. Under FSDP, which adds the reduced gradients to ``.grad`` outside
+    autograd, every existing gradient is copied when the keeper is made (one device copy a step). :meth:`restore` puts the copies back into those tensors, the
     untouched ones back as they were, and None where there was none; it can run after each failed
     attempt (the copies stay). ``budget``: the copies go to the GPU where the existing gradients'
     bytes fit in it beside the plan's predicted peak (:attr:`on_device`), else to pinned host memory."""
@@ -337,6 +338,9 @@ class GradKeeper:
         self.copies = {}  # id(param) -> the copy of its gradient before the step
         self.copied_bytes = 0
         self.on_device = not self.existing or _fits_beside_plan(model, budget, self.existing)
+        if self.existing and not _autograd_accumulates(model):
+            for p, grad in self.existing:   # sharded: FSDP adds to .grad itself, no hook sees it
+                self._before_accumulation(p, grad, None)
 
     @contextlib.contextmanager
     def watching(self):
@@ -371,6 +375,15 @@ class GradKeeper:
                 if copy is not None:
                     grad.copy_(copy)
                 p.grad = grad
+
+
+def _autograd_accumulates(model: nn.Module) -> bool:
+    """Whether autograd itself adds the step's gradients to the parameters' ``.grad`` (where a hook on
+    the parameter sees it first): not under FSDP (FSDP2's DTensor parameters, FSDP1's flat ones),
+    whose reduce-scatter adds to the sharded ``.grad`` outside autograd."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return False
+    return not any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules())
 
 
 def _fits_beside_plan(model: nn.Module, budget: Optional[int], existing: list) -> bool:
