@@ -327,10 +327,11 @@ class GradKeeper:
     Made before the step: it notes each parameter's ``.grad`` tensor (a reference, no copy). Inside
     :meth:`watching`, a hook on each parameter that has one copies it just before autograd adds the
     step's gradient to it, once. Under FSDP, which adds the reduced gradients to ``.grad`` outside
-    autograd, every existing gradient is copied when the keeper is made (one device copy a step). :meth:`restore` puts the copies back into those tensors, the
-    untouched ones back as they were, and None where there was none; it can run after each failed
-    attempt (the copies stay). ``budget``: the copies go to the GPU where the existing gradients'
-    bytes fit in it beside the plan's predicted peak (:attr:`on_device`), else to pinned host memory."""
+    autograd, every existing gradient is copied when the keeper is made (one device copy a step).
+    :meth:`restore` puts the copies back into those tensors, the untouched ones back as they were,
+    and None where there was none; it can run after each failed attempt (the copies stay).
+    ``budget``: the copies go to the GPU where the existing gradients' bytes fit in it beside the
+    step's peak (:attr:`on_device`), else to pinned host memory."""
 
     def __init__(self, model: nn.Module, budget: Optional[int] = None):
         self.before = [(p, p.grad) for p in {id(p): p for p in model.parameters()}.values()]
