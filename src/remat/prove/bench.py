@@ -17,8 +17,7 @@ specs and plans, eager and compiled. Compiled rows run last (a compile takes mos
 minute); each starts from the default ``activation_memory_budget`` and takes the graphs it compiled
 back out of dynamo's cache (:mod:`remat.treat.dynamo_cache`), so no row inherits another's
 compiler state and the process's other compiled graphs stay. A compiled row's record says whether
-remat's attention-mask skip
-(:mod:`remat.treat.mask_skip`) was in force.
+remat's attention-mask skip (:mod:`remat.treat.mask_skip`) was in force.
 """
 from __future__ import annotations
 
