@@ -192,3 +192,142 @@ def test_profile_device_fake_and_bad_values(monkeypatch):
     assert guard.replans == 1 and devices == [None]     # a CPU model: remat.plan's default, fake tensors
     with pytest.raises(ValueError, match="profile_device"):
         remat.Guard(model, budget="1GiB", profile_device="gpu")
+
+
+def _micro_steps(model, batches):
+    for batch in batches:
+        model(**batch).loss.backward()
+
+
+def test_a_redo_with_accumulation_gives_the_gradients_of_a_run_that_never_failed():
+    """Two micro-batches accumulate, the third runs out of memory half way through its backward
+    (after the later blocks' gradients were added to) and is redone: every gradient equals the
+    run without a failure, bit for bit. Only the gradients the failed backward reached were
+    copied, each once, and the others are the same tensors as before."""
+    from remat.guard import GradKeeper, redo_out_of_memory
+    batches = _batches(count=3, lengths=(12,))
+    reference = _llama()
+    model = copy.deepcopy(reference)
+    torch.manual_seed(3)
+    _micro_steps(reference, batches)
+    torch.manual_seed(3)
+    _micro_steps(model, batches[:2])
+    before = {name: p.grad for name, p in model.named_parameters()}
+    keepers = []
+
+    class Recording(GradKeeper):
+        def __init__(self, *args):
+            super().__init__(*args)
+            keepers.append(self)
+
+        def restore(self):
+            self.at_failure = set(self.copies)
+            super().restore()
+    handle = model.model.layers[2].register_forward_hook(_OOMAt(calls=[0]))
+    import remat.guard as guard_module
+    real = guard_module.GradKeeper
+    guard_module.GradKeeper = Recording
+    try:
+        redo_out_of_memory(model, lambda: _micro_steps(model, batches[2:]), lambda: 2**30, budget=2**30,
+                           max_retries=1, who="test")
+    finally:
+        guard_module.GradKeeper = real
+        handle.remove()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+        assert p.grad is before[name], "restored into the same tensor"
+    (keeper,) = keepers
+    names = {id(p): name for name, p in model.named_parameters()}
+    copied = {names[key] for key in keeper.at_failure}   # what the failed backward had reached
+    assert copied and all(".layers.3." in n or n.startswith(("model.norm", "lm_head")) for n in copied), copied
+    assert not any(".layers.0." in n or "embed_tokens" in n for n in copied)
+    assert keeper.on_device
+
+
+def test_a_plain_loop_copies_nothing_and_hooks_nothing():
+    from remat.guard import GradKeeper
+    model = _llama()
+    keeper = GradKeeper(model, 2**30)
+    with keeper.watching():
+        assert all(not p._backward_hooks for p in model.parameters())
+        _micro_steps(model, _batches(count=1))
+    assert keeper.copies == {} and keeper.copied_bytes == 0
+    keeper.restore()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatch):
+    """The rule, with a GPU stood in for: the existing gradients' bytes next to the budget less the
+    step's peak (the plan's predicted one, or the allocator's if higher)."""
+    import remat.guard as guard_module
+    model = _llama()
+    _micro_steps(model, _batches(count=1))
+    grads = [(p, p.grad) for p in model.parameters()]
+    nbytes = sum(g.numel() * g.element_size() for _, g in grads)
+    monkeypatch.setattr("remat.api.current_plan", lambda m: remat.Plan(blocks={}, notes={
+        "predicted_peak_bytes": 10 * nbytes}))
+
+    class Cuda:
+        type = "cuda"
+
+    class Grad:
+        device = Cuda()
+
+        def __init__(self, grad):
+            self.grad = grad
+
+        def untyped_storage(self):
+            return self.grad.untyped_storage()
+    existing = [(p, Grad(g)) for p, g in grads]
+    measured = [0]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: measured[0])
+    assert guard_module._fits_beside_plan(model, 11 * nbytes, existing)
+    assert not guard_module._fits_beside_plan(model, 11 * nbytes - 1, existing)
+    measured[0] = 12 * nbytes   # the allocator saw a higher peak than the plan predicted: that one counts
+    assert not guard_module._fits_beside_plan(model, 12 * nbytes, existing)
+    assert guard_module._fits_beside_plan(model, 13 * nbytes, existing)
+
+
+def test_both_budget_none_callers_use_the_one_default(monkeypatch):
+    import remat.guard as guard_module
+    from remat.integrations._planning import BatchPlanner
+    asked = []
+
+    def default(module, who, instead):
+        asked.append(who)
+        return 123 * 2**20
+    monkeypatch.setattr(guard_module, "free_memory_budget", default)
+    monkeypatch.setattr("remat.integrations._planning.free_memory_budget", default)
+    assert remat.Guard(_llama()).budget == 123 * 2**20
+    assert BatchPlanner().resolve_budget(_llama()) == 123 * 2**20
+    assert asked == ["remat.Guard", "RematCallback"]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"RematCallback\(budget=None\).*not on a GPU.*spec='full'"):
+        BatchPlanner().resolve_budget(_llama())
+
+
+def test_under_fsdp_every_existing_gradient_is_copied_before_the_step(monkeypatch):
+    """FSDP adds the reduced gradients to ``.grad`` outside autograd, where no hook sees it: the keeper
+    then copies them all when it is made, and a redo still restores them."""
+    import remat.guard as guard_module
+    from remat.guard import GradKeeper
+    monkeypatch.setattr(guard_module, "_autograd_accumulates", lambda model: False)
+    model = _llama()
+    _micro_steps(model, _batches(count=1))
+    saved = {id(p): p.grad.clone() for p in model.parameters()}
+    keeper = GradKeeper(model, 2**30)
+    assert set(keeper.copies) == set(saved)
+    with keeper.watching():
+        for p in model.parameters():      # as FSDP's reduce-scatter adds, outside autograd
+            p.grad.add_(1.0)
+    keeper.restore()
+    assert all(torch.equal(p.grad, saved[id(p)]) for p in model.parameters())
+
+
+def test_autograd_accumulates_except_under_fsdp():
+    from remat.guard import _autograd_accumulates
+
+    class FSDPLinear(torch.nn.Linear):
+        pass
+    assert _autograd_accumulates(_llama())
+    assert not _autograd_accumulates(torch.nn.Sequential(FSDPLinear(2, 2)))

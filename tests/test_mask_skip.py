@@ -62,9 +62,14 @@ def _rule_of_5_17(padding_mask, q_length, kv_length, q_offset, kv_offset, local_
 def rule_5_17(monkeypatch):
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", _rule_of_5_17)
     yield
-    for key in list(mask_skip._holders):
-        del mask_skip._holders[key]
-    mask_skip._unwrap_if_unheld()
+    _release_all()
+
+
+def _release_all():
+    for finalizer in list(mask_skip._holders.values()):
+        finalizer.detach()
+    mask_skip._holders.clear()
+    mask_skip._forget(None)
 
 
 def test_a_function_that_replaced_the_wrapper_is_wrapped_at_the_next_apply(rule_5_17, monkeypatch):
@@ -215,3 +220,70 @@ def test_families_compile_with_eagers_loss_and_gradients(family, use_cache, rule
             torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     if family in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         assert calls and all(call == (False, True) for call in calls), calls
+
+
+def test_only_the_held_models_forward_skips_the_mask(rule_5_17):
+    """While one model holds the wrappers, another model compiled in the same process (same class,
+    never applied) gets transformers' own answer: its attention keeps the mask."""
+    ids = torch.randint(0, 128, (2, 16))
+    held = remat.apply(_tiny(), "keep")
+    assert mask_skip.wrapped()
+    other = _tiny()
+    assert _compiled_sdpa_calls(other, input_ids=ids)[0] == [(True, False)] * 2
+    assert _compiled_sdpa_calls(held, input_ids=ids)[0] == [(False, True)] * 2
+    assert mask_skip.patches.patches(other, mask_skip.PATCH_TAG) == []
+    remat.remove(held)
+
+
+def test_mask_skip_false_wraps_nothing_and_patches_nothing(rule_5_17):
+    ids = torch.randint(0, 128, (2, 16))
+    model = remat.apply(_tiny(), "keep", mask_skip=False)
+    assert not mask_skip.wrapped() and masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
+    assert mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
+    assert _compiled_sdpa_calls(model, input_ids=ids)[0] == [(True, False)] * 2
+    remat.apply(model, "keep")                     # on again, then off again by the next apply
+    assert mask_skip.wrapped()
+    remat.apply(model, "full", mask_skip=False)
+    assert not mask_skip.wrapped() and mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
+
+
+def test_a_function_whose_compiled_answer_is_eagers_is_not_wrapped(monkeypatch):
+    """The condition, not a version: a rule that already skips under compile (as eager) needs no
+    wrapper; one that refuses under compile (5.17's) does. Where no function needs it, apply
+    wraps nothing and patches nothing."""
+    def skips_as_eager(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return padding_mask is None and (q_length == 1 or q_length == kv_length)
+
+    assert mask_skip.needed("_ignore_causal_mask_sdpa", _rule_of_5_17)
+    assert not mask_skip.needed("_ignore_causal_mask_sdpa", skips_as_eager)
+    _release_all()
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", skips_as_eager)
+    monkeypatch.setattr(mask_skip, "needed", lambda name, original: name == "_ignore_bidirectional_mask_sdpa")
+    model = remat.apply(_tiny(), "keep")
+    assert mask_skip.wrapped() == ["_ignore_bidirectional_mask_sdpa"]
+    remat.remove(model)
+    monkeypatch.setattr(mask_skip, "needed", lambda name, original: False)
+    model = remat.apply(_tiny(), "keep")
+    assert not mask_skip.wrapped() and mask_skip.patches.patches(model, mask_skip.PATCH_TAG) == []
+    assert masking_utils._ignore_causal_mask_sdpa is skips_as_eager
+
+
+def test_the_installed_versions_wrap_exactly_what_their_compile_path_gets_wrong():
+    """Without remat, a compiled unpadded batch: where SDPA already runs causal without a mask,
+    remat does not wrap the causal decision."""
+    ids = torch.randint(0, 128, (2, 16))
+    calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=ids)
+    model = remat.apply(_tiny(), "keep")
+    assert ("_ignore_causal_mask_sdpa" in mask_skip.wrapped()) == (calls != [(False, True)] * 2)
+    remat.remove(model)
+    assert not mask_skip.wrapped()
+
+
+def test_a_deleted_model_is_released_by_its_finalizer(rule_5_17):
+    model = remat.apply(_tiny(), "keep")
+    finalizer = mask_skip._holders[id(model)]
+    assert finalizer.alive and mask_skip.wrapped()
+    del model
+    gc.collect()
+    assert not finalizer.alive and not mask_skip.wrapped()
+    assert masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17

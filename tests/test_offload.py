@@ -25,6 +25,7 @@ from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline
 from remat.treat.treatments import engine_of
 from remat.planning.offload_model import gpu_overhead_bytes
 from remat.presets import build_model, load_config
+from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,7 +40,7 @@ def _tiny(device="cpu", dropout=0.1, attn="eager"):
 def _treat(model, spec, **engine_kwargs):
     engine = OffloadEngine(model, **engine_kwargs)
     for index, (_, block) in enumerate(discover(model).blocks(model)):
-        apply_treatment(block, spec, engine=engine, key=index)
+        apply_treatment(block, block_record(spec, index=index), engine=engine)
     return engine
 
 
@@ -113,7 +114,7 @@ def test_full_offload_hooks_see_only_the_checkpoint_inputs():
             with_kwargs=True)
     counting = Counting()
     for index, (_, block) in enumerate(blocks):
-        apply_treatment(block, "full+offload", engine=counting, key=index)
+        apply_treatment(block, block_record("full+offload", index=index), engine=counting)
     model(input_ids=_ids(), labels=_ids()).loss.backward()
     positional = [[a for a in args if isinstance(a, torch.Tensor)] for args in inputs]
     # some torch versions (2.11) also pass checkpoint's 0-element placeholder through the hooks
@@ -127,7 +128,7 @@ def test_full_offload_hooks_see_only_the_checkpoint_inputs():
     plain = _tiny()
     counting = Counting()
     for index, (_, block) in enumerate(discover(plain).blocks(plain)):
-        apply_treatment(block, "offload", engine=counting, key=index)
+        apply_treatment(block, block_record("offload", index=index), engine=counting)
     plain(input_ids=_ids(), labels=_ids()).loss.backward()
     assert len(counting.seen) > 10 * len(blocks)
 

@@ -14,6 +14,7 @@ issue's acceptance criterion; a timing, so it belongs to this GPU check, not to 
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -284,10 +285,11 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     compiled = []
     real_compile_block = _compiled.compile_block
 
+    @contextlib.contextmanager
     def counting_compile_block(block, backend):
-        call, counter = real_compile_block(block, backend)
-        compiled.append(counter)
-        return call, counter
+        with real_compile_block(block, backend) as (call, counter):
+            compiled.append(counter)
+            yield call, counter
     monkeypatch.setattr(_compiled, "compile_block", counting_compile_block)
     chained = []
 
@@ -299,6 +301,12 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     monkeypatch.setattr(_blocks, "_block_seconds", cpu_seconds)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
     said = []
+    users_graphs = []
+
+    def users_function(x):
+        return x.sin()
+    users = torch.compile(users_function, backend=lambda gm, inputs: users_graphs.append(gm) or gm.forward)
+    users(torch.ones(3))
     body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"), ("plain", "chunked"),
                                   (1024,), 0, said.append, repeats=3, backend="aot_eager")
     assert body.notes["compile"] is True and "saved_tensors_hooks" in body.notes["offload"]
@@ -319,9 +327,15 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     keep, full = body.classes[0]["keep"], body.classes[0]["full"]
     assert full.saves_input and 0 < full.offloadable < keep.offloadable
     assert {h.mode for h in body.heads} == {"plain", "chunked"}
-    # the profile's cache entries are gone: the user's own compile starts with an empty cache
+    # the profile's cache entries are gone: the user's own compile starts with an empty cache, and
+    # what the user had compiled before stays compiled
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo import convert_frame
-    assert not convert_frame.input_codes.seen
+    live = {code.co_name for code in (r() for r in convert_frame.input_codes.seen) if code is not None
+            for e in _debug_get_cache_entry_list(code) if e.code is not None}
+    assert live == {"users_function"}, live
+    users(torch.ones(3))
+    assert len(users_graphs) == 1
     # and the model is untouched: no stub, no treatment, not compiled
     assert model.__dict__.get("_compiled_call_impl") is None
     assert all("forward" not in block.__dict__ for _, block in named)

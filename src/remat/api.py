@@ -9,7 +9,9 @@ of silently checkpointing every block twice.
 
 Under ``torch.compile`` an applied model also gets transformers' attention-mask decision as
 eager mode makes it (:mod:`remat.treat.mask_skip`: SDPA's causal kernel instead of a
-materialised mask, process-wide while the model lives); ``remove`` gives that back too.
+materialised mask, inside this model's forward only, where the installed versions need it;
+``mask_skip=False`` leaves it out); ``remove`` gives that back too, and so does the model's
+finalizer for a model deleted without it.
 
 Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
 plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
@@ -36,8 +38,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, resolve
-from remat.treat import mask_skip, patches
+from remat.planning.plans import Plan, resolve
+from remat.planning.records import block_records
+from remat.treat import mask_skip as _mask_skip
+from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
@@ -49,7 +53,7 @@ _BATCH_TAG = "batch-check"
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
           tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None,
-          strict: bool = True) -> nn.Module:
+          strict: bool = True, mask_skip: bool = True) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
@@ -64,6 +68,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
     them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
     this model, block for block (module docstring); False applies the blocks it names, by suffix.
+    ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where
+    eager mode skips it (:mod:`remat.treat.mask_skip`: only inside this model's forward, only where
+    the installed torch and transformers need it); False leaves transformers' functions alone.
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
@@ -83,10 +90,11 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
                                    chunk_tokens=chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
                                    tile_tokens=tile_tokens if tile_tokens is not None else plan.tile_tokens)
     named = structure.blocks(model)
-    offloading = any(t in OFFLOADING_TREATMENTS for t in plan.blocks.values())
-    for name, block in named:
+    records = block_records(plan, [name for name, _ in named])   # the plan resolved once, per block
+    offloading = any(r.offload for r in records)
+    for (name, block), record in zip(named, records):
         try:
-            check_treatment(block, plan.blocks.get(name, "keep"))
+            check_treatment(block, record)
         except ValueError as error:
             raise ValueError(f"block {name}: {error}") from None
     if plan.head == "chunked":
@@ -99,10 +107,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             from remat.offload import OffloadEngine
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
-        segments = segments_of({name: plan.blocks.get(name, "keep") for name, _ in named})
-        for index, (name, block) in enumerate(named):
-            apply_treatment(block, plan.blocks.get(name, "keep"), engine=engine, key=index,
-                            segment=segments.get(name, (None, 0)), tile_tokens=plan.tile_tokens)
+        segments = segments_of(records)
+        for (name, block), record in zip(named, records):
+            apply_treatment(block, record, engine=engine, segment=segments.get(record.segment))
         if plan.head == "chunked":
             from remat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
@@ -114,7 +121,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         patches.remove(model)
         patches.reinstall(previous)
         raise
-    mask_skip.hold(model, structure.block_names)
+    if mask_skip:
+        _mask_skip.hold(model, structure.block_names)
+    else:
+        _mask_skip.release(model)
     return model
 
 
@@ -124,7 +134,7 @@ def remove(model: nn.Module) -> nn.Module:
     remat's part inside it passes calls straight through."""
     _check_module(model, "remove", "remat.remove(model)")
     patches.remove(model)
-    mask_skip.release(model)
+    _mask_skip.release(model)
     return model
 
 

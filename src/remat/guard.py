@@ -16,7 +16,7 @@ What it does, per call:
 - Out of memory: when ``train_step`` raises ``torch.OutOfMemoryError``, the guard drops the
   failed step's tensors (the exception and its frames first, then the caching allocator's
   free blocks), puts back every parameter's ``.grad`` as it was before the step (gradient
-  accumulation survives: grads that existed are kept on the host meanwhile) and the RNG
+  accumulation survives: see :class:`GradKeeper` for what is kept, and where) and the RNG
   states (CPU and every CUDA device), re-plans at ``shrink`` times the budget, applies the
   new plan, and runs the same step on the same batch again. The loss curve is then the one
   of a run that never hit the limit (treatments are exact; the head mode is kept as it was,
@@ -59,16 +59,27 @@ can be redone (forward and backward both allocate), and only the caller knows wh
 Do not put ``optimizer.step()`` inside ``train_step``: an out-of-memory error in the middle
 of it would leave the parameters half updated, which no retry can undo.
 
+Gradients a step accumulates into (:class:`GradKeeper`): a step that starts with no ``.grad``
+(a plain loop, ``zero_grad(set_to_none=True)``, the first micro-batch) costs nothing: the redo
+sets them back to None. A step that adds to existing gradients (gradient accumulation) keeps a
+copy of a gradient only when autograd is about to add to it (a hook on the parameter, run just
+before its accumulation), so a copy is made at most once a step per parameter, only of those the
+step touches, and not before the step as a whole; the copies sit on the GPU where they fit under
+the budget beside the plan's predicted peak (a device-to-device copy, a fraction of a percent of
+a step), else in pinned host memory (copied without waiting, in the order of the GPU's work).
+Gradients the step never reached are put back as the same tensors, uncopied.
+
 Limits: the budget only shrinks; fake re-plans predict seconds by roofline, so they may pick
-a slower mix of treatments than a measured plan would (the memory side is exact); existing
-gradients are copied to the host before every step (that is what makes a failed backward
-undoable); a step that runs out of memory for reasons remat does not control (the
-optimizer's state, another process on the GPU) fails after ``max_retries`` with the message
-naming the budgets tried.
+a slower mix of treatments than a measured plan would (the memory side is exact); what is
+undone of the gradients is what autograd accumulated (a step that changes ``.grad`` in place
+itself, say clipping inside ``train_step``, is not undone: clip after it); a step that runs
+out of memory for reasons remat does not control (the optimizer's state, another process on
+the GPU) fails after ``max_retries`` with the message naming the budgets tried.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 from typing import Callable, Optional
@@ -78,7 +89,9 @@ import torch.nn as nn
 
 from remat.units import format_size, parse_budget
 
-_FREE_MARGIN = 0.9  # budget=None: this fraction of the GPU's free memory when the guard starts
+FREE_MARGIN = 0.9
+"""``budget=None`` (the Guard, the training callbacks): this fraction of what the GPU can give
+this process when the budget is taken (:func:`free_memory_budget`)."""
 PROFILE_DEVICES = ("auto", "fake", "cuda")
 
 
@@ -99,7 +112,8 @@ class Guard:
         check_recovery(max_retries, shrink)
         check_profile_device(profile_device)
         self.model = model
-        self.budget = parse_budget(budget) if budget is not None else _free_gpu_bytes(model)
+        self.budget = parse_budget(budget) if budget is not None else free_memory_budget(
+            model, "remat.Guard", "pass budget='24GiB' (or move the model to the GPU first)")
         self.max_retries = max_retries
         self.shrink = float(shrink)
         self.profile_device = profile_device
@@ -160,16 +174,17 @@ def redo_out_of_memory(model: nn.Module, run: Callable, shrink: Callable[[], int
     the RNG states back, ``shrink()`` (re-plan at a lower budget, returning it) and ``run()``
     again, at most ``max_retries`` times; then RuntimeError naming the budgets tried."""
     tried = [budget]
-    grads, rng = _grads_to_host(model), _rng_state()
+    grads, rng = GradKeeper(model, budget), _rng_state()
     for attempt in range(max_retries + 1):
         failed = False
         try:
-            return run()
+            with grads.watching():
+                return run()
         except torch.OutOfMemoryError:
             failed = True   # handled below, once the exception's frames are gone
         if failed:
             _free()
-            _restore_grads(model, grads)
+            grads.restore()
             _set_rng_state(rng)
             if attempt == max_retries:
                 break
@@ -294,24 +309,99 @@ def batch_tokens(batch) -> int:
     return max(t.numel() for t in tensors)
 
 
-def _free_gpu_bytes(model: nn.Module) -> int:
-    param = next(model.parameters(), None)
+def free_memory_budget(module: nn.Module, who: str, instead: str) -> int:
+    """``budget=None``'s budget: :data:`FREE_MARGIN` of what ``module``'s GPU can give this process now
+    (free memory plus what the process has allocated). ``who`` and ``instead`` name the caller and
+    what to pass for a model that is not on a GPU (ValueError)."""
+    param = next(module.parameters(), None)
     if param is None or param.device.type != "cuda":
-        raise ValueError("remat.Guard(budget=None) takes the GPU's free memory as the budget, but the model is "
-                         "not on a GPU: pass budget='24GiB' (or move the model to the GPU first)")
+        raise ValueError(f"{who}(budget=None) takes the GPU's free memory as the budget, but the model is not on a "
+                         f"GPU: {instead}")
     free, _ = torch.cuda.mem_get_info(param.device)
-    return int((free + torch.cuda.memory_allocated(param.device)) * _FREE_MARGIN)
+    return int((free + torch.cuda.memory_allocated(param.device)) * FREE_MARGIN)
 
 
-def _grads_to_host(model: nn.Module) -> dict:
-    return {id(p): (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
-            for p in model.parameters()}
+class GradKeeper:
+    """The gradients as they were before a step, kept where a redo needs them (module docstring).
+
+    Made before the step: it notes each parameter's ``.grad`` tensor (a reference, no copy). Inside
+    :meth:`watching`, a hook on each parameter that has one copies it just before autograd adds the
+    step's gradient to it, once. Under FSDP, which adds the reduced gradients to ``.grad`` outside
+    autograd, every existing gradient is copied when the keeper is made (one device copy a step).
+    :meth:`restore` puts the copies back into those tensors, the untouched ones back as they were,
+    and None where there was none; it can run after each failed attempt (the copies stay).
+    ``budget``: the copies go to the GPU where the existing gradients' bytes fit in it beside the
+    step's peak (:attr:`on_device`), else to pinned host memory."""
+
+    def __init__(self, model: nn.Module, budget: Optional[int] = None):
+        self.before = [(p, p.grad) for p in {id(p): p for p in model.parameters()}.values()]
+        self.existing = [(p, grad) for p, grad in self.before if grad is not None]
+        self.copies = {}  # id(param) -> the copy of its gradient before the step
+        self.copied_bytes = 0
+        self.on_device = not self.existing or _fits_beside_plan(model, budget, self.existing)
+        if self.existing and not _autograd_accumulates(model):
+            for p, grad in self.existing:   # sharded: FSDP adds to .grad itself, no hook sees it
+                self._before_accumulation(p, grad, None)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Inside the block, each existing gradient is copied before autograd first adds to it."""
+        handles = [p.register_hook(functools.partial(self._before_accumulation, p, grad)) for p, grad in self.existing
+                   if p.requires_grad and id(p) not in self.copies]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _before_accumulation(self, param, grad, incoming):
+        if id(param) not in self.copies and param.grad is grad:
+            self.copies[id(param)] = self._copy(grad)
+            self.copied_bytes += grad.numel() * grad.element_size()
+        return None
+
+    def _copy(self, grad):
+        if self.on_device or grad.device.type == "cpu":
+            return grad.detach().clone()
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        return host.copy_(grad.detach(), non_blocking=True)   # ordered before the accumulation on the stream
+
+    def restore(self) -> None:
+        """Every ``.grad`` as it was before the step (its values, in the same tensor)."""
+        if any(c.device.type == "cpu" for c in self.copies.values()) and torch.cuda.is_initialized():
+            torch.cuda.synchronize()                     # the host copies have landed
+        with torch.no_grad():
+            for p, grad in self.before:
+                copy = self.copies.get(id(p))
+                if copy is not None:
+                    grad.copy_(copy)
+                p.grad = grad
 
 
-def _restore_grads(model: nn.Module, saved: dict) -> None:
-    for p in model.parameters():
-        param, grad = saved.get(id(p), (p, None))
-        p.grad = None if grad is None else grad.to(p.device, copy=True)  # the snapshot serves every retry
+def _autograd_accumulates(model: nn.Module) -> bool:
+    """Whether autograd itself adds the step's gradients to the parameters' ``.grad`` (where a hook on
+    the parameter sees it first): not under FSDP (FSDP2's DTensor parameters, FSDP1's flat ones),
+    whose reduce-scatter adds to the sharded ``.grad`` outside autograd."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return False
+    return not any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules())
+
+
+def _fits_beside_plan(model: nn.Module, budget: Optional[int], existing: list) -> bool:
+    """Whether a copy of ``existing`` gradients fits on their GPU under ``budget`` beside the step's
+    peak: the larger of the applied plan's predicted peak and the peak the allocator has seen (a plan
+    made for the first micro-batch may not count the gradients that later ones add to)."""
+    device = existing[0][1].device
+    if device.type != "cuda":
+        return True
+    from remat.api import current_plan
+    plan = current_plan(model)
+    predicted = plan.notes.get("predicted_peak_bytes") if plan is not None else None
+    peak = max(predicted or 0, torch.cuda.max_memory_allocated(device))
+    if budget is None:
+        budget = free_memory_budget(model, "remat", "")
+    need = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for _, g in existing}.values())
+    return peak + need <= budget
 
 
 def _rng_state():

@@ -82,8 +82,10 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
     ``torch.compile(model)``): costs measured compiled, on the GPU only, no offload; the plan's
     ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
-    It resets ``torch._dynamo`` (each block is compiled alone, then the caches are cleared so your
-    ``model.compile()`` starts clean): anything else this process compiled recompiles on its next call.
+    remat's own compiles (each block alone, the model around stubs, the verifying steps) are taken
+    back out of dynamo's cache when measured, so your ``model.compile()`` starts clean, and only they:
+    what else this process compiled stays compiled (:mod:`remat.treat.dynamo_cache` says how, and where
+    an old torch cannot drop one graph of a function it warns and names the functions reset).
     ``compile="blocks"``: plan for each block compiled alone with the embeddings and head eager
     (``block.compile()`` on every block, as FSDP2 is compiled before ``fully_shard``);
     ``notes["compile_scope"]`` says which.

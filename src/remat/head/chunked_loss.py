@@ -82,20 +82,29 @@ def chunked_cross_entropy(hidden, weight, bias, targets, *, chunk_tokens=None, i
     ``transform`` maps logits to logits in their own dtype (e.g. soft-capping).
     """
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
-    targets = targets.reshape(-1).to(hidden.device)
+    targets = targets.reshape(-1)
     if targets.numel() != hidden2.shape[0]:
         raise ValueError(f"{targets.numel()} targets for {hidden2.shape[0]} hidden-state rows; "
                          "they must match (is logits_to_keep set while training?)")
-    if num_items_in_batch is None:
-        divisor = (targets != ignore_index).sum().to(torch.float32)
-    else:
-        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).to(torch.float32)
     cd = compute_dtype or compute_dtype_of(hidden, weight)
     chunk = int(chunk_tokens or default_chunk_tokens(weight.shape[0]))
     if chunk <= 0:
         raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    # targets the host holds (labels left on the CPU) are ordered there: no wait for the GPU
+    order = None
+    if targets.device != hidden.device and targets.device.type == "cpu" and _wants_target_rows(weight, targets, cd,
+                                                                                               chunk):
+        order = _by_first_use(targets.masked_fill(targets == ignore_index, 0), chunk)
+        order = (order[0].to(hidden.device, non_blocking=True), order[1])
+    targets = targets.to(hidden.device, non_blocking=True)
+    if num_items_in_batch is None:
+        divisor = (targets != ignore_index).sum().to(torch.float32)
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        divisor = num_items_in_batch.to(hidden.device, non_blocking=True).to(torch.float32)
+    else:  # a number: filled on the device, not copied from the host (a copy would wait for the GPU)
+        divisor = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
     return _ChunkedLoss.apply(hidden2, weight, bias, targets, divisor, chunk, int(ignore_index),
-                              transform, cd)
+                              transform, cd, order)
 
 
 def compute_dtype_of(hidden, weight):
@@ -108,7 +117,7 @@ def compute_dtype_of(hidden, weight):
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, ignore_index, transform, cd):
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk, ignore_index, transform, cd, order=None):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         want = want_h or want_w or want_b
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -124,7 +133,8 @@ class _ChunkedLoss(torch.autograd.Function):
             h, w = hidden.to(cd), weight.to(cd)
             b = None if bias is None else bias.to(cd)
             grad_h = torch.empty(n, hsize, dtype=cd, device=h.device) if want_h else None
-            acc_w = _accumulator(weight, targets, ignore_index, cd, chunk) if want_w else None
+            known = {} if order is None else {"order": order}  # the targets' order, made on the host
+            acc_w = _accumulator(weight, targets, ignore_index, cd, chunk, **known) if want_w else None
             acc_b = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if want_b else None
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             for s in range(0, n, chunk):
@@ -177,23 +187,29 @@ class _ChunkedLoss(torch.autograd.Function):
         else:
             gw = _scaled(grad_w, scale, w_dtype) if grad_w else None
         gb = (acc_b * scale).to(b_dtype) if acc_b is not None else None
-        return gh, gw, gb, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None
 
 
-def _accumulator(weight, targets, ignore_index, cd, chunk):
-    """The weight gradient's accumulator: :class:`_TargetRows` for a bf16 head where it holds at
-    most 0.8x the fp32 sum's bytes, else :class:`_Accumulator`.
+def _accumulator(weight, targets, ignore_index, cd, chunk, order=None):
+    """The weight gradient's accumulator: :class:`_TargetRows` where :func:`_wants_target_rows`,
+    else :class:`_Accumulator`. ``order``: the targets' :func:`_by_first_use`, if known already."""
+    if _wants_target_rows(weight, targets, cd, chunk):
+        capacity = _aligned(min(targets.numel() + 1, weight.shape[0]))
+        return _TargetRows(weight, targets, ignore_index, capacity, chunk, order)
+    return _Accumulator(weight.shape, weight.device)
 
-    Per target row :class:`_TargetRows` holds its fp32 sum, its bf16 copy at the end and one
-    chunk's gathered column (``6 * hidden + 2 * chunk`` bytes) beside the bf16 sum
-    (``2 * hidden`` a vocabulary row) where the fp32 sum holds 4: at 0.8x its row GEMM costs at
-    most a fifth of the weight gradient's."""
+
+def _wants_target_rows(weight, targets, cd, chunk) -> bool:
+    """A bf16 head where :class:`_TargetRows` holds at most 0.8x the fp32 sum's bytes.
+
+    Per target row it holds its fp32 sum, its bf16 copy at the end and one chunk's gathered
+    column (``6 * hidden + 2 * chunk`` bytes) beside the bf16 sum (``2 * hidden`` a vocabulary
+    row) where the fp32 sum holds 4: at 0.8x its row GEMM costs at most a fifth of the weight
+    gradient's."""
     vocab, hsize = weight.shape
     capacity = _aligned(min(targets.numel() + 1, vocab))
     per_row = 6 * hsize + 2 * min(chunk, targets.numel())
-    if weight.dtype == cd == torch.bfloat16 and 2 * vocab * hsize + capacity * per_row <= 0.8 * 4 * vocab * hsize:
-        return _TargetRows(weight, targets, ignore_index, capacity, chunk)
-    return _Accumulator(weight.shape, weight.device)
+    return weight.dtype == cd == torch.bfloat16 and 2 * vocab * hsize + capacity * per_row <= 0.8 * 4 * vocab * hsize
 
 
 class _TargetRows:
@@ -217,13 +233,14 @@ class _TargetRows:
     is new, as with random ids; natural text repeats its targets and has fewer). The fp32 rows
     and one chunk's gathered target columns are allocated for ``capacity`` rows whatever the
     batch holds, so the peak does not depend on the batch's values; finding and ordering the
-    rows waits for the GPU twice a step (:func:`_by_first_use`). Counts of rows are padded to
+    rows waits for the GPU once a step (:func:`_by_first_use`), and not at all where the host holds
+    the targets (ordered there, before they move to the GPU). Counts of rows are padded to
     a multiple of ``_ALIGN_ROWS`` (with row 0, or with rows of a later chunk), as cuBLAS's fast
     kernels need (unaligned, it ran an sm75 kernel 5x slower). On fake tensors (planning without
     a GPU) the first ``capacity`` rows stand in for the targets, all in use from the first chunk.
     """
 
-    def __init__(self, weight, targets, ignore_index, capacity, chunk):
+    def __init__(self, weight, targets, ignore_index, capacity, chunk, order=None):
         vocab, hsize = weight.shape
         n = targets.numel()
         self.full = torch.zeros(vocab, hsize, dtype=weight.dtype, device=weight.device)
@@ -233,6 +250,8 @@ class _TargetRows:
         if is_fake(targets):
             rows = torch.arange(min(capacity, vocab), device=targets.device)
             first_uses = [rows.numel()] * chunks
+        elif order is not None:
+            rows, first_uses = order
         else:
             rows, first_uses = _by_first_use(targets.masked_fill(targets == ignore_index, 0), chunk)
         self.count = rows.numel()
@@ -275,14 +294,19 @@ def _by_first_use(targets, chunk):
     of ``chunk`` positions the count of them first used in that chunk or before (a prefix).
 
     A stable sort puts each value's first position at the start of its run (sorts and masks
-    only: deterministic on CUDA, where a scatter of minimum positions would use atomics)."""
+    only: deterministic on CUDA, where a scatter of minimum positions would use atomics). Every
+    step stays on the device but the last: the positions that are not a value's first sort after
+    all the others (keyed ``n``) instead of being dropped by a boolean index (a wait for the
+    device each), and the counts per chunk, the last of which is the number of distinct values,
+    come to the host in one copy: the one wait."""
     n = targets.numel()
     values, positions = torch.sort(targets, stable=True)
     starts = torch.ones_like(values, dtype=torch.bool)
     starts[1:] = values[1:] != values[:-1]
-    firsts, order = torch.sort(positions[starts])
+    firsts, order = torch.sort(torch.where(starts, positions, n), stable=True)
     ends = torch.arange(chunk, n + chunk, chunk, device=targets.device).clamp(max=n)
-    return values[starts][order], torch.searchsorted(firsts, ends).tolist()
+    counts = torch.searchsorted(firsts, ends).tolist()
+    return values[order[:counts[-1]]], counts
 
 
 def _aligned(rows: int) -> int:

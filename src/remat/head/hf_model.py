@@ -327,10 +327,20 @@ def _scalar_transform(lm: nn.Module):
     return ("identity",), None
 
 
+_PROBES = {}  # (device, dtype) -> _PROBE as a tensor there, uploaded once (an upload waits for the GPU)
+
+
 def probe(hidden, vocab, row, dtype):
     """What the intercepted ``lm_head`` returns: ``_PROBE`` per token, or (``row``) one row of
-    ``vocab`` values, for a model that adds a [vocab] bias to its logits."""
-    values = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+    ``vocab`` values, for a model that adds a [vocab] bias to its logits. Made on the device from
+    a copy kept there: no host-to-device copy per step."""
+    if is_fake(hidden):
+        values = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+    else:
+        key = (hidden.device, dtype)
+        if key not in _PROBES:
+            _PROBES[key] = torch.tensor(_PROBE, dtype=dtype, device=hidden.device)
+        values = _PROBES[key]
     if row:
         return values.repeat(-(-vocab // len(_PROBE)))[:vocab].reshape((1,) * (hidden.dim() - 1) + (vocab,))
     return values.expand(*hidden.shape[:-1], len(_PROBE)).clone()

@@ -35,9 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from remat.guard import batch_tokens, check_profile_device  # the rules remat.Guard uses
-
-FREE_MARGIN = 0.9  # budget=None: this fraction of what the GPU can give this process
+from remat.guard import batch_tokens, check_profile_device, free_memory_budget  # the rules remat.Guard uses
 
 
 def _print(message: str) -> None:
@@ -91,13 +89,8 @@ class BatchPlanner:
     def resolve_budget(self, module: nn.Module) -> int:
         if self.budget is not None:
             return self.budget
-        param = next(module.parameters(), None)
-        if param is None or param.device.type != "cuda":
-            raise ValueError("RematCallback(budget=None) takes the GPU's free memory as the budget, but the model is "
-                             "not on a GPU: pass budget='24GiB' to plan for a device, or spec='full' to apply a "
-                             "treatment as it is")
-        free, _ = torch.cuda.mem_get_info(param.device)
-        return int((free + torch.cuda.memory_allocated(param.device)) * FREE_MARGIN)
+        return free_memory_budget(module, "RematCallback", "pass budget='24GiB' to plan for a device, or spec='full' "
+                                                            "to apply a treatment as it is")
 
     def plan_if_longer(self, module: nn.Module, batch, tokens: Optional[int] = None) -> bool:
         """Plans for ``batch`` if it holds more tokens than any planned so far; True if it did."""

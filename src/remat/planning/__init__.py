@@ -1,4 +1,5 @@
-"""Numbers in, plan out: plans and specs, cost records, the step simulator, the solver.
+"""Numbers in, plan out: plans and specs, the per-block records a plan resolves into (what
+:mod:`remat.treat` applies: :mod:`~remat.planning.records`), cost records, the step simulator, the solver.
 
 Pure: nothing here walks a model or imports :mod:`remat.treat`, :mod:`remat.offload` or
 :mod:`remat.profiling` (a test checks it), so plans for a cluster are made on a laptop.

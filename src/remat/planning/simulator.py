@@ -170,165 +170,214 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
 
 
 def _walk(profile, treatments, costs, h) -> Simulation:
-    rates, engine, names = profile.rates, profile.engine, profile.block_names
-    off = offload_sizes(profile, treatments)
-    window = engine.window(off)
-    overhead = engine_overhead(engine, off)
-    terms = plan_terms(profile, costs, off)
-    live = LiveBytes(profile.static_bytes, h)
-    static = profile.static_bytes
-    timeline = []
-    clock = {"host": 0.0, "gpu": 0.0}  # the host moves only when it waits for the engine's window
+    walk = _Walk(profile, treatments, costs, h)
+    walk.root_gather()
+    walk.embeddings_forward()
+    for i in range(len(costs)):
+        walk.block_forward(i)
+    walk.head()
+    walk.backward_start()
+    for i in reversed(range(len(costs))):
+        walk.block_backward(i)
+    walk.embeddings_backward()
+    return walk.result()
 
-    def run(seconds, ready=0.0, gathered=0.0):
+
+class _Walk:
+    """One step walked phase by phase (:func:`_walk` calls one method per phase, in the step's
+    order): the clocks of the host and the GPU, the copy buses, the collectives' link, and the
+    timeline of :class:`~remat.planning.simulation.Phase` records."""
+
+    def __init__(self, profile, treatments, costs, h):
+        self.profile, self.treatments, self.costs, self.h = profile, treatments, costs, h
+        self.names = profile.block_names
+        self.engine = profile.engine
+        self.off = offload_sizes(profile, treatments)
+        self.window = self.engine.window(self.off)
+        self.overhead = engine_overhead(self.engine, self.off)
+        self.terms = plan_terms(profile, costs, self.off)
+        self.live = LiveBytes(profile.static_bytes, h)
+        self.static = profile.static_bytes
+        self.timeline = []
+        self.clock = {"host": 0.0, "gpu": 0.0}  # the host moves only when it waits for the engine's window
+        self.comm = profile.comm
+        self.link = Link(self.comm, self.clock) if self.comm else None
+        self.ddp = bool(self.comm) and self.comm.kind == "ddp"
+        self.gathered = [0.0] * len(costs)      # forward: when block i's parameters are all-gathered
+        self.regathered = [0.0] * len(costs)    # backward: the same, when resharded after forward
+        self.waits = []                         # seconds the GPU waited for collectives
+        self.d2h = _Bus(profile.rates.d2h_Bps)
+        self.packed, self.released = 0, 0.0     # offloaded bytes so far; released by the engine
+        self.exposed = 0.0
+        self.held = 0.0
+
+    def run(self, seconds, ready=0.0, gathered=0.0):
         """Run one phase once the GPU, the host, its data (``ready``: offloaded bytes back) and its
         parameters (``gathered``: all-gathered) are; (start, waited for data, waited for parameters)."""
+        clock = self.clock
         free = max(clock["gpu"], clock["host"])
         start = max(free, ready, gathered)
         waited = max(0.0, ready - free)
         clock["gpu"] = start + seconds
         return start, waited, max(0.0, gathered - max(free, ready))
 
-    comm = profile.comm
-    link = Link(comm, clock) if comm else None
-    ddp = bool(comm) and comm.kind == "ddp"
-
-    gathered = [0.0] * len(costs)      # forward: when block i's parameters are all-gathered
-    regathered = [0.0] * len(costs)    # backward: the same, when resharded after forward
-    waits = []                         # seconds the GPU waited for collectives
-
-    def phase(name, b, start, bound=0, held=0.0, end=None, wait=0.0, comm_wait=0.0, over=0.0):
+    def phase(self, name, b, start, bound=0, held=0.0, end=None, wait=0.0, comm_wait=0.0, over=0.0):
         """``b``: the phase's :class:`~remat.planning.memory.Bytes` without the engine's; ``held``:
         the engine's expected bytes (at its peak and, unless ``end`` is given, at its end);
         ``bound``: the engine's bound at its peak."""
         end = b.end + held if end is None else end
-        timeline.append(Phase(name=name, peak_bytes=int(b.peak + held), end_bytes=int(end),
-                              start_s=start, end_s=clock["gpu"], bound_bytes=int(b.peak + bound),
-                              engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - static),
-                              comm_s=comm_wait, overhead_s=over))
-        waits.append(comm_wait)
+        self.timeline.append(Phase(name=name, peak_bytes=int(b.peak + held), end_bytes=int(end),
+                                   start_s=start, end_s=self.clock["gpu"], bound_bytes=int(b.peak + bound),
+                                   engine_bytes=int(held), wait_s=wait, carried_bytes=int(b.carried - self.static),
+                                   comm_s=comm_wait, overhead_s=over))
+        self.waits.append(comm_wait)
 
     # ---- forward
-    if comm and comm.root_gather_bytes:  # the root's all-gather: nothing to hide it behind; then its copies
-        root = link.issue(comm.root_gather_bytes, ready=0.0)
-        over = link.charge(comm.root_fwd_copy_bytes, comm.root_fwd_launches)
-        start, _, cw = run(over, gathered=root)
-        phase("forward: all-gather of the root", Bytes(static, static, static), start, comm_wait=cw, over=over)
-    start, _, cw = run(h.pre_fwd_s)
-    over = 0.0
-    if comm:
-        if costs and comm.gather_bytes[0]:
-            gathered[0] = link.issue(comm.gather_bytes[0], ready=start)
-        over = link.stretch(start, h.pre_fwd_s)
-    phase("forward: embeddings", live.embeddings_forward(), start, comm_wait=cw, over=over)
-    d2h = _Bus(rates.d2h_Bps)
-    packed, released = 0, 0.0         # offloaded bytes so far; released by the engine
-    exposed = 0.0
-    for i, c in enumerate(costs):
-        held = packed - released
-        over = link.block(i, backward=False) if comm else 0.0
-        start, _, cw = run(c.fwd_s + over, gathered=gathered[i])
+    def root_gather(self):
+        """FSDP2's root all-gather: nothing to hide it behind; then its copies."""
+        comm, static = self.comm, self.static
+        if comm and comm.root_gather_bytes:
+            root = self.link.issue(comm.root_gather_bytes, ready=0.0)
+            over = self.link.charge(comm.root_fwd_copy_bytes, comm.root_fwd_launches)
+            start, _, cw = self.run(over, gathered=root)
+            self.phase("forward: all-gather of the root", Bytes(static, static, static), start, comm_wait=cw,
+                       over=over)
+
+    def embeddings_forward(self):
+        comm, h = self.comm, self.h
+        start, _, cw = self.run(h.pre_fwd_s)
+        over = 0.0
         if comm:
-            if i + 1 < len(costs) and comm.gather_bytes[i + 1]:  # prefetched while this block computes
-                gathered[i + 1] = link.issue(comm.gather_bytes[i + 1], ready=start)
+            if self.costs and comm.gather_bytes[0]:
+                self.gathered[0] = self.link.issue(comm.gather_bytes[0], ready=start)
+            over = self.link.stretch(start, h.pre_fwd_s)
+        self.phase("forward: embeddings", self.live.embeddings_forward(), start, comm_wait=cw, over=over)
+
+    def block_forward(self, i):
+        comm, link, clock, off, d2h = self.comm, self.link, self.clock, self.off, self.d2h
+        c = self.costs[i]
+        held = self.packed - self.released
+        over = link.block(i, backward=False) if comm else 0.0
+        start, _, cw = self.run(c.fwd_s + over, gathered=self.gathered[i])
+        if comm:
+            if i + 1 < len(self.costs) and comm.gather_bytes[i + 1]:  # prefetched while this block computes
+                self.gathered[i + 1] = link.issue(comm.gather_bytes[i + 1], ready=start)
             over += link.stretch(start, c.fwd_s + over)
         wait = 0.0
         if off[i]:
             # ``offload`` saves over its whole forward, ``full+offload`` its input at the start
-            d2h.copy(off[i], ready=start, not_before=clock["gpu"] if treatments[i] == "offload" else start)
-            packed += off[i]
-            if packed - d2h.done_by(clock["host"]) > window:   # the host waits for the oldest copies
-                t = d2h.when_done(packed - window)
+            d2h.copy(off[i], ready=start, not_before=clock["gpu"] if self.treatments[i] == "offload" else start)
+            self.packed += off[i]
+            if self.packed - d2h.done_by(clock["host"]) > self.window:   # the host waits for the oldest copies
+                t = d2h.when_done(self.packed - self.window)
                 wait = max(0.0, t - clock["gpu"])               # the GPU idles only once its queue ran dry
                 clock["host"] = t
                 clock["gpu"] = max(clock["gpu"], t)
-            released = d2h.done_by(clock["host"])              # released at the block's end
-        exposed += wait
-        b = live.forward(terms[i])
-        phase(f"forward of block {i} ({names[i]}, {treatments[i]})", b, start, bound=overhead["forward"][i],
-              held=held, end=b.end + packed - released, wait=wait, comm_wait=cw, over=over)
+            self.released = d2h.done_by(clock["host"])              # released at the block's end
+        self.exposed += wait
+        b = self.live.forward(self.terms[i])
+        self.phase(f"forward of block {i} ({self.names[i]}, {self.treatments[i]})", b, start,
+                   bound=self.overhead["forward"][i], held=held, end=b.end + self.packed - self.released, wait=wait,
+                   comm_wait=cw, over=over)
 
     # ---- head: nothing is released until the backward starts
-    held = packed - released
-    start, _, _ = run(h.head_fwd_s)
-    over = link.stretch(start, h.head_fwd_s) if comm else 0.0
-    phase("forward: head and loss", live.head_forward(), start, bound=overhead["head"], held=held, over=over)
-    start, _, _ = run(h.head_bwd_s)
-    over = 0.0
-    if comm:
-        if comm.reshard_after_forward and costs and comm.gather_bytes[-1]:
-            regathered[-1] = link.issue(comm.gather_bytes[-1], ready=start)
-        over = link.stretch(start, h.head_bwd_s)
-    phase("backward: head and loss", live.head_backward(), start, bound=overhead["head"], held=held, over=over)
+    def head(self):
+        comm, link, h = self.comm, self.link, self.h
+        held = self.held = self.packed - self.released
+        start, _, _ = self.run(h.head_fwd_s)
+        over = link.stretch(start, h.head_fwd_s) if comm else 0.0
+        self.phase("forward: head and loss", self.live.head_forward(), start, bound=self.overhead["head"], held=held,
+                   over=over)
+        start, _, _ = self.run(h.head_bwd_s)
+        over = 0.0
+        if comm:
+            if comm.reshard_after_forward and self.costs and comm.gather_bytes[-1]:
+                self.regathered[-1] = link.issue(comm.gather_bytes[-1], ready=start)
+            over = link.stretch(start, h.head_bwd_s)
+        self.phase("backward: head and loss", self.live.head_backward(), start, bound=self.overhead["head"],
+                   held=held, over=over)
 
     # ---- backward
-    # Bytes still queued at the end of the forward, newest first, beyond the ``issue_bytes``
-    # being copied, were never issued: they stay on the GPU until their block's backward
-    # (never moved). The first unpack releases the copies that landed (all, by then).
-    never = [0.0] * len(costs)
-    unissued = max(0.0, held - engine.issue_bytes)
-    for j in reversed(range(len(costs))):
-        never[j] = min(off[j], unissued)
-        unissued -= never[j]
-    h2d = _Bus(rates.h2d_Bps)
-    arrives = {}       # offloaded block -> time its bytes are back on the GPU
-    fetched = set()    # blocks fetched (their bytes on the GPU) and not yet done
-    unpacked = False
-    records = [j for j in range(len(costs)) if off[j]]
-    moved = sum(o - n for o, n in zip(off, never))
-    for i in reversed(range(len(costs))):
-        c = costs[i]
+    def backward_start(self):
+        """Bytes still queued at the end of the forward, newest first, beyond the ``issue_bytes``
+        being copied, were never issued: they stay on the GPU until their block's backward (never
+        moved). The first unpack releases the copies that landed (all, by then)."""
+        off = self.off
+        self.never = [0.0] * len(self.costs)
+        unissued = max(0.0, self.held - self.engine.issue_bytes)
+        for j in reversed(range(len(self.costs))):
+            self.never[j] = min(off[j], unissued)
+            unissued -= self.never[j]
+        self.h2d = _Bus(self.profile.rates.h2d_Bps)
+        self.arrives = {}       # offloaded block -> time its bytes are back on the GPU
+        self.fetched = set()    # blocks fetched (their bytes on the GPU) and not yet done
+        self.unpacked = False
+        self.records = [j for j in range(len(self.costs)) if off[j]]
+        self.moved = sum(o - n for o, n in zip(off, self.never))
+
+    def block_backward(self, i):
+        comm, link, clock, off, never, fetched = self.comm, self.link, self.clock, self.off, self.never, self.fetched
+        c = self.costs[i]
         if off[i]:  # its first unpack makes it current: fetch it and the records before it
-            unpacked = True
-            earlier = [j for j in records if j < i][::-1][:engine.prefetch_blocks]
+            self.unpacked = True
+            earlier = [j for j in self.records if j < i][::-1][:self.engine.prefetch_blocks]
             begin = max(clock["gpu"], clock["host"])
             for j in [i] + earlier:
                 if j not in fetched:
                     fetched.add(j)
-                    arrives[j] = h2d.copy(off[j] - never[j], ready=begin) if off[j] > never[j] else begin
+                    self.arrives[j] = self.h2d.copy(off[j] - never[j], ready=begin) if off[j] > never[j] else begin
         over = link.block(i, backward=True) if comm else 0.0
-        start, wait, cw = run(c.bwd_s + over, ready=arrives.get(i, 0.0), gathered=regathered[i])
+        start, wait, cw = self.run(c.bwd_s + over, ready=self.arrives.get(i, 0.0), gathered=self.regathered[i])
         if comm:
             if comm.reshard_after_forward and i > 0 and comm.gather_bytes[i - 1]:  # prefetched beside it
-                regathered[i - 1] = link.issue(comm.gather_bytes[i - 1], ready=start)
-            for fraction, nbytes in (comm.buckets[i] if ddp else ()):  # DDP: each bucket once it fills
+                self.regathered[i - 1] = link.issue(comm.gather_bytes[i - 1], ready=start)
+            for fraction, nbytes in (comm.buckets[i] if self.ddp else ()):  # DDP: each bucket once it fills
                 link.issue(nbytes, ready=start + fraction * (c.bwd_s + over), reduce=True)
             over += link.stretch(start, c.bwd_s + over)
-            if not ddp:  # FSDP2: its gradients, once its backward ends
+            if not self.ddp:  # FSDP2: its gradients, once its backward ends
                 link.issue(comm.reduce_bytes[i], ready=clock["gpu"], reduce=True)
-        exposed += wait
-        if unpacked:  # earlier blocks' bytes on the GPU: fetched ahead, or never moved
-            held = sum(off[j] if j in fetched else never[j] for j in range(i))
-        what = "recompute + backward" if treatments[i] not in ("keep", "offload") else "backward"
-        phase(f"backward of block {i} ({names[i]}, {treatments[i]}: {what})", live.backward(i, terms[i]), start,
-              bound=overhead["backward"][i], held=held, wait=wait, comm_wait=cw, over=over)
+        self.exposed += wait
+        if self.unpacked:  # earlier blocks' bytes on the GPU: fetched ahead, or never moved
+            self.held = sum(off[j] if j in fetched else never[j] for j in range(i))
+        treatment = self.treatments[i]
+        what = "recompute + backward" if treatment not in ("keep", "offload") else "backward"
+        self.phase(f"backward of block {i} ({self.names[i]}, {treatment}: {what})",
+                   self.live.backward(i, self.terms[i]), start, bound=self.overhead["backward"][i], held=self.held,
+                   wait=wait, comm_wait=cw, over=over)
         fetched.discard(i)
-    if not comm:
-        start, _, _ = run(h.pre_bwd_s)
-        phase("backward: embeddings", live.embeddings(), start)
-    else:  # the root's copies after the embeddings' backward, its reduction last; the step ends with the link
+
+    def embeddings_backward(self):
+        comm, link, h = self.comm, self.link, self.h
+        if not comm:
+            start, _, _ = self.run(h.pre_bwd_s)
+            self.phase("backward: embeddings", self.live.embeddings(), start)
+            return
+        # the root's copies after the embeddings' backward, its reduction last; the step ends with the link
         over = link.charge(comm.root_bwd_copy_bytes, comm.root_bwd_launches)
-        start, _, _ = run(h.pre_bwd_s + over)
+        start, _, _ = self.run(h.pre_bwd_s + over)
         over += link.stretch(start, h.pre_bwd_s + over)
-        phase("backward: embeddings", live.embeddings(), start, over=over)
+        self.phase("backward: embeddings", self.live.embeddings(), start, over=over)
         if comm.root_reduce_bytes:
-            link.issue(comm.root_reduce_bytes, ready=clock["gpu"], reduce=True)
-        end = timeline[-1].end_bytes
-        if link.free_at > clock["gpu"]:
-            start, _, cw = run(0.0, gathered=link.free_at)
-            phase(f"backward: {'all-reduces' if ddp else 'reduce-scatters'} left at the end", Bytes(end, end, end),
-                  start, comm_wait=cw)
+            link.issue(comm.root_reduce_bytes, ready=self.clock["gpu"], reduce=True)
+        end = self.timeline[-1].end_bytes
+        if link.free_at > self.clock["gpu"]:
+            start, _, cw = self.run(0.0, gathered=link.free_at)
+            self.phase(f"backward: {'all-reduces' if self.ddp else 'reduce-scatters'} left at the end",
+                       Bytes(end, end, end), start, comm_wait=cw)
         if comm.final_copy_bytes and comm.copy_Bps:  # DDP: the reduced buckets back into the gradients
             over = link.charge(comm.final_copy_bytes, 0)
-            start, _, _ = run(over)
-            phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
-    top = max(timeline, key=lambda p: p.peak_bytes)
-    worst = max(timeline, key=lambda p: p.bound_bytes)
-    step = clock["gpu"] + profile.step_overhead_s + profile.optimizer_s  # the optimizer steps once the link is idle
-    return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
-                      peak_at=top.name, static_bytes=static, head=h.mode, chunk_tokens=h.chunk_tokens,
-                      timeline=tuple(timeline), offload_bytes=sum(off), exposed_copy_s=exposed,
-                      bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(moved),
-                      comm_s=comm.total_s() if comm else 0.0, exposed_comm_s=sum(waits),
-                      comm_copy_s=link.copy_s if comm else 0.0, comm_launch_s=link.launch_s if comm else 0.0,
-                      comm_contention_s=link.contention_s if comm else 0.0, optimizer_s=profile.optimizer_s)
+            start, _, _ = self.run(over)
+            self.phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
+
+    def result(self) -> Simulation:
+        comm, link, h, profile = self.comm, self.link, self.h, self.profile
+        top = max(self.timeline, key=lambda p: p.peak_bytes)
+        worst = max(self.timeline, key=lambda p: p.bound_bytes)
+        step = self.clock["gpu"] + profile.step_overhead_s + profile.optimizer_s  # the optimizer steps once the link is idle
+        return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
+                          peak_at=top.name, static_bytes=self.static, head=h.mode, chunk_tokens=h.chunk_tokens,
+                          timeline=tuple(self.timeline), offload_bytes=sum(self.off), exposed_copy_s=self.exposed,
+                          bound_bytes=worst.bound_bytes, bound_at=worst.name, moved_bytes=int(self.moved),
+                          comm_s=comm.total_s() if comm else 0.0, exposed_comm_s=sum(self.waits),
+                          comm_copy_s=link.copy_s if comm else 0.0, comm_launch_s=link.launch_s if comm else 0.0,
+                          comm_contention_s=link.contention_s if comm else 0.0, optimizer_s=profile.optimizer_s)

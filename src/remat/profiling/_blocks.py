@@ -42,6 +42,7 @@ from remat.profiling._capture import _hidden_of, _nbytes, _tensor_attributes_res
 from remat.profiling._meters import _chain, _gc_paused
 from remat.planning.costs import BlockCost
 from remat.planning.offload_model import pinned_bytes
+from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment, remove_treatment
 
 
@@ -61,12 +62,13 @@ class _Sink(torch.autograd.Function):
 
 def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None,
                 backend=None) -> BlockCost:
-    apply_treatment(block, treatment)
+    apply_treatment(block, block_record(treatment))
+    stack = contextlib.ExitStack()  # a compiled call's graphs leave dynamo's cache with it
     try:
         call = block
         if backend is not None:  # compiled once per class x treatment; the first call compiles, unmeasured
             from remat.profiling._compiled import check_compiled, compile_block
-            call, counter = compile_block(block, backend)
+            call, counter = stack.enter_context(compile_block(block, backend))
             meter.zero()
             _block_run(block, args, kwargs, meter, params, track=False, call=call)
             check_compiled(counter, f"{type(block).__name__} under {treatment!r}")
@@ -92,6 +94,7 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
         else:
             fwd_s, bwd_s = marks[0][2], marks[2][2]
     finally:
+        stack.close()
         remove_treatment(block)
         block.zero_grad(set_to_none=True)
     (with_out, fwd_peak, _), (kept, _, _), (bwd_end, bwd_peak, _) = marks

@@ -34,6 +34,7 @@ import torch
 
 from remat.profiling._capture import _hidden_of
 from remat.planning.costs import MEASURED_TREATMENTS, Profile
+from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment, remove_treatment
 
 
@@ -122,8 +123,9 @@ def calibration_plan(model, prof: Profile):
 def uniform_applied(model, named, treatment: str, head):
     """Inside the block, every block of ``named`` treated with ``treatment`` and the model's head in
     ``head``'s mode; afterwards both taken off and the gradients cleared."""
+    record = block_record(treatment)
     for _, block in named:
-        apply_treatment(block, treatment)
+        apply_treatment(block, record)
     if head.mode == "chunked":
         from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)

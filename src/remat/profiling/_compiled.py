@@ -9,7 +9,8 @@ the pointwise ops whose outputs eager keeps; the bench model's ``full`` keeps li
 half as much compiled) and its time, so a compiled plan must be profiled compiled. How:
 
 - A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
-  ``torch.compile(block, dynamic=False)`` with a fresh dynamo cache, once per class × treatment)
+  ``torch.compile`` of the block's call, ``dynamic=False``, once per class × treatment, taken out
+  of dynamo's cache after)
   and measured by the same meter and the same chains as an eager block
   (:mod:`remat.profiling._blocks`); a first call compiles, outside any measurement.
 - The head: the stubbed step (blocks replaced by stubs) runs with the whole model compiled as
@@ -34,10 +35,12 @@ half as much compiled) and its time, so a compiled plan must be profiled compile
 
 A backend that counts graphs (:class:`CountingBackend`) wraps inductor: a block that compiled
 no graph (dynamo skipped the frame, or fell back to eager at a cache limit) raises instead of
-returning eager numbers as compiled ones. ``torch._dynamo.reset()`` runs before each compile
-and once at the end (every compile here traces the same code objects, the block's forward, so
-without it the user's own ``model.compile()`` would later hit the recompile limit): anything
-else the process had compiled recompiles on its next call.
+returning eager numbers as compiled ones. Each compile here is remat's own and is taken back out
+of dynamo's cache when its measurement ends (:mod:`remat.treat.dynamo_cache`: a trampoline on a
+code object of its own, a region of its own where torch has them): the next treatment compiles
+afresh, the user's own ``model.compile()`` later does not meet the profile's entries against its
+recompile limit, and whatever else the process had compiled stays compiled (``torch._dynamo.reset()``
+would drop it all).
 
 Offload treatments are left out of compiled plans (:data:`OFFLOAD_UNDER_COMPILE`): dynamo breaks
 the graph at the offload engine's ``saved_tensors_hooks`` (every offloaded block becomes a
@@ -56,6 +59,7 @@ from dataclasses import replace
 import torch
 
 from remat.planning.costs import Profile
+from remat.treat.dynamo_cache import compiled, own_compiles
 
 BACKEND = "inductor"
 SCOPES = ("model", "blocks")
@@ -105,13 +109,14 @@ class CountingBackend:
         return lookup_backend(self.backend)(gm, example_inputs)
 
 
+@contextlib.contextmanager
 def compile_block(block, backend: str):
-    """``block``'s call compiled alone (``dynamic=False``, fresh dynamo cache), called once to compile.
-
-    Returns ``(call, counter)``; the caller makes the first call (it compiles) with real inputs."""
-    torch._dynamo.reset()
-    counter = CountingBackend(backend)
-    return torch.compile(block, backend=counter, dynamic=False), counter
+    """``block``'s call compiled alone (``dynamic=False``) for the ``with`` block, taken out of
+    dynamo's cache at its end. Yields ``(call, counter)``; the caller makes the first call (it
+    compiles) with real inputs."""
+    with own_compiles("remat's compiled profile"):
+        counter = CountingBackend(backend)
+        yield compiled(backend=counter, dynamic=False).bind(block), counter
 
 
 def check_compiled(counter: CountingBackend, what: str) -> None:
@@ -123,32 +128,34 @@ def check_compiled(counter: CountingBackend, what: str) -> None:
 
 @contextlib.contextmanager
 def compiled_model(model, backend: str):
-    """``model`` compiled in place as ``Module.compile()`` does, for the ``with`` block; yields the counter."""
-    torch._dynamo.reset()
-    counter = CountingBackend(backend)
-    previous = model.__dict__.get("_compiled_call_impl")
-    model._compiled_call_impl = torch.compile(model._call_impl, backend=counter, dynamic=False)
-    try:
-        yield counter
-    finally:
-        model._compiled_call_impl = previous
+    """``model`` compiled in place as ``Module.compile()`` does, for the ``with`` block (its graphs
+    taken out of dynamo's cache at the end); yields the counter."""
+    with own_compiles("remat's compiled profile"):
+        counter = CountingBackend(backend)
+        previous = model.__dict__.get("_compiled_call_impl")
+        model._compiled_call_impl = compiled(backend=counter, dynamic=False).bind(model)
+        try:
+            yield counter
+        finally:
+            model._compiled_call_impl = previous
 
 
 @contextlib.contextmanager
 def compiled_blocks(named, backend: str):
     """Each block of ``named`` compiled alone in place, as ``block.compile()`` does, for the
-    ``with`` block (one dynamo cache for all: blocks of one class share their graph); yields the counter."""
-    torch._dynamo.reset()
-    counter = CountingBackend(backend)
-    previous = [block.__dict__.get("_compiled_call_impl") for _, block in named]
-    call = torch.compile(backend=counter, dynamic=False)
-    for _, block in named:
-        block._compiled_call_impl = call(block._call_impl)
-    try:
-        yield counter
-    finally:
-        for (_, block), before in zip(named, previous):
-            block._compiled_call_impl = before
+    ``with`` block (one compiled call for all: blocks of one class share their graph; taken out of
+    dynamo's cache at the end); yields the counter."""
+    with own_compiles("remat's compiled profile"):
+        counter = CountingBackend(backend)
+        previous = [block.__dict__.get("_compiled_call_impl") for _, block in named]
+        call = compiled(backend=counter, dynamic=False)
+        for _, block in named:
+            block._compiled_call_impl = call.bind(block)
+        try:
+            yield counter
+        finally:
+            for (_, block), before in zip(named, previous):
+                block._compiled_call_impl = before
 
 
 _EAGER = {}

@@ -20,7 +20,9 @@ block's compiled call and with the model compiled around the stubs (``compile="b
 head's runs eager, as the root runs when only the blocks are compiled); see
 :mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
 than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
-warned); dynamo's cache is reset afterwards, so the user's own compile starts empty.
+warned); each compiled measurement takes its graphs back out of dynamo's cache when it ends
+(:mod:`remat.treat.dynamo_cache`), so the user's own compile starts without them and the user's
+other compiled graphs stay.
 
 Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
 costs; a head mode the model refuses is noted and left out, and a model whose embeddings
@@ -52,13 +54,9 @@ def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
     backend name to measure compiled (see :mod:`remat.profiling._compiled`), else eager;
     ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks."""
-    try:
-        return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                             repeats, backend, scope)
-    finally:
-        if backend is not None:  # the user's own compile must not meet the profile's cache entries
-            import torch._dynamo
-            torch._dynamo.reset()
+    # each compiled measurement takes its graphs back out of dynamo's cache (profiling._compiled)
+    return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
+                         repeats, backend, scope)
 
 
 def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend,

@@ -14,8 +14,9 @@ each block alone), inside :func:`remat.treat.patches.suspended` and
 :func:`remat.profiling.snapshot.preserved`, so the model comes back as it was: its own plan,
 gradients, buffers and random state. :func:`remat.profiling._compiled.compiled_steps` runs two
 steps that compile and two measured ones; the peak counts static memory as the profile does, so
-it compares with the plan's predicted peak and its budget. Dynamo's caches are reset afterwards
-(the user's ``model.compile()`` then starts clean; inductor's on-disk cache makes it quicker).
+it compares with the plan's predicted peak and its budget. The steps' compiled graphs are taken
+back out of dynamo's cache afterwards, and only they (:mod:`remat.treat.dynamo_cache`): the user's
+``model.compile()`` then starts clean, and what else the process compiled stays compiled.
 :func:`room_to_measure` says whether the plan's bound fits in this GPU's free memory at all: a
 plan made for a larger budget than this GPU has free is returned unmeasured, and says so.
 
@@ -67,11 +68,9 @@ def measure_compiled(model, batch, loss_fn, chosen, prof, *, apply_plan, blocks=
         model.train()
         apply_plan(model, chosen, blocks=blocks)
         named = discover(model, blocks).blocks(model)
-        try:
-            # each step clears its gradients; preserved gives the user's back
-            steps, peak = compiled_steps(model, batch, loss_fn, named, contextlib.nullcontext(), backend,
-                                         prof.static_bytes, scope, timed=2)
-        finally:
-            torch._dynamo.reset()
+        # each step clears its gradients; preserved gives the user's back; the compiled graphs leave
+        # dynamo's cache when the steps end (remat.treat.dynamo_cache)
+        steps, peak = compiled_steps(model, batch, loss_fn, named, contextlib.nullcontext(), backend,
+                                     prof.static_bytes, scope, timed=2)
     return {"peak_bytes": peak, "step_s": statistics.median(s[2] for s in steps)}
 

@@ -14,10 +14,10 @@ is a result (``oom``), not a crash; the next strategy starts from freed memory.
 
 The rows are :mod:`remat.prove.strategies`: the stock strategies (anchors), remat's uniform
 specs and plans, eager and compiled. Compiled rows run last (a compile takes most of a
-minute); each starts from ``torch._dynamo.reset()`` and the default
-``activation_memory_budget``, and leaves both as it found them, so no row inherits another's
-compiler state. A compiled row's record says whether remat's attention-mask skip
-(:mod:`remat.treat.mask_skip`) was in force.
+minute); each starts from the default ``activation_memory_budget`` and takes the graphs it compiled
+back out of dynamo's cache (:mod:`remat.treat.dynamo_cache`), so no row inherits another's
+compiler state and the process's other compiled graphs stay. A compiled row's record says whether
+remat's attention-mask skip (:mod:`remat.treat.mask_skip`) was in force.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch
 from remat.prove.anchors import Skip
 from remat.prove.strategies import Strategy
 from remat.treat import mask_skip
+from remat.treat.dynamo_cache import own_compiles
 
 GiB = 2 ** 30
 
@@ -136,15 +137,18 @@ def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps
 
 
 def _compiler_state() -> dict:
-    """Reset dynamo (a compiled row must not reuse another's graphs) and save the knob rows set."""
+    """The knob rows set, saved, and from here the row's compiles are its own: a compiled row must
+    not reuse another's graphs, and leaves none behind (:func:`remat.treat.dynamo_cache.own_compiles`)."""
     import torch._functorch.config as functorch_config
-    torch._dynamo.reset()
-    return {"activation_memory_budget": functorch_config.activation_memory_budget}
+    scope = own_compiles("remat bench")
+    scope.__enter__()
+    return {"activation_memory_budget": functorch_config.activation_memory_budget, "scope": scope}
 
 
 def _restore_compiler(state: dict) -> None:
     import torch._functorch.config as functorch_config
-    torch._dynamo.reset()
+    state = dict(state)
+    state.pop("scope").__exit__(None, None, None)
     for key, value in state.items():
         setattr(functorch_config, key, value)
 

@@ -13,27 +13,38 @@ packed-sequence mask. So a compiled model builds the full mask and SDPA runs a m
 query-key pair: on the bench model the compiled step's attention took three times its eager
 time, more than inductor's fusions saved (``benchmarks/results/issue11/README.md``).
 
-What: :func:`hold` (called by :func:`remat.apply` and by ``remat.profile(..., compile=True)``)
-wraps those two and ``find_packed_sequence_indices`` in ``transformers.masking_utils`` while
-at least one held model is alive and has not been given back by :func:`release`
-(``remat.remove``). The wrappers
-answer as eager mode does only where that needs no tensor's values: dynamo is compiling and
-not exporting, there is no padding mask, no local-attention window reaches the key length,
-the query offset is a Python int, and (causal) the query is one token or as long as the keys;
-the packed-sequence check answers "not packed" when the base model made the position ids
-itself (the caller passed none: a per-model patch of the base model's ``forward``, tag
-``mask-skip``, notes it). Every other call, and every call outside dynamo, goes to
-transformers' own function. ``is_causal=True`` with no mask computes what the causal mask
-computes (SDPA's own causal kernel, the one eager mode runs): the compiled model then
-attends as the eager one does, rather than differently.
+What: :func:`hold` (called by :func:`remat.apply` unless ``mask_skip=False``, and by
+``remat.profile(..., compile=True)``) wraps those two and ``find_packed_sequence_indices`` in
+``transformers.masking_utils``, each only where this torch and transformers need it: dynamo is
+asked once per function (:func:`needed`, a tiny ``fullgraph`` compile with the eager backend)
+what it answers for an unpadded batch, and a function whose compiled answer is eager's already
+(transformers 5.24 on torch 2.13 skips the causal mask under compile) is left alone; where none
+needs it, nothing is wrapped and the model is not patched at all. The wrappers answer as eager
+mode does only inside the forward of a model that holds them: a per-model patch (tag
+``mask-skip``) on the held model's ``forward`` sets :class:`_Running` while it runs, dynamo traces
+that as part of the forward, and every other model in the process (and every call outside
+dynamo) gets transformers' own answer. Within a held model's forward they answer as eager mode
+does only where that needs no tensor's values: dynamo is compiling and not exporting, there is
+no padding mask, no local-attention window reaches the key length, the query offset is a Python
+int, and (causal) the query is one token or as long as the keys; the packed-sequence check
+answers "not packed" when the base model made the position ids itself (the caller passed none: a
+second ``mask-skip`` patch on the base model's ``forward`` notes it). ``is_causal=True`` with no
+mask computes what the causal mask computes (SDPA's own causal kernel, the one eager mode runs):
+the compiled model then attends as the eager one does, rather than differently.
+
+Undo: ``remat.remove`` (:func:`release`) takes the model's patches off at once; a model deleted
+without it is released by its finalizer (``weakref.finalize``). transformers' functions are put
+back when the last holding model is released.
 
 Export: ``torch.export`` sets ``torch.compiler._is_exporting_flag`` (a module global that
 dynamo reads as a value, unlike the function it folds), and the wrapper defers to
 transformers then: an exported graph must not hard-code ``is_causal``. A torch without that
 flag (2.6) cannot tell export from compile, so there nothing is wrapped.
 
-Limits: process-wide, since transformers' functions are module state: while one model holds
-the wrapper, any model compiled in the process gets it. A function that replaced remat's
+Limits: the wrappers are bound in ``transformers.masking_utils`` while a model holds them
+(module state), though they change nothing outside a held model's forward; a model compiled
+from inside (``model.model.compile()`` on the base model alone) runs outside the held ``forward``
+and keeps transformers' answer. A function that replaced remat's
 wrapper meanwhile (not one that wraps it) is wrapped at the next :func:`hold`. A batch with an
 ``attention_mask`` tensor, even all ones, still builds the mask under compile (skipping it
 needs the mask's values: a graph break): pass no ``attention_mask`` for unpadded batches. Without
@@ -54,15 +65,19 @@ import torch.nn as nn
 
 from remat.treat import patches
 
-_holders: dict = {}    # id(model) -> weakref to a model that holds the wrappers
+_holders: dict = {}    # id(model) -> weakref.finalize of a model that holds the wrappers
 _originals: dict = {}  # function name in masking_utils -> (transformers' own function, remat's wrapper)
+_NEEDED: dict = {}     # id(a masking_utils function) -> (the function, whether dynamo answers otherwise than eager)
 _DEFER = object()      # a decision's "ask transformers"
 PATCH_TAG = "mask-skip"
 
 
-class _Positions:
-    """Whether the running forward of a held model's base model made its own position ids
-    (the caller passed none): set by :func:`_note_generated_positions`, read while dynamo traces."""
+class _Running:
+    """Set while a held model's forward runs (traced by dynamo as part of it), read by the wrappers.
+
+    ``held``: inside a held model's forward; ``generated``: inside its base model's forward, which
+    made its own position ids (the caller passed none)."""
+    held = False
     generated = False
 
 
@@ -84,7 +99,7 @@ def _bidirectional_skip(arguments: dict):
 
 
 def _no_packing(arguments: dict):
-    return None if _Positions.generated else _DEFER
+    return None if _Running.generated else _DEFER
 
 
 # masking_utils function -> (decision, parameters it must have, one of which it must have)
@@ -93,6 +108,9 @@ _DECISIONS = {
     "_ignore_bidirectional_mask_sdpa": (_bidirectional_skip, {"padding_mask", "kv_length"}, set()),
     "find_packed_sequence_indices": (_no_packing, {"position_ids"}, set()),
 }
+# an unpadded batch of 16 tokens, as :func:`needed` asks each function about it
+_UNPADDED = {"padding_mask": None, "q_length": 16, "query_length": 16, "kv_length": 16, "q_offset": 0,
+             "kv_offset": 0, "local_attention_size": None}
 
 
 def compiling_not_exporting() -> bool:
@@ -110,7 +128,8 @@ def _wrapper(original: Callable, decide: Callable) -> Callable:
 
     @functools.wraps(original)
     def as_in_eager(*args, **kwargs):
-        if _originals and compiling_not_exporting():  # a pass-through once unwrapped under another's wrapper
+        # a pass-through outside a held model's forward, and once unwrapped under another's wrapper
+        if _Running.held and _originals and compiling_not_exporting():
             arguments = dict(zip(names, args))
             arguments.update(kwargs)
             decided = decide(arguments)
@@ -125,33 +144,76 @@ def _knows(original: Callable, required: set, one_of: set) -> bool:
     return required <= names and (not one_of or bool(one_of & names))
 
 
+def _asks_unpadded(name: str, original: Callable) -> Callable:
+    """``(position ids) -> whether original skips the mask`` for an unpadded batch of 16 tokens."""
+    if name == "find_packed_sequence_indices":
+        return lambda positions: original(position_ids=positions) is None
+    parameters = inspect.signature(original).parameters
+    kwargs = {k: v for k, v in _UNPADDED.items() if k in parameters}
+    return lambda positions: original(**kwargs) is True
+
+
+def needed(name: str, original: Callable) -> bool:
+    """Whether ``original`` (``masking_utils.<name>``) answers otherwise under ``torch.compile``
+    than in eager mode for an unpadded batch: what the wrapper is for. Asked once per function
+    (a ``fullgraph`` compile of a private function with the eager backend, its graph dropped
+    after, the answer kept); True where dynamo cannot trace the question (wrapped, as before; asked
+    again at the next :func:`hold`)."""
+    known = _NEEDED.get(id(original))
+    if known is not None and known[0] is original:
+        return known[1]
+    ask = _asks_unpadded(name, original)
+    positions = torch.arange(16)[None]
+
+    def compiled_answer(x):
+        return x + (1 if ask(x) else 0)
+    try:
+        eager = ask(positions)
+        traced = bool(torch.compile(compiled_answer, backend="eager", fullgraph=True)(positions)[0, 0] == 1)
+    except Exception:  # noqa: BLE001 -- the question cannot be traced here: wrap, and ask again next time
+        return True
+    finally:
+        _reset_code(compiled_answer.__code__)  # remat's own function: none of the user's graphs
+    _NEEDED[id(original)] = (original, traced != eager)
+    return traced != eager
+
+
+def _reset_code(code) -> None:
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+    except ImportError:  # a torch without it keeps one small graph of remat's
+        return
+    reset_code(code)
+
+
 def wrapped() -> list:
     """Names of the transformers functions wrapped now."""
     return sorted(_originals)
 
 
 def hold(model: nn.Module, block_names: Optional[list] = None) -> bool:
-    """Wrap transformers' mask decisions while ``model`` lives (or until :func:`release`), and
-    mark the position ids its base model makes itself. Returns whether anything is wrapped."""
+    """Wrap transformers' mask decisions that this torch needs wrapped while ``model`` lives (or until
+    :func:`release`), and patch its ``forward`` so that they act inside it (module docstring).
+    Returns whether anything is wrapped."""
     module = _masking_utils()
     if module is None or not hasattr(torch.compiler, "_is_exporting_flag"):
         return False
-    key = id(model)
-    if key not in _holders or _holders[key]() is not model:
-        _holders[key] = weakref.ref(model, _unwrap_if_unheld)
+    wanted = []
     for name, (decide, required, one_of) in _DECISIONS.items():
         original = getattr(module, name, None)
         if name in _originals and _calls(original, _originals[name][1]):
-            continue
-        if original is None or not _knows(original, required, one_of):
-            continue
-        _originals[name] = (original, _wrapper(original, decide))
-        setattr(module, name, _originals[name][1])
-    base = _base_model(model, block_names)
-    if base is not None and patches.patch_of(base, "forward", PATCH_TAG) is None:
-        names = [n for n in inspect.signature(type(base).forward).parameters][1:]
-        patches.install(base, "forward", _note_generated_positions, tag=PATCH_TAG, state=names.index("position_ids"))
-    return bool(_originals)
+            wanted.append(name)
+        elif original is not None and _knows(original, required, one_of) and needed(name, original):
+            wanted.append(name)
+            _originals[name] = (original, _wrapper(original, decide))
+            setattr(module, name, _originals[name][1])
+    if not wanted:
+        return False
+    key = id(model)
+    if key not in _holders or _holders[key].peek() is None or _holders[key].peek()[0] is not model:
+        _holders[key] = weakref.finalize(model, _forget, key)
+    _mark_forwards(model, block_names)
+    return True
 
 
 def _calls(function: Callable, wrapper: Callable) -> bool:
@@ -165,6 +227,19 @@ def _calls(function: Callable, wrapper: Callable) -> bool:
         seen.add(id(function))
         function = getattr(function, "__wrapped__", None)
     return False
+
+
+def _mark_forwards(model: nn.Module, block_names: Optional[list]) -> None:
+    """The patches that set :class:`_Running`: on ``model`` (held) and on its base model (where it
+    makes its own position ids); one patch where they are the same module."""
+    base = _base_model(model, block_names)
+    targets = [(model, None)] if base is not model else []
+    if base is not None:
+        names = [n for n in inspect.signature(type(base).forward).parameters][1:]
+        targets.append((base, names.index("position_ids")))
+    for module, position_index in targets:
+        if patches.patch_of(module, "forward", PATCH_TAG) is None:
+            patches.install(module, "forward", _note_running, tag=PATCH_TAG, state=position_index)
 
 
 def _base_model(model: nn.Module, block_names: Optional[list] = None):
@@ -186,30 +261,34 @@ def _base_model(model: nn.Module, block_names: Optional[list] = None):
     return None
 
 
-def _note_generated_positions(patch, *args, **kwargs):
+def _note_running(patch, *args, **kwargs):
+    """A held model's ``forward`` (``state`` None) or its base model's (``state``: where its
+    ``position_ids`` argument sits): :class:`_Running` says so while it runs."""
     index = patch.state
-    given = kwargs.get("position_ids", args[index] if len(args) > index else None)
-    outer = _Positions.generated
-    _Positions.generated = given is None
+    held, generated = _Running.held, _Running.generated
+    _Running.held = True
+    if index is not None:
+        given = kwargs.get("position_ids", args[index] if len(args) > index else None)
+        _Running.generated = given is None
     try:
         return patch.call_previous(*args, **kwargs)
     finally:
-        _Positions.generated = outer
+        _Running.held, _Running.generated = held, generated
 
 
 def release(model: nn.Module) -> None:
-    """``model`` no longer holds the wrappers; transformers' functions come back when no model does."""
-    ref = _holders.get(id(model))
-    if ref is not None and ref() is model:
-        del _holders[id(model)]
+    """``model`` no longer holds the wrappers (its patches come off now); transformers' functions
+    come back when no model does."""
     patches.remove(model, PATCH_TAG)
-    _unwrap_if_unheld()
+    finalizer = _holders.get(id(model))
+    if finalizer is not None and finalizer.peek() is not None and finalizer.peek()[0] is model:
+        finalizer.detach()
+        _forget(id(model))
 
 
-def _unwrap_if_unheld(_dead: Optional[weakref.ref] = None) -> None:
-    for key, ref in list(_holders.items()):
-        if ref() is None:
-            del _holders[key]
+def _forget(key: int) -> None:
+    """The model of ``id`` ``key`` is released (or collected): unwrap if no model holds the wrappers."""
+    _holders.pop(key, None)
     if _holders or not _originals:
         return
     module = _masking_utils()

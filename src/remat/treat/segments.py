@@ -43,22 +43,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from remat.planning.plans import segment_of
 
 
-def segments_of(treatments: dict) -> dict:
-    """``{block name: (Segment, position in it)}`` for the ``"segment:<i>"`` blocks of
-    ``treatments`` (block name -> treatment, in block order; each segment consecutive)."""
-    members = {}
-    for name, treatment in treatments.items():
-        number = segment_of(treatment)
-        if number is not None:
-            members.setdefault(number, []).append(name)
-    found = {}
-    for number, names in members.items():
-        segment = Segment(number, len(names))
-        found.update({name: (segment, position) for position, name in enumerate(names)})
-    return found
+def segments_of(records) -> dict:
+    """``{segment number: Segment}`` for the segments of ``records`` (the blocks'
+    :class:`remat.planning.records.BlockRecord`, which number each segment and size it), one
+    fresh :class:`Segment` each, shared by its blocks."""
+    return {r.segment: Segment(r.segment, r.segment_size) for r in records if r.segment is not None}
 
 
 class Segment:

@@ -55,7 +55,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, is_treatment, segment_of, untiled
 from remat.treat import patches, segments, tiled
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import selective_context
@@ -67,7 +66,8 @@ _MARK = "_remat"  # on a treated block: its TreatmentState (what treatment_of re
 class TreatmentState:
     """What a treated block (or the sub-module a treatment checkpoints) runs with."""
 
-    treatment: str
+    treatment: str            # the plan's name for it (what treatment_of reports)
+    around: str = "keep"      # what runs around the forward (a BlockRecord's ``around``)
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
     buffers: tuple = ()       # the target's state slots (:func:`_state_slots`): those a forward writes, a recompute must not
@@ -82,63 +82,66 @@ def treatment_of(block: nn.Module) -> str:
     return state.treatment if state is not None else "keep"
 
 
-def check_treatment(block: nn.Module, treatment: str) -> None:
-    """Raise the error :func:`apply_treatment` would raise, without changing ``block``."""
-    if not is_treatment(treatment):
-        raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
-                         "or 'segment:<i>'")
-    if treatment != "keep" and callable(getattr(block, "backward_pass", None)):
+def check_treatment(block: nn.Module, record) -> None:
+    """Raise the error :func:`apply_treatment` would raise, without changing ``block``. ``record``: a
+    :class:`remat.planning.records.BlockRecord` (``remat.apply`` and the profiler resolve the plan's
+    names into records; this module reads their fields, never the names)."""
+    treatment, around = record.treatment, record.around
+    if around != "keep" and callable(getattr(block, "backward_pass", None)):
         raise ValueError(f"{type(block).__name__} is a reversible layer: its model recomputes its activations in "
                          "backward itself (Reformer's reversible residual stream) and runs it without autograd, so "
                          f"{treatment!r} would do nothing; train it as it is, remat has no memory to give back here")
-    if treatment in TILED_TREATMENTS:
+    if record.tiled:
         tiled.check_tiling(block)
-    if treatment in ("attention", "mlp") and not find_submodules(block, treatment):
+    if around in ("attention", "mlp") and not find_submodules(block, around):
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
-        raise ValueError(f"treatment {treatment!r}: no {treatment} sub-module found in "
+        raise ValueError(f"treatment {treatment!r}: no {around} sub-module found in "
                          f"{type(block).__name__} (children: {children}); use 'full' or "
                          "'selective' for this block (where a model's blocks differ, as in hybrid "
                          "state-space models, give a treatment per block, {name: treatment}, or let "
                          "remat.plan choose)")
 
 
-def apply_treatment(block: nn.Module, treatment: str, *, engine=None, key: int = 0,
-                    segment: tuple = (None, 0), tile_tokens: Optional[int] = None) -> None:
-    """Treat ``block`` in place; a block that already has a treatment gets the new one.
+def apply_treatment(block: nn.Module, record, *, engine=None, segment=None) -> None:
+    """Treat ``block`` in place as ``record`` says; a block that already has a treatment gets the new one.
 
-    ``segment``: for a ``"segment:<i>"`` treatment, ``(Segment, position)`` from
-    :func:`remat.treat.segments.segments_of`, shared by the segment's blocks.
-    ``tile_tokens``: for a tiled treatment, the tokens per chunk (:mod:`remat.treat.tiled`).
-    Every change goes through :mod:`remat.treat.patches`: the block's (or its attention/MLP
-    sub-modules') ``forward``, and a ``_remat`` marker on the block holding the state."""
-    check_treatment(block, treatment)
-    if treatment in OFFLOADING_TREATMENTS and engine is None:
+    ``record``: the block's :class:`remat.planning.records.BlockRecord` (its index is the offload
+    engine's key for it, its ``tile_tokens`` the tiling's chunk). ``segment``: for a record in a
+    segment, the :class:`~remat.treat.segments.Segment` its blocks share
+    (:func:`remat.treat.segments.segments_of`). Every change goes through
+    :mod:`remat.treat.patches`: the block's (or its attention/MLP sub-modules') ``forward``, and a
+    ``_remat`` marker on the block holding the state."""
+    check_treatment(block, record)
+    treatment, around, key = record.treatment, record.around, record.index
+    if record.offload and engine is None:
         raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
-    if segment_of(treatment) is not None and segment[0] is None:
+    if around == "segment" and segment is None:
         raise ValueError(f"treatment {treatment!r} needs the segment its blocks share; use remat.apply()")
-    tiled.check_tile_tokens(tile_tokens)
+    tiled.check_tile_tokens(record.tile_tokens)
     remove_treatment(block)
     if treatment == "keep":
         return
-    if treatment in TILED_TREATMENTS:
-        tiled.install_tiling(block, tile_tokens)
-        if treatment == "tiled":  # the rest of the block keeps what it saves: no forward of its own
-            patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
+    if record.tiled:
+        tiled.install_tiling(block, record.tile_tokens)
+        if around == "keep":  # the rest of the block keeps what it saves: no forward of its own
+            patches.install_value(block, _MARK, TreatmentState(treatment, around, engine, key), tag=_TAG)
             return
-    state = TreatmentState(treatment, engine, key)
+    state = TreatmentState(treatment, around, engine, key)
     targets = [block]
-    if treatment in ("attention", "mlp"):
+    if around in ("attention", "mlp"):
         # a sub-module shared by several blocks (Zamba2's one attention layer in every hybrid
         # layer) is checkpointed once, by the first block that treats it, not nested once per block
-        targets = [sub for _, sub in find_submodules(block, treatment)
+        targets = [sub for _, sub in find_submodules(block, around)
                    if patches.patch_of(sub, "forward", tag=_TAG) is None]
-        state = TreatmentState("full", None, key)
+        state = TreatmentState("full", "full", None, key)
+    placed = (segment, record.position) if around == "segment" else (None, 0)
     for target in targets:
         buffers = _state_slots(target)
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
-                        state=TreatmentState(state.treatment, state.engine, state.key, buffers, None, *segment))
-    patches.install_value(block, _MARK, TreatmentState(treatment, engine, key), tag=_TAG)
+                        state=TreatmentState(state.treatment, state.around, state.engine, state.key, buffers, None,
+                                             *placed))
+    patches.install_value(block, _MARK, TreatmentState(treatment, around, engine, key), tag=_TAG)
 
 
 def remove_treatment(block: nn.Module) -> None:
@@ -185,15 +188,15 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
     # reading the set of structures seen would make dynamo guard on it)
-    structure = (_call_structure(args, kwargs) if state.treatment == "selective"
+    structure = (_call_structure(args, kwargs) if state.around == "selective"
                  and not torch.compiler.is_compiling() else None)
     function, args = _positional(forward, args, kwargs)
     if state.buffers and not torch.compiler.is_compiling():
         function = _buffers_once(function, state)
-    treatment = untiled(state.treatment)  # the tiled sub-modules carry their own patches
+    treatment = state.around  # the tiled sub-modules carry their own patches
     if treatment == "full":
         return _checkpoint(function, args)
-    if state.treatment == "selective":
+    if treatment == "selective":
         # the in-place guard watches a block's first forward of each call structure: its per-op
         # dispatch adds to selective's forward host time on every call, and what it catches is in the code
         guard = structure is not None and structure not in state.guarded

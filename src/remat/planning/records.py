@@ -1,0 +1,75 @@
+"""A plan resolved once into what each block gets: the records :mod:`remat.treat` applies.
+
+Why: a treatment's name packs several decisions (``"full+offload+tiled"``: checkpoint the block,
+send what the checkpoint keeps to the host, run its token-wise sub-modules a chunk at a time;
+``"segment:3"``: one of the run of blocks numbered 3, recomputed together). Read where it is
+applied, every consumer had to ask this package again what the name means (is it a treatment,
+which segment, what is left once the tiling is taken off). Here a plan becomes one
+:class:`BlockRecord` per block, in block order, with each decision a field; ``remat.apply`` and
+the profiler hand records down and :mod:`remat.treat` reads the fields, never the name.
+
+Pure: names and numbers, as the rest of :mod:`remat.planning`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from remat.planning.plans import OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, Plan, segment_of, untiled
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One block's treatment, every decision in it a field."""
+
+    treatment: str
+    """As the plan names it (``"full+offload+tiled"``, ``"segment:3"``): what :func:`remat.api.treatments` reports."""
+    around: str
+    """What runs around the block's forward: ``keep``, ``full``, ``selective``, ``attention``, ``mlp``
+    (``full`` of that sub-module), ``offload``, ``full+offload``, or ``segment``."""
+    name: str = ""
+    """The block's name in the model (empty for a record made for one block alone)."""
+    index: int = 0
+    """The block's place among the model's blocks: the offload engine's key for it."""
+    offload: bool = False
+    """Its saved tensors go to the host (the offload engine)."""
+    tiled: bool = False
+    """Its token-wise sub-modules run a chunk of tokens at a time."""
+    tile_tokens: Optional[int] = None
+    """Tokens per chunk of a tiled block (None: the tiling's default)."""
+    segment: Optional[int] = None
+    """The number of the segment the block is in, for ``around == "segment"``."""
+    position: int = 0
+    """Its place in its segment."""
+    segment_size: int = 0
+    """Blocks in its segment."""
+
+
+def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Optional[int] = None) -> BlockRecord:
+    """The record of one block treated as ``treatment`` (a segment's member alone: position 0 of 1);
+    ValueError for a name that is no treatment."""
+    number = segment_of(treatment)
+    if treatment not in TREATMENTS and number is None:
+        raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
+                         "or 'segment:<i>'")
+    tiled = treatment in TILED_TREATMENTS
+    return BlockRecord(treatment=treatment, around="segment" if number is not None else untiled(treatment),
+                       name=name, index=index, offload=treatment in OFFLOADING_TREATMENTS, tiled=tiled,
+                       tile_tokens=tile_tokens if tiled else None, segment=number,
+                       segment_size=1 if number is not None else 0)
+
+
+def block_records(plan: Plan, block_names) -> tuple:
+    """One :class:`BlockRecord` per name of ``block_names``, in order (blocks the plan does not name
+    are ``keep``), each segment's members numbered by position with the segment's size."""
+    names = list(block_names)
+    records = [block_record(plan.blocks.get(name, "keep"), name=name, index=index, tile_tokens=plan.tile_tokens)
+               for index, name in enumerate(names)]
+    members = {}
+    for index, record in enumerate(records):
+        if record.segment is not None:
+            members.setdefault(record.segment, []).append(index)
+    for indices in members.values():
+        for position, index in enumerate(indices):
+            records[index] = replace(records[index], position=position, segment_size=len(indices))
+    return tuple(records)
