@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 import remat
-from remat.integrations.presets import build_model, load_config, materialise
+from remat.presets import build_model, load_config, materialise
 from remat.parallel import context_parallel, shard_sequence
 from remat.prove.bench import environment
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import remat
 from remat.integrations.collector import StepCollector
-from remat.integrations.presets import build_model, load_config, materialise
+from remat.presets import build_model, load_config, materialise
 from remat.parallel import check_batch, check_model, context_parallel, shard_sequence
 
 

@@ -273,10 +273,12 @@ def test_the_installed_versions_wrap_exactly_what_their_compile_path_gets_wrong(
     remat does not wrap the causal decision."""
     ids = torch.randint(0, 128, (2, 16))
     calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=ids)
+    gc.collect()  # models of earlier tests in this worker, released by their finalizers
+    before = mask_skip.wrapped()
     model = remat.apply(_tiny(), "keep")
     assert ("_ignore_causal_mask_sdpa" in mask_skip.wrapped()) == (calls != [(False, True)] * 2)
     remat.remove(model)
-    assert not mask_skip.wrapped()
+    assert mask_skip.wrapped() == before
 
 
 def test_a_deleted_model_is_released_by_its_finalizer(rule_5_17):

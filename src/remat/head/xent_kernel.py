@@ -115,11 +115,18 @@ def eager_kernel(z, y, ignore_index: int, pre):
 def shape_kernel(z, y, ignore_index: int, pre):
     """What a fake-tensor profile runs for the chunk: the fused kernel's footprint, not its values.
 
-    The GPU it plans for runs the Triton kernel, which reads the logits once, writes their
-    gradient in place and keeps nothing chunk-sized beside them; one in-place op over ``z``
-    that reads it twice (read and write) stands in for it, with the loss a zero. Running
-    :func:`eager_kernel` instead would charge its fp32 block copy and cost a fake op per op per
-    256 rows: seconds of profiling per chunk size at a million tokens."""
+    The GPU's Triton kernel reads the logits once and writes their gradient in place; one
+    in-place op over ``z`` that reads it twice (read and write) stands in for its time, with the
+    loss a zero. Its memory is the most either path takes beside the logits: one block's fp32 copy
+    of :func:`eager_kernel` (the CPU's and the fallback's; the Triton kernel takes none), made and
+    dropped once. Running :func:`eager_kernel` itself would cost a fake op per op per block: seconds
+    of profiling per chunk size at a million tokens."""
+    rows = min(z.shape[0], max(1, EAGER_BLOCK_BYTES // (4 * max(z.shape[1], 1))))
+    # the block's fp32 copy and the per-row vectors row_losses holds beside it (valid, safe,
+    # picked, max, sum, log-sum-exp, the loss terms, weight, its scale), each its own allocation
+    block = [z[:rows].float(), y[:rows] != ignore_index, torch.empty(rows, dtype=torch.long, device=z.device),
+             *(torch.empty(rows, dtype=torch.float32, device=z.device) for _ in range(8))]
+    del block
     z.add_(z)
     return torch.zeros((), dtype=torch.float32, device=z.device)
 
