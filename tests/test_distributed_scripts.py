@@ -10,12 +10,12 @@ fsdp bench's offload budget with ``--plan-only`` (a fake-tensor profile planned 
 import inspect
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
+from launches import run_concurrently
 from test_fsdp import _cpu_fsdp2_supported, _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,17 +53,7 @@ def runs(tmp_path_factory):
     if _ddp_planning():
         commands["ddp"] = _torchrun("benchmarks/ddp_bench.py", [*tiny, "--steps", "1", "--warmup", "1",
                                                                  "--out", str(out)], _free_port())
-    procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for k, c in commands.items()}
-    results = {}
-    try:
-        for name, proc in procs.items():
-            results[name] = (proc.communicate(timeout=600)[0], proc.returncode)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return results, out
+    return run_concurrently(commands, cwd=ROOT, env=env), out
 
 
 def _result(runs, name):

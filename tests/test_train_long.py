@@ -7,11 +7,11 @@ budget below the floor on two ranks. The loss of every step must equal the one-r
 the same weights (``--same-init``) and tokens, the same sums in another order.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 
+from launches import run_concurrently
 from test_fsdp import _cpu_fsdp2_supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,17 +37,7 @@ def runs(tmp_path_factory):
         "one": torchrun(1, *CPU, "--cp", "1", "--plan", "keep"),
         "nofit": torchrun(2, *CPU, "--cp", "2", "--budget", "100KiB"),
     }
-    procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for k, c in commands.items()}
-    results = {}
-    try:
-        for name, proc in procs.items():
-            results[name] = (proc.communicate(timeout=600)[0], proc.returncode)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return results, out
+    return run_concurrently(commands, cwd=ROOT, env=env), out
 
 
 def _losses(output):
