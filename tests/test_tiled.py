@@ -18,7 +18,7 @@ import remat
 import zoo
 from remat.treat.tiled import tiled_targets
 
-SPECS = ("tiled", "full+tiled", "full+offload+tiled", "every:2:full+tiled")
+SPECS = ("tiled", "full+tiled", "full+offload+tiled", "every:2:full+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
 MODELS = ("llama", "qwen3", "gpt2", "gemma2", "mixtral")
 TILE = 5  # 2 x 12 tokens: chunks of 5, 5, 5, 5, 4
 

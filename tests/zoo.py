@@ -37,7 +37,8 @@ BATCH = 2
 # "segments:2": two consecutive blocks recomputed as one unit (remat.treat.segments); on the
 # two-layer models that is the whole stack (each stack of an encoder-decoder), and the last
 # segment is a single block on sequential_mlp (2+1) and the UNet (2+2+1)
-TREATMENTS = ("full", "selective", "attention", "mlp", "every:2", "offload", "full+offload", "segments:2")
+TREATMENTS = ("full", "selective", "attention", "mlp", "every:2", "offload", "full+offload", "segments:2",
+              "attn-saved")
 
 
 class Unavailable(Exception):
@@ -529,7 +530,7 @@ def _one_thread(function):
 # buffer and back synchronously (its whole pack/unpack bookkeeping), so that an offload cell
 # tests a move that really happened rather than the no-op the engine is on a CPU otherwise
 INLINE_OFFLOAD = {"_inline": True, "min_bytes": 0}
-RECOMPUTING = ("full", "selective", "attention", "mlp", "every:2", "full+offload", "segments:2")
+RECOMPUTING = ("full", "selective", "attention", "mlp", "every:2", "full+offload", "segments:2", "attn-saved")
 
 
 @_one_thread

@@ -24,8 +24,10 @@ from typing import Optional
 from remat.planning.comm import Collectives
 from remat.planning.offload_model import EngineModel
 
-MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "tiled", "full+tiled")
-DERIVED = {"offload": "keep", "full+offload": "full", "full+offload+tiled": "full+tiled"}
+MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "tiled", "full+tiled", "attn-saved",
+                       "attn-saved+tiled")
+DERIVED = {"offload": "keep", "full+offload": "full", "full+offload+tiled": "full+tiled",
+           "attn-saved+offload": "attn-saved", "attn-saved+offload+tiled": "attn-saved+tiled"}
 TILED_FROM_TOKENS = 16384
 """Tiled treatments are profiled from this many tokens a step on: below it one chunk of the
 default size holds most of the sequence, and tiling saves nothing ``mlp`` does not."""

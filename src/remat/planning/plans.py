@@ -49,9 +49,11 @@ from typing import Mapping, Optional
 
 PLAN_VERSION = 1
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload",
-              "tiled", "full+tiled", "full+offload+tiled")
-OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled")
-TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled")
+              "tiled", "full+tiled", "full+offload+tiled",
+              "attn-saved", "attn-saved+offload", "attn-saved+tiled", "attn-saved+offload+tiled")
+OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled", "attn-saved+offload",
+                         "attn-saved+offload+tiled")
+TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
 HEAD_MODES = ("plain", "chunked")
 _FIELDS = ("version", "blocks", "head", "chunk_tokens", "tile_tokens", "notes")
 _SEGMENT = re.compile(r"segment:(0|[1-9][0-9]*)")

@@ -36,7 +36,9 @@ that recomputes adds no all-gather: FSDP2 keeps the block unsharded through its 
 recompute included (the collectives counted per step are the same for every treatment). How the
 collectives overlap compute is the simulator's (:mod:`remat.planning.simulator`).
 
-Eager ``selective`` is left out (:data:`EAGER_SELECTIVE_UNDER_FSDP2`, in ``notes["selective"]``):
+Eager ``attn-saved`` (the same per-op modes) is left out below :data:`OP_POLICY_FROM_TOKENS` tokens a
+step, where a block's ops are short enough for that to matter; from there on each op runs for
+milliseconds and the host stays ahead. Eager ``selective`` is left out (:data:`EAGER_SELECTIVE_UNDER_FSDP2`, in ``notes["selective"]``):
 under FSDP2 its GPU waits for its host, which no per-block GPU time shows. torch's
 selective-checkpoint modes dispatch every op of its forward and recompute in Python, several
 times the host time of the other treatments (``benchmarks/host_probe.py``), and FSDP2's hooks add
@@ -132,6 +134,9 @@ EAGER_SELECTIVE_UNDER_FSDP2 = (
     "its host once FSDP2's hooks hold the host a block or two ahead (4 x H100 and 4 x H200: selective-heavy plans ran "
     "10-28% over their predicted step, plans without it within +3.9% and faster); compiled it is planned")
 
+OP_POLICY_FROM_TOKENS = 32768
+"""Tokens a step from which eager ``attn-saved`` is planned under FSDP2 (see the module doc)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Overheads:
@@ -212,8 +217,9 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
                        bwd_peak=cost.bwd_peak + params)
 
     eager = not profile.notes.get("compile")
+    host_bound = eager and profile.batch * profile.seq < OP_POLICY_FROM_TOKENS
     classes = tuple({t: sharded(cost, class_param_bytes[c]) for t, cost in costs.items()
-                     if not (eager and t == "selective")}
+                     if not (eager and t == "selective") and not (host_bound and t.startswith("attn-saved"))}
                     for c, costs in enumerate(profile.classes))
     heads = tuple(replace(h, pre_bwd_peak=h.pre_bwd_peak + scatter_buffers) for h in profile.heads)
     gathers = tuple(int(class_param_bytes[c] * gather) for c in profile.block_class)

@@ -1,5 +1,12 @@
-"""The ``selective`` treatment's policy: which ops' outputs a block keeps, and the guard that
-refuses a block the policy would give wrong gradients.
+"""The op-level policies of ``selective`` and ``attn-saved``: which ops' outputs a block keeps, and
+the guard that refuses a block a policy would give wrong gradients.
+
+Two policies share the machinery below: ``selective`` keeps every matmul and attention kernel
+(:func:`saves`), ``attn-saved`` keeps the attention kernels alone (:func:`saves_attention`) and
+recomputes the rest of the block, projections and MLP included. At long context attention is the
+one term of a block quadratic in the sequence (its forward is most of a ``full`` recompute from
+32k tokens on), while its output is one hidden state's bytes: keeping it makes a recompute cost
+the block's linear part only, for little more memory than ``full``.
 
 How: :func:`selective_context` is the ``context_fn`` of the block's non-reentrant checkpoint
 (:mod:`remat.treat.treatments`): torch's selective-checkpoint modes save the outputs of the ops
@@ -68,7 +75,9 @@ _ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_
               "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
               "_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
 # other libraries' matmul ops, registered when the library is imported: matched by name
-_LIBRARY_OPS = frozenset({"transformers::grouped_mm_fallback", "torch_attn::_varlen_attn"})
+_LIBRARY_ATTENTION = frozenset({"torch_attn::_varlen_attn", "flash_attn::_flash_attn_forward",
+                                "flash_attn::_flash_attn_varlen_forward", "flash_attn_3::_flash_attn_forward"})
+_LIBRARY_OPS = frozenset({"transformers::grouped_mm_fallback"}) | _LIBRARY_ATTENTION
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,8 +95,42 @@ def saves(func) -> bool:
     return func in saved_ops() or func.name() in _LIBRARY_OPS
 
 
-def _keep_saved(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+@functools.lru_cache(maxsize=1)
+def attention_ops() -> frozenset:
+    """Every functional overload of the attention kernels the installed torch has."""
+    aten = torch.ops.aten
+    packets = [getattr(aten, name) for name in _ATTENTION if hasattr(aten, name)]
+    return frozenset(getattr(packet, overload) for packet in packets for overload in packet.overloads()
+                     if not getattr(packet, overload)._schema.is_mutable)
+
+
+def saves_attention(func) -> bool:
+    """Whether ``attn-saved`` keeps the output of ``func``: attention kernels only."""
+    return func in attention_ops() or func.name() in _LIBRARY_ATTENTION
+
+
+def _drops_out(func, args, kwargs) -> bool:
+    """An attention kernel called with dropout: its forward draws from the generator. Kept, its
+    recompute would not draw, and every random op after it in the block (GPT-2's residual dropout)
+    would take other masks than the forward did; so it is recomputed, from the same RNG state."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    for position, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
+            return isinstance(value, (int, float)) and value > 0
+    return False
+
+
+def _keeps(keeps, func, args, kwargs) -> bool:
+    return keeps(func) and not _drops_out(func, args, kwargs)
+
+
+def _compiled_policy(keeps):
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if _keeps(keeps, func, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
 class _Policy:
@@ -107,14 +150,16 @@ class _Policy:
     recomputing, where it is answered as in the forward. Where neither way shows the output, no
     write is kept and the guard refuses the block."""
 
-    def __init__(self):
+    def __init__(self, keeps):
+        self.keeps = keeps  # :func:`saves` or :func:`saves_attention`
+        self.name = "selective" if keeps is saves else "attn-saved"  # the treatment, for messages
         self.forward = self.recompute = None  # the checkpoint's two modes, set once they exist
         self.kept = set()  # geometries of the outputs kept so far
         self.unseen = None  # a kept op whose output the policy has not seen yet (older torch)
         self.answers = collections.deque()  # the forward's answers for in-place ops, in order
 
     def __call__(self, ctx, func, *args, **kwargs):
-        if saves(func):
+        if _keeps(self.keeps, func, args, kwargs):
             if not ctx.is_recompute:
                 self._note_output(ctx, func)
             return CheckpointPolicy.MUST_SAVE
@@ -157,8 +202,9 @@ class _Policy:
         self.kept.discard(None)
 
 
-def selective_context(guard: bool = True):
-    """Context pair for ``checkpoint(context_fn=...)``: save matmul/attention outputs.
+def selective_context(guard: bool = True, keeps=saves):
+    """Context pair for ``checkpoint(context_fn=...)``: save the outputs of the ops ``keeps`` names
+    (:func:`saves`: matmuls and attention, ``selective``; :func:`saves_attention`, ``attn-saved``).
 
     With ``guard``, in eager mode, the forward also runs under :class:`_KeptOutputGuard`, which
     refuses a block that modifies a kept output in place where the recompute cannot give the
@@ -168,8 +214,8 @@ def selective_context(guard: bool = True):
     ``scores += position_bias``).
     """
     if _tracing():  # compiled, the graph is functional: no write lands in a kept output
-        return create_selective_checkpoint_contexts(_keep_saved)
-    policy = _Policy()
+        return create_selective_checkpoint_contexts(_compiled_policy(keeps))
+    policy = _Policy(keeps)
     forward, recompute = create_selective_checkpoint_contexts(policy)
     policy.forward, policy.recompute = forward, recompute
     if not guard:
@@ -221,8 +267,8 @@ class _KeptOutputGuard(TorchDispatchMode):
                     key = _storage_key(value)
                     if key in self.kept and (key in self.read or not self.policy.writes_kept(func, args)):
                         raise ValueError(
-                            f"treatment 'selective': this block modifies in place ({func}) the output of a "
-                            f"matmul/attention op that selective keeps for backward, {self._how(key)}; "
+                            f"treatment {self.policy.name!r}: this block modifies in place ({func}) the output "
+                            f"of a matmul/attention op that {self.policy.name} keeps for backward, {self._how(key)}; "
                             "recomputing it would apply the change twice and give wrong gradients. Use "
                             "'full', 'attention' or 'mlp' for this block (or a newer transformers, which "
                             "computes it out of place).")
@@ -230,7 +276,7 @@ class _KeptOutputGuard(TorchDispatchMode):
             # a read is an input that no output aliases: views and in-place writes are not reads
             inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0]} & self.kept
             self.read.update(inputs - {_storage_key(t) for t in tree_flatten(out)[0]})
-        if saves(func):
+        if _keeps(self.policy.keeps, func, args, kwargs):
             self.kept.update(_storage_key(t) for t in tree_flatten(out)[0])
             self.kept.discard(None)
         return out
@@ -239,7 +285,7 @@ class _KeptOutputGuard(TorchDispatchMode):
         if key in self.read:
             return "after another op read it"
         if not self.policy.kept:
-            return "which selective cannot keep as well on this torch (its policy sees no op's output)"
+            return f"which {self.policy.name} cannot keep as well on this torch (its policy sees no op's output)"
         return "through a view of it"
 
 

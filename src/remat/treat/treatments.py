@@ -24,11 +24,17 @@ Treatments:
 - ``selective``: the same checkpoint with an op-level policy: outputs of matmuls and
   attention kernels are saved, everything else (norms, activations, elementwise) is
   recomputed. No matmul runs twice (the policy and its in-place guard: :mod:`remat.treat.selective`).
+- ``attn-saved``: the same checkpoint keeping only the attention kernels' outputs: the recompute
+  runs the block's norms, projections and MLP but not attention, which is quadratic in the
+  sequence; it keeps one hidden state more than ``full`` (:mod:`remat.treat.selective`).
+  ``attn-saved+offload`` sends the block's inputs to the host as ``full+offload`` does (the kept
+  attention outputs stay on the GPU).
 - ``attention`` / ``mlp``: ``full`` applied to that sub-module only (its ``forward`` patched as
   a bound method, so blocks compiled each alone share one compiled graph: :mod:`remat.treat.patches`).
 - ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
   checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
-- ``tiled`` / ``full+tiled`` / ``full+offload+tiled``: the block's token-wise sub-modules (MLP,
+- ``tiled`` / ``full+tiled`` / ``full+offload+tiled`` (and ``attn-saved+tiled``,
+  ``attn-saved+offload+tiled``): the block's token-wise sub-modules (MLP,
   norms) run a chunk of tokens at a time, in forward, recompute and backward
   (:mod:`remat.treat.tiled`); with ``full`` (and ``offload``) the block is also checkpointed.
 - ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
@@ -57,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.treat import patches, segments, tiled
 from remat.treat.discovery import find_submodules
-from remat.treat.selective import selective_context
+from remat.treat.selective import saves, saves_attention, selective_context
 
 _TAG = "treatment"
 _MARK = "_remat"  # on a treated block: its TreatmentState (what treatment_of reads)
@@ -188,7 +194,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
     # reading the set of structures seen would make dynamo guard on it)
-    structure = (_call_structure(args, kwargs) if state.around == "selective"
+    structure = (_call_structure(args, kwargs) if state.around in _OP_POLICIES
                  and not torch.compiler.is_compiling() else None)
     function, args = _positional(forward, args, kwargs)
     if state.buffers and not torch.compiler.is_compiling():
@@ -196,11 +202,16 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     treatment = state.around  # the tiled sub-modules carry their own patches
     if treatment == "full":
         return _checkpoint(function, args)
-    if treatment == "selective":
+    if treatment in _OP_POLICIES:
         # the in-place guard watches a block's first forward of each call structure: its per-op
         # dispatch adds to selective's forward host time on every call, and what it catches is in the code
         guard = structure is not None and structure not in state.guarded
-        out = _checkpoint(function, args, context_fn=functools.partial(selective_context, guard=guard))
+        context = functools.partial(selective_context, guard=guard, keeps=_OP_POLICIES[treatment])
+        if treatment == "attn-saved+offload":  # the checkpoint's inputs go to the host, the kept outputs stay
+            with state.engine.saved_tensors(state.key):
+                out = _checkpoint(function, args, context_fn=context)
+        else:
+            out = _checkpoint(function, args, context_fn=context)
         if guard:
             state.guarded.add(structure)
         return out
@@ -211,6 +222,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         with state.engine.saved_tensors(state.key):
             return _checkpoint(function, args)
     raise AssertionError(f"unhandled treatment {state.treatment}")  # check_treatment validated it
+
+
+# the treatments that checkpoint with an op-level policy, and the ops each keeps
+_OP_POLICIES = {"selective": saves, "attn-saved": saves_attention, "attn-saved+offload": saves_attention}
 
 
 def _call_structure(args: tuple, kwargs: dict) -> tuple:

@@ -1,0 +1,185 @@
+"""The ``attn-saved`` treatments: a block recomputed whole except its attention kernel, whose
+output is kept (remat.treat.selective's attention policy).
+
+Exactness on models as users load them (config defaults, dropout on), fp32 on the CPU: loss and
+every gradient within 1e-6 relative of an untouched copy, offloading on the CPU's inline engine.
+The mechanism, so that a treatment that silently did nothing (or silently ran as ``full``) fails:
+the attention kernel runs as often as in the untouched model while the rest of the block is
+recomputed. An attention kernel called with dropout is recomputed instead (its forward draws from
+the generator; see :func:`remat.treat.selective._drops_out`). The planner takes it where attention
+dominates a recompute: at long context.
+"""
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+import zoo
+from remat.treat.selective import _drops_out, saves, saves_attention
+
+SPECS = ("attn-saved", "attn-saved+offload", "every:2:attn-saved")
+MODELS = ("llama", "qwen3", "gpt2", "gemma2", "mixtral")
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the op overloads a step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _step(name, model, batch, seed=7):
+    """One step's loss, gradients and op counts."""
+    ops = _Ops()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with ops:
+        loss = zoo.CASES[name].loss(model, batch)
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, ops.count
+
+
+def _kernel_calls(count) -> int:
+    return sum(n for op, n in count.items() if saves_attention(op))
+
+
+def _matmuls(count) -> int:
+    return sum(n for op, n in count.items() if op.name() == "aten::mm")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("name", MODELS)
+def test_attn_saved_matches_the_untouched_model(name, spec):
+    model = zoo.build(name)
+    reference = copy.deepcopy(model)
+    remat.apply(model, spec, offload_options=zoo.INLINE_OFFLOAD)
+    batch = zoo.CASES[name].batch(reference)
+    loss, grads, ops = _step(name, model, zoo._clone(batch))
+    ref_loss, ref_grads, ref_ops = _step(name, reference, zoo._clone(batch))
+    assert grads.keys() == ref_grads.keys()
+    worst = max([_relative(loss, ref_loss)] + [_relative(grads[n], ref_grads[n]) for n in grads])
+    assert worst < 1e-6, f"{name} {spec}: relative difference {worst:.2e}"
+    assert sum(ops.values()) > sum(ref_ops.values()), "nothing was recomputed"
+    # (zoo models whose attention takes torch's math path run no kernel: the next test has one)
+    assert _kernel_calls(ops) == _kernel_calls(ref_ops), "the attention kernel ran again in the recompute"
+    if "offload" in spec:
+        assert remat.treat.treatments.engine_of(model).stats()["bytes_d2h"] > 0
+
+
+def test_the_kernel_is_kept_where_full_runs_it_twice():
+    """Llama on the CPU runs SDPA's flash kernel: ``full`` runs it in the forward and again in the
+    recompute, ``attn-saved`` once; both recompute the projections."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    untouched = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    counts = {}
+    for spec in (None, "full", "attn-saved"):
+        model = copy.deepcopy(untouched)
+        if spec:
+            remat.apply(model, spec)
+        with _Ops() as ops:
+            model(input_ids=ids, labels=ids).loss.backward()
+        counts[spec] = ops.count
+    blocks = config.num_hidden_layers
+    assert _kernel_calls(counts[None]) == blocks
+    assert _kernel_calls(counts["full"]) == 2 * blocks
+    assert _kernel_calls(counts["attn-saved"]) == blocks
+    assert _matmuls(counts["attn-saved"]) == _matmuls(counts["full"]) > _matmuls(counts[None])
+
+
+def test_an_attention_kernel_with_dropout_is_recomputed():
+    """Kept, a kernel that drew dropout in the forward would not draw in the recompute, and every
+    later random op of the block would take other masks."""
+    aten = torch.ops.aten
+    q = torch.zeros(1, 2, 4, 8)
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert saves_attention(flash) and saves(flash)
+    assert not saves_attention(aten.mm.default) and saves(aten.mm.default)
+    assert _drops_out(flash, (q, q, q, 0.1), {})
+    assert _drops_out(flash, (q, q, q), {"dropout_p": 0.1})
+    assert not _drops_out(flash, (q, q, q), {})
+    assert not _drops_out(flash, (q, q, q, 0.0, True), {})
+    assert not _drops_out(aten.mm.default, (q, q), {})
+
+
+def test_the_planner_keeps_attention_at_long_context():
+    """At 65,536 tokens of an 8B-shaped block (fake tensors, H100 rates) attention is most of a
+    recompute: the plan keeps it, and predicts a shorter step than the best plan without it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1 << 17)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+    ids = torch.zeros(1, 65536, dtype=torch.long)
+    profiled = remat.profile(model, ids, device="fake", gpu="h100")
+    without = [t for t in remat.planning.plans.TREATMENTS if not t.startswith("attn-saved")]
+    plans = {kept: remat.plan(model, ids, budget="24GiB", profiled=profiled, host_memory="64GiB",
+                              **({} if kept else {"treatments": without})) for kept in (True, False)}
+    assert any(t.startswith("attn-saved") for t in plans[True].blocks.values()), plans[True].summary()
+    assert plans[True].notes["predicted_step_s"] < plans[False].notes["predicted_step_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["attn-saved", "attn-saved+offload", "attn-saved+tiled"])
+def test_gpu_bf16_error_against_fp64_is_the_untouched_models(spec):
+    """bf16 on the GPU (flash attention kept): every gradient's error against an fp64 copy at most
+    1.05x the untouched bf16 model's, and the kernel runs once per block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    exact = LlamaForCausalLM(config).to("cuda", torch.float64).train()
+    untouched = copy.deepcopy(exact).to(torch.bfloat16)
+    treated = copy.deepcopy(untouched)
+    remat.apply(treated, spec, tile_tokens=300)
+    ids = torch.randint(0, config.vocab_size, (2, 512), device="cuda")
+    grads, kernels = {}, {}
+    for name, model in (("exact", exact), ("untouched", untouched), ("treated", treated)):
+        ops = _Ops()
+        torch.manual_seed(5)
+        with ops:
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads[name] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+        kernels[name] = _kernel_calls(ops.count)
+    error = {name: ((grads[name] - grads["exact"]).norm() / grads["exact"].norm()).item()
+             for name in ("untouched", "treated")}
+    assert error["treated"] <= 1.05 * error["untouched"], error
+    assert kernels["treated"] == kernels["untouched"] == config.num_hidden_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["attn-saved", "selective"])
+def test_gpu_attention_dropout_keeps_the_later_masks(spec):
+    """GPT-2 with attention and residual dropout on CUDA (flash attention with dropout draws from
+    the generator): the treated model's gradients are the untouched model's to bf16 rounding, which
+    fails if the recompute's residual dropout took other masks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=1024, n_embd=256, n_layer=2, n_head=4, attn_pdrop=0.1, resid_pdrop=0.1)
+    torch.manual_seed(0)
+    untouched = GPT2LMHeadModel(config).to("cuda", torch.bfloat16).train()
+    treated = copy.deepcopy(untouched)
+    remat.apply(treated, spec)
+    ids = torch.randint(0, config.vocab_size, (2, 512), device="cuda")
+    grads = []
+    for model in (untouched, treated):
+        torch.manual_seed(5)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 1e-2
