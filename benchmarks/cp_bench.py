@@ -70,7 +70,7 @@ STRATEGIES = ("remat", "hf_full", "torch_ac", "eager")
 ANCHOR_PLANS = {"hf_full": "full", "torch_ac": "full", "eager": "keep"}
 GRAD_CASES = (("full", None), ("selective", None), ("attention", None), ("mlp", None), ("offload", None),
               ("full+offload", None), ("tiled", None), ("full+tiled", None), ("full+offload+tiled", "chunked"),
-              ("keep", "chunked"), ("full", "chunked"))
+              ("keep", "chunked"), ("full", "chunked"), ("attn-saved", None), ("attn-saved+offload+tiled", "chunked"))
 
 
 def arguments(argv=None):
