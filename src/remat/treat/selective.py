@@ -300,7 +300,10 @@ def _geometry(tensor):
     included), offset, shape and strides; None for other layouts."""
     if tensor.layout != torch.strided:
         return None
-    return tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride()
+    try:
+        return tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride()
+    except RuntimeError:  # a wrapper subclass without storage of its own
+        return None
 
 
 def _storage_key(value):
@@ -308,4 +311,7 @@ def _storage_key(value):
     meta tensors (the planner's profiles), which hold no memory to alias."""
     if not isinstance(value, torch.Tensor) or value.device.type == "meta" or isinstance(value, FakeTensor):
         return None
-    return value.untyped_storage().data_ptr()
+    try:
+        return value.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass without storage of its own (a collective's pending result)
+        return None
