@@ -210,6 +210,8 @@ def row(args) -> int:
     dist.broadcast_object_list(box, src=0)
     plan_data, notes = box[0]
     record.update(notes)
+    if rank == 0:
+        print(json.dumps(notes), flush=True)
     if notes.get("result"):
         _write(args, record, rank)
         dist.destroy_process_group()
@@ -256,7 +258,8 @@ def row(args) -> int:
             _sync(cuda)
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as error:
+        print(f"rank {rank} step {len(times) + 1}: {str(error).splitlines()[0][:400]}", flush=True)
         open(marker, "w").close()   # the driver reads it; the other ranks end at the process group's timeout
         os._exit(3)
     loss = loss.detach().float()
@@ -283,7 +286,11 @@ def predicted(model, example, args, world, cuda):
     uniform plan on the same profile (its prediction); ``notes["result"]`` when nothing fits."""
     from remat.planning.solver import NoPlanFits
     gpu = args.gpu or (_gpu_name() if cuda else "cpu")
-    kwargs = dict(cp_world=args.cp, fsdp_world=world, optimizer="adamw", gpu=gpu)
+    # planned with fake tensors (the model is on meta), so the host is given: this one's pinned
+    # memory, shared by the ranks it runs
+    from remat.planner import default_host_limit, host_share
+    kwargs = dict(cp_world=args.cp, fsdp_world=world, optimizer="adamw", gpu=gpu,
+                  host_memory=host_share(default_host_limit()) if cuda else None)
     started = time.perf_counter()
     try:
         if args.strategy == "remat":

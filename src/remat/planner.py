@@ -27,6 +27,7 @@ check against how the model runs. Compiled plans need the model on a GPU
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -108,7 +109,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``profiled`` is then a profile of one rank's piece. Not with ``ddp_world``.
     ``host_memory``: pinned host memory the offloaded tensors may take (bytes or "100GiB"; default,
     for a profile measured on this machine's GPU: what the offload engine's pool takes by default
-    here, 60% of the available memory; for a fake-tensor profile, made for another machine: no
+    here, 60% of the available memory, divided among the ranks torchrun started on this host; for a fake-tensor profile, made for another machine: no
     limit): a plan offloads no more than that (``notes["host_bytes"]`` says how much it does), or
     the ``NoPlanFits`` names the host as the limit.
     """
@@ -141,7 +142,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     # the host that trains: this one when the profile was measured here on its GPU, else unknown
     # unless given (a plan made on a laptop for an H100 box must not take the laptop's memory)
     host = parse_budget(host_memory) if host_memory is not None else (
-        default_host_limit() if prof.device == "cuda" else None)
+        host_share(default_host_limit()) if prof.device == "cuda" else None)
     prof = replace(prof, host_limit=host)
     if cp_world != 1:
         prof = context(prof, cp_world, shape)
@@ -375,6 +376,15 @@ def default_host_limit() -> Optional[int]:
     except ImportError:
         return None
     return default_limit()
+
+
+def host_share(limit: Optional[int]) -> Optional[int]:
+    """One process's share of ``limit`` (the host's pinned bytes) where torchrun started several on
+    this host (``LOCAL_WORLD_SIZE``): each rank's engine pins its own blocks' tensors, so a rank
+    planned with the whole host would ask for it once per GPU."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return None if limit is None else limit // ranks
 
 
 def offload_available() -> bool:
