@@ -284,17 +284,22 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
     treatment on every block, for each head option.
 
     The simulator's bound, not the DP's rounded one, so a plan that fits by less than the
-    DP's rounding is still found; its score is the DP's own (:func:`plan_score`).
+    DP's rounding is still found; its score is the DP's own (:func:`plan_score`). A block that can
+    take one treatment only (a call :func:`_tied` pinned) takes it in every such plan.
     """
     L = len(profile.block_names)
-    out = []
+    out, seen = [], set()
     for t in options:
-        if any(t not in profile.treatments(i) for i in range(L)):
+        only = [profile.treatments(i) for i in range(L)]
+        chosen = [t if t in own else own[0] if len(own) == 1 else None for own in only]
+        if None in chosen or any(c not in options for c in chosen) or tuple(chosen) in seen:
             continue
+        seen.add(tuple(chosen))
+        offloads = next((c for c in chosen if c in OFFLOADING_TREATMENTS), t)
         for head in head_options:
-            chosen = [t] * L
             bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes
-            out.append((plan_score(profile, chosen, head, recompute_margin), _need(bound, t, margin), chosen, head))
+            out.append((plan_score(profile, chosen, head, recompute_margin), _need(bound, offloads, margin), chosen,
+                        head))
     return out
 
 
