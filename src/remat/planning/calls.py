@@ -31,7 +31,6 @@ without the collectives in the prediction.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 
 def calls(profile) -> tuple:
@@ -111,7 +110,3 @@ def refuse_calls(profile, what: str) -> None:
                      "plan for one GPU and apply that plan (under DDP it runs as planned, the collectives "
                      "left out of the prediction), or apply a treatment by name")
 
-
-def call_count(profile, index: int) -> Optional[int]:
-    """How many times block ``index`` runs a step."""
-    return calls(profile).count(index)

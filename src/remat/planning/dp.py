@@ -161,7 +161,7 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
     """
     L, T = len(profile.block_names), len(options)
     tab = Tables(profile, options, head, margin)
-    if not tab.allowed.any(axis=1).all():  # a block that can take none of the options (its calls' one is not among them)
+    if not tab.allowed.any(axis=1).all():  # a block can take none of the options (a pinned call's is not there)
         return None
     live = LiveBytes(profile.static_bytes, head)
     q = max(scale / resolution, 1.0)

@@ -62,6 +62,12 @@ least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised 
 one DP per head option, and one more per offload window (without offload, with
 ``full+offload`` only, with both).
 
+Blocks called several times a step (ALBERT's shared layer group: :mod:`remat.planning.calls`): a
+treatment is installed on a module, so all of a block's calls get one. :func:`_tied` solves the
+calls as a stack once per choice of treatments for the repeated blocks (each call pinned to its
+block's choice, the other blocks free) and keeps the best-scoring plan; past
+:data:`TIED_CHOICES` choices, the repeated blocks share one treatment.
+
 Safety margin: the memory model is exact for every treatment, but the offload engine's
 bytes depend on when copies land. For plans that offload the solver uses the engine's
 bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
@@ -167,9 +173,13 @@ def _tied(profile, budget, treatments, heads, resolution, margin, recompute_marg
     shared = repeated(profile)
     options = _options(profile, treatments)
     choices = [[t for t in options if t in profile.treatments(index)] for index in shared]
+    for index, own in zip(shared, choices):
+        if not own:
+            raise ValueError(f"block {profile.block_names[index]} can take none of the treatments {options} "
+                             f"(profiled: {', '.join(profile.treatments(index))}); allow one of those")
     combos = list(itertools.islice(itertools.product(*choices), TIED_CHOICES + 1))
     if len(combos) > TIED_CHOICES:
-        combos = [(t,) * len(shared) for t in options if all(t in c for c in choices)]
+        combos = [(t,) * len(shared) for t in options if all(t in c for c in choices)] or combos[:TIED_CHOICES]
     best, refusals = None, []
     for combo in combos:
         flat = pinned(profile, dict(zip(shared, combo)))

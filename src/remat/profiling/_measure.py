@@ -7,7 +7,9 @@ block of each configuration. Each configuration is then run alone per treatment
 from their base treatment's cost, moving its offloadable bytes. The rest of the model is one
 step per head mode and chunk option in which every block is a stub
 (:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`:
-the costs per configuration, which configuration each block has, and the heads.
+the costs per configuration, which configuration each block has, the heads and, where a block runs
+more than once a step, the calls in order (:mod:`remat.planning.calls`; each cost carries its
+block's gradient bytes for that).
 
 Why a block at a time: blocks of one configuration cost the same, so a deep model costs one
 block per configuration plus its head, and :mod:`remat.planning.simulator` assembles any
