@@ -18,15 +18,15 @@ to ``.grad`` after the last; so the call whose backward runs first leaves
 :attr:`~remat.planning.costs.BlockCost.grad_bytes` and the others leave that much less. Their
 backward peak is the one measured alone, where the new gradients stay to the end (in the step
 each is summed into the buffer and freed): conservative by up to one block's gradients (1.8% of
-the peak of a two-layer ALBERT group fully checkpointed at 128 tokens, CPU-measured).
+the peak of a two-layer ALBERT group fully checkpointed at 2 x 64 tokens, CPU-measured).
 
 Plans stay per module: :func:`per_call` expands one treatment per block into one per call, and the
 solver ties every call of a block to one treatment (:func:`pinned`). A treatment per call (every
 other call checkpointed) cannot be installed on one module; ``"every:2"`` counts modules, not calls.
 The time models of FSDP2 and DDP (:mod:`~remat.planning.sharding`,
 :mod:`~remat.planning.replication`) are per module and refuse such a profile
-(:func:`refuse_calls`); planning for one GPU and applying the plan under DDP runs as planned,
-without the collectives in the prediction.
+(:func:`refuse_calls`): a plan made for one GPU applies under them, its prediction without the
+collectives.
 """
 from __future__ import annotations
 
@@ -107,6 +107,6 @@ def refuse_calls(profile, what: str) -> None:
     count = calls(profile).count(repeated(profile)[0])
     raise ValueError(f"{what} is not modelled for a model whose blocks run several times a step ({names[0]} runs "
                      f"{count} times{f', and {len(names) - 1} more blocks repeat' if len(names) > 1 else ''}): "
-                     "plan for one GPU and apply that plan (under DDP it runs as planned, the collectives "
-                     "left out of the prediction), or apply a treatment by name")
+                     "plan for one GPU (ddp_world=1, fsdp_world=1) and apply that plan, its prediction then "
+                     "without the collectives, or apply a treatment by name")
 
