@@ -217,6 +217,11 @@ HF_CASES = [
                                    hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4),
          _mlm_batch, _hf_loss, lm_batch=True),
+    # one layer group shared by every layer: one block, called three times a step
+    Case("albert", functools.partial(_hf_model, "AlbertForMaskedLM", "AlbertConfig", "sdpa", vocab_size=VOCAB,
+                                     embedding_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4),
+         _mlm_batch, _hf_loss, lm_batch=True),
     Case("modernbert", functools.partial(_hf_model, "ModernBertForMaskedLM", "ModernBertConfig", "sdpa",
                                          vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,

@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from remat.planning.calls import calls
 from remat.planning.costs import Profile, dtype_bytes
 
 ATTENTION_EFFICIENCY = 0.45
@@ -93,7 +94,7 @@ def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
                        bwd_s=cost.bwd_s + charge["bwd_s"] + (charge["fwd_s"] if again else 0.0),
                        fwd_peak=cost.fwd_peak + charge["fwd_bytes"], bwd_peak=cost.bwd_peak + charge["bwd_bytes"])
     classes = tuple({t: ringed(t, c) for t, c in costs.items()} for costs in profile.classes)
-    blocks = len(profile.block_names)
+    blocks = len(calls(profile))   # a block called N times exchanges N times
     notes = dict(profile.notes, cp_world=world, cp_seq=profile.seq * world,
                  cp_exchange_bytes=int(charge["exchange_bytes"] * blocks),
                  cp_exposed_s=round((charge["fwd_exposed_s"] + charge["bwd_exposed_s"]) * blocks, 6),

@@ -201,6 +201,10 @@ class BlockCost:
     host_bytes: int = 0
     """Pinned host bytes the offload engine holds for ``offloadable`` when this block offloads: its
     pool rounds each tensor up to a power of two (:func:`~remat.planning.offload_model.pinned_bytes`)."""
+    grad_bytes: int = 0
+    """Bytes of its trainable parameters' gradients, part of ``bwd_end``. A block called several
+    times a step leaves them once (autograd sums the calls' gradients into one buffer): its other
+    calls leave ``bwd_end - grad_bytes`` (:mod:`remat.planning.calls`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,6 +301,10 @@ class Profile:
     """Seconds of the optimizer's step after the backward (:func:`optimizer_step_seconds` of the
     rank's trainable parameters: ``1/world`` of them under FSDP2), added to every plan's step; 0
     with ``optimizer="none"`` (the bench protocol: forward and backward only)."""
+    block_calls: tuple = ()
+    """The step's block calls in the order its forward makes them, as indices into ``block_names``,
+    where a block runs more than once a step (ALBERT calls its one layer group for every layer);
+    empty: each block once, in order. See :mod:`remat.planning.calls`."""
 
     @property
     def tokens(self) -> int:
@@ -349,3 +357,5 @@ class ProfileBody:
     """Heads not profiled and why, profiling seconds."""
     block_names: tuple
     """Qualified names of the blocks, in forward order."""
+    block_calls: tuple = ()
+    """Block indices of the step's calls, in order, where a block runs more than once (else empty)."""

@@ -27,7 +27,7 @@ import numpy as np
 from remat.planning.memory import LiveBytes, block_terms, freed_input, input_bytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS
-from remat.planning.simulator import offload_sizes
+from remat.planning.simulator import largest_offload
 
 
 def head_seconds(profile, head) -> float:
@@ -62,7 +62,7 @@ class Tables:
         rates = profile.rates
         L, T = len(profile.block_names), len(options)
         h = profile.hidden_bytes
-        sizes = [max(offload_sizes(profile, [t] * L)) for t in options]
+        sizes = [largest_offload(profile, t) for t in options]
         self.window, self.largest = profile.engine.window(sizes), max(sizes)
         self.prefetch = profile.engine.prefetch_blocks
         self.d = np.zeros((L, T, T))        # kept bytes added by block i (BlockTerms.kept)
@@ -99,9 +99,9 @@ class Tables:
                     self.time[i, p, t] = seconds
             # what a block leaves depends on the block before it (the input it frees) and on its
             # own treatment; the DP, which has not chosen them yet, takes the largest
-            self.left[i] = max(block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
-                               for previous in prev_costs
-                               for c, ok in zip(costs, self.allowed[i]) if ok)
+            self.left[i] = max((block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
+                                for previous in prev_costs
+                                for c, ok in zip(costs, self.allowed[i]) if ok), default=0.0)
         self.score = self.time + self.tie[:, None, :]  # what MinTime minimises
         self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
         running = 0.0
@@ -161,6 +161,8 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
     """
     L, T = len(profile.block_names), len(options)
     tab = Tables(profile, options, head, margin)
+    if not tab.allowed.any(axis=1).all():  # a block can take none of the options (a pinned call's is not there)
+        return None
     live = LiveBytes(profile.static_bytes, head)
     q = max(scale / resolution, 1.0)
     N = resolution + 2

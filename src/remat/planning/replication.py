@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from remat.planning.calls import refuse_calls
 from remat.planning.comm import Collectives
 from remat.planning.costs import Profile
 from remat.planning.sharding import Overheads, check_bus
@@ -103,6 +104,7 @@ def replicate(profile: Profile, world: int, *, bucket_cap_mb: Optional[float] = 
     root = max(0, total - sum(per_block))
     if world == 1:
         return profile
+    refuse_calls(profile, "DDP's time and memory")   # a shared module's gradients are ready at its last backward
     cap = int((BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
     first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     buckets, tail = _buckets(per_block, root, first, cap) if stream is None else _param_buckets(stream, len(per_block),

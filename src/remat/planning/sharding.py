@@ -110,6 +110,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from remat.planning.calls import refuse_calls
 from remat.planning.comm import Collectives
 from remat.planning.costs import Profile, dtype_bytes
 
@@ -198,6 +199,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     bus = check_bus(profile, bus_Bps)
     if world == 1:
         return profile
+    refuse_calls(profile, "FSDP2's time and memory")   # its gathers and reductions are per module, not per call
     kept = 1.0 - 1.0 / world
     blocks = sum(class_param_bytes[c] for c in profile.block_class)
     root = max(0, profile.param_bytes - blocks)

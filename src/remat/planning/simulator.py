@@ -70,11 +70,14 @@ temporaries are not in the peak; data loading is not in the step. Collectives: c
 a phase's contention is taken from the link time overlapping it before it is stretched.
 Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
 simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
+A block called several times a step (ALBERT's shared layers) is walked once per call, with one
+treatment for all its calls (:mod:`remat.planning.calls`); phases then name the call (``name#k``).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from remat.planning.calls import per_call
 from remat.planning.memory import Bytes, LiveBytes, plan_terms
 from remat.planning.offload_model import engine_overhead
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, segment_of
@@ -104,15 +107,27 @@ def block_treatments(profile, plan) -> list:
 
 
 def host_bytes(profile, treatments) -> int:
-    """Pinned host bytes a plan's offloaded tensors take at once (every offloaded block's, at the
-    head: the engine's pool holds them all until their block's backward)."""
+    """Pinned host bytes a plan's offloaded tensors take at once (every offloaded block call's, at the
+    head: the engine's pool holds them all until their call's backward)."""
+    profile, treatments = per_call(profile, treatments)
     return sum(profile.cost(i, t).host_bytes for i, t in enumerate(treatments) if t in OFFLOADING_TREATMENTS)
 
 
 def offload_sizes(profile, treatments) -> list:
-    """Bytes each block's treatment hands to the offload engine (0 for the others)."""
+    """Bytes each block call's treatment hands to the offload engine (0 for the others)."""
+    profile, treatments = per_call(profile, treatments)
     return [profile.cost(i, t).offload_bytes if t in OFFLOADING_TREATMENTS else 0
             for i, t in enumerate(treatments)]
+
+
+def largest_offload(profile, treatment: str) -> int:
+    """The most bytes one block call hands to the offload engine under ``treatment``, over the blocks
+    that can take it (0 for a treatment that does not offload)."""
+    if treatment not in OFFLOADING_TREATMENTS:
+        return 0
+    flat = per_call(profile, ())[0]
+    return max((flat.cost(i, treatment).offload_bytes for i in range(len(flat.block_names))
+                if treatment in flat.treatments(i)), default=0)
 
 
 class _Bus:
@@ -165,6 +180,7 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
         head = head or plan.head
         chunk_tokens = chunk_tokens or plan.chunk_tokens
     h = profile.head(head or "plain", chunk_tokens)
+    profile, treatments = per_call(profile, treatments)   # a block called N times is walked N times
     costs = [profile.cost(i, t) for i, t in enumerate(treatments)]
     return _walk(profile, treatments, costs, h)
 

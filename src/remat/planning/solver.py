@@ -62,6 +62,12 @@ least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised 
 one DP per head option, and one more per offload window (without offload, with
 ``full+offload`` only, with both).
 
+Blocks called several times a step (ALBERT's shared layer group: :mod:`remat.planning.calls`): a
+treatment is installed on a module, so all of a block's calls get one. :func:`_tied` solves the
+calls as a stack once per choice of treatments for the repeated blocks (each call pinned to its
+block's choice, the other blocks free) and keeps the best-scoring plan; past
+:data:`TIED_CHOICES` choices, the repeated blocks share one treatment.
+
 Safety margin: the memory model is exact for every treatment, but the offload engine's
 bytes depend on when copies land. For plans that offload the solver uses the engine's
 bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
@@ -76,16 +82,18 @@ minimising the peak itself, and named in the error, with its plan.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from remat.planning.calls import per_block, per_call, pinned, repeated, unrolled
 from remat.planning.context import context_notes
 from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
 from remat.planning.memory import BlockTerms, LiveBytes
 from remat.planning.offload_model import engine_bounds
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, made_for_notes
 from remat.planning.sharding import comm_notes
-from remat.planning.simulator import host_bytes, offload_sizes, simulate
+from remat.planning.simulator import host_bytes, largest_offload, simulate
 from remat.units import format_size, parse_budget
 
 OFFLOAD_MARGIN = 0.02
@@ -124,6 +132,8 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
         raise ValueError(f"offload_margin is a fraction of the budget in [0, 1), got {offload_margin!r}")
     if not 0 <= recompute_margin < 1:
         raise ValueError(f"recompute_margin is a fraction of a block's keep time in [0, 1), got {recompute_margin!r}")
+    if profile.block_calls:  # a block runs several times a step: one treatment for all its calls
+        return _tied(profile, budget, treatments, heads, resolution, offload_margin, recompute_margin)
     options = _options(profile, treatments)
     head_options = [h for h in profile.heads if heads is None or h.mode in heads]
     if not head_options:
@@ -145,6 +155,57 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
             smallest, plan)
     _, chosen, head = best
     return _plan(profile, chosen, head, budget)
+
+
+TIED_CHOICES = 64
+"""Most treatment choices for the blocks called several times a step that :func:`_tied` solves
+one by one; beyond it they all get one treatment (ALBERT's released configs have one such block)."""
+
+
+def _tied(profile, budget, treatments, heads, resolution, margin, recompute_margin) -> Plan:
+    """:func:`solve` for a profile whose blocks run several times a step (:mod:`remat.planning.calls`).
+
+    A treatment is installed on a module, so every call of a block gets the same one: for each choice
+    of treatments for the repeated blocks (all of them up to :data:`TIED_CHOICES`, else one treatment
+    for all), the calls are solved as a stack of their own (:func:`~remat.planning.calls.pinned`: a
+    repeated block's calls can take only its choice, the others anything), and the best-scoring plan
+    wins; :class:`NoPlanFits` names the smallest budget over all choices."""
+    shared = repeated(profile)
+    options = _options(profile, treatments)
+    choices = [[t for t in options if t in profile.treatments(index)] for index in shared]
+    for index, own in zip(shared, choices):
+        if not own:
+            raise ValueError(f"block {profile.block_names[index]} can take none of the treatments {options} "
+                             f"(profiled: {', '.join(profile.treatments(index))}); allow one of those")
+    combos = list(itertools.islice(itertools.product(*choices), TIED_CHOICES + 1))
+    if len(combos) > TIED_CHOICES:
+        combos = [(t,) * len(shared) for t in options if all(t in c for c in choices)] or combos[:TIED_CHOICES]
+    best, refusals = None, []
+    for combo in combos:
+        flat = pinned(profile, dict(zip(shared, combo)))
+        allowed = [t for t in options if t in flat.treatments()]
+        try:
+            found = solve(flat, budget, treatments=allowed, heads=heads, resolution=resolution,
+                          offload_margin=margin, recompute_margin=recompute_margin)
+        except NoPlanFits as error:
+            refusals.append(error)
+            continue
+        chosen = [found.blocks[name] for name in flat.block_names]
+        score = plan_score(flat, chosen, flat.head(found.head, found.chunk_tokens), recompute_margin)
+        if best is None or score < best[0]:
+            best = (score, found, chosen)
+    if best is not None:
+        _, found, chosen = best
+        return replace(found, blocks=dict(zip(profile.block_names, per_block(profile, chosen))))
+    error = min(refusals, key=lambda e: float("inf") if e.smallest_peak is None else e.smallest_peak)
+    plan = error.plan
+    if plan is not None:
+        flat = unrolled(profile)
+        per_module = replace(plan, blocks=dict(zip(profile.block_names,
+                                                   per_block(profile, [plan.blocks[n] for n in flat.block_names]))))
+        raise NoPlanFits(str(error).replace(plan.summary(), per_module.summary()), error.smallest_peak, per_module,
+                         error.host_limited)
+    raise error
 
 
 def _over_host(profile, chosen) -> bool:
@@ -213,7 +274,7 @@ def _best(profile, options, head_options, budget, resolution, margin, exact, rec
     plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
     runs = [(plain, budget)] if plain else []
     offloading = sorted({t for t in options if t in OFFLOADING_TREATMENTS},
-                        key=lambda t: max(offload_sizes(profile, [t] * len(profile.block_names))))
+                        key=lambda t: largest_offload(profile, t))
     for k in range(len(offloading)):  # offload treatments up to the k-th largest: its window
         runs.append((plain + offloading[:k + 1], int(budget * (1 - margin))))
     best = None
@@ -233,17 +294,22 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
     treatment on every block, for each head option.
 
     The simulator's bound, not the DP's rounded one, so a plan that fits by less than the
-    DP's rounding is still found; its score is the DP's own (:func:`plan_score`).
+    DP's rounding is still found; its score is the DP's own (:func:`plan_score`). A block that can
+    take one treatment only (a call :func:`_tied` pinned) takes it in every such plan.
     """
     L = len(profile.block_names)
-    out = []
+    out, seen = [], set()
     for t in options:
-        if any(t not in profile.treatments(i) for i in range(L)):
+        only = [profile.treatments(i) for i in range(L)]
+        chosen = [t if t in own else own[0] if len(own) == 1 else None for own in only]
+        if None in chosen or any(c not in options for c in chosen) or tuple(chosen) in seen:
             continue
+        seen.add(tuple(chosen))
+        offloads = next((c for c in chosen if c in OFFLOADING_TREATMENTS), t)
         for head in head_options:
-            chosen = [t] * L
             bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes
-            out.append((plan_score(profile, chosen, head, recompute_margin), _need(bound, t, margin), chosen, head))
+            out.append((plan_score(profile, chosen, head, recompute_margin), _need(bound, offloads, margin), chosen,
+                        head))
     return out
 
 
@@ -283,18 +349,18 @@ def _plan(profile, chosen, head, budget) -> Plan:
 
 def plan_seconds(profile, treatments, head) -> float:
     """The additive step time of ``treatments`` in the DP's terms (see the module doc)."""
-    return _evaluate(profile, list(treatments), head)[0]
+    return _evaluate(*per_call(profile, treatments), head)[0]
 
 
 def plan_score(profile, treatments, head, recompute_margin: float = RECOMPUTE_MARGIN) -> float:
     """What the solver minimises for ``treatments`` and ``head``: :func:`plan_seconds` plus the
     recompute margin (its blocks' and its head's)."""
-    return _evaluate(profile, list(treatments), head, margin=recompute_margin)[2]
+    return _evaluate(*per_call(profile, treatments), head, margin=recompute_margin)[2]
 
 
 def plan_bound(profile, treatments, head) -> float:
     """The peak the DP checks for ``treatments``, without its rounding (for tests and reports)."""
-    return _evaluate(profile, list(treatments), head)[1]
+    return _evaluate(*per_call(profile, treatments), head)[1]
 
 
 def _evaluate(profile, treatments, head, options=None, margin=0.0):

@@ -9,10 +9,12 @@ detached, caches dropped: :func:`_without_cache`; the hidden state a leaf that r
 unless the block has no backward) of the first block of each configuration;
 a post-hook records the shape of its output (:class:`_Template`); hooks on the blocks'
 sub-modules record their outputs' structure, which the stubbed step replays to whoever hooked
-them (:mod:`remat.profiling._head`). It stops once every block has run: the post-hook that
-sees the last output raises, so the rest of the forward (the head, the loss) never runs. The
-hidden-state conventions that the block and head runs share (:func:`_hidden_of`,
-:func:`_with_hidden`) live here too.
+them (:mod:`remat.profiling._head`). Every call is recorded in order (``calls``): a block may run
+several times a step (ALBERT calls its one layer group for every layer: :mod:`remat.planning.calls`).
+It stops where the LM head (:func:`remat.treat.discovery.find_head`) is about to run once every
+block has run, a pre-hook raising, so the head and the loss never run; a model without one runs
+its loss (with nothing saved). The hidden-state conventions that the block and head runs share
+(:func:`_hidden_of`, :func:`_with_hidden`) live here too.
 
 Why one real forward with hooks rather than building each block's inputs: the blocks get
 exactly the tensors and keyword arguments (masks, position embeddings) that the model's own
@@ -41,6 +43,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
+
+from remat.treat.discovery import find_head
 
 # attributes that make two blocks of one class with the same parameters cost differently
 CONFIG_ATTRIBUTES = ("attention_type", "layer_type", "is_sliding", "sliding_window", "is_decoder",
@@ -138,17 +142,20 @@ class _Capture:
     inputs: dict       # block index -> (args, kwargs), for the first block of each signature only
     outputs: list      # per block: _Template of its output
     replays: list      # per block: [(sub-module, its output's structure)] to replay in stubs
-    order: list        # block indices in the order the forward called them
+    order: list        # block indices in the order the forward first called them
+    calls: list        # block indices of every call, in order (a block called N times is there N times)
 
 
 def _capture(model, batch, loss_fn, named) -> _Capture:
-    """One forward that saves nothing for backward, stopped once every block has run (see the module doc)."""
+    """One forward that saves nothing for backward, stopped before the head once every block has run
+    (see the module doc)."""
     n = len(named)
     signatures, outputs, replays = [None] * n, [None] * n, [None] * n
-    inputs, seen, order, sub_outputs = {}, set(), [], {}
+    inputs, seen, order, calls, sub_outputs = {}, set(), [], [], {}
     handles = []
 
     def pre(index, module, args, kwargs):
+        calls.append(index)
         if signatures[index] is None:
             sig = _signature(module, _hidden_of(args, kwargs))
             signatures[index] = sig
@@ -163,8 +170,10 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
     def post(index, module, args, kwargs, out):
         if outputs[index] is None:
             outputs[index] = _Template.of(out, args, kwargs)
-            if all(o is not None for o in outputs):
-                raise _Captured
+
+    def head(module, args):  # the blocks are done once the head runs after all of them
+        if all(o is not None for o in outputs):
+            raise _Captured
 
     def sub_post(module, args, out):
         sub_outputs.setdefault(id(module), tree_map(
@@ -178,6 +187,9 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
             for sub in block.modules():
                 if sub is not block:
                     handles.append(sub.register_forward_hook(sub_post))
+        head_name = find_head(model)
+        if head_name is not None:
+            handles.append(model.get_submodule(head_name).register_forward_pre_hook(head))
         # the graph, for whether each block's input requires grad; no saved tensor, for memory
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_nothing, _nothing):
             loss_fn(model, batch)
@@ -195,7 +207,8 @@ def _capture(model, batch, loss_fn, named) -> _Capture:
     for index, (_, block) in enumerate(named):
         replays[index] = [(sub, sub_outputs[id(sub)]) for sub in block.modules()
                           if sub is not block and sub._forward_hooks and id(sub) in sub_outputs]
-    return _Capture(signatures=signatures, inputs=inputs, outputs=outputs, replays=replays, order=order)
+    return _Capture(signatures=signatures, inputs=inputs, outputs=outputs, replays=replays, order=order,
+                    calls=calls)
 
 
 def _tensor_attributes_restored(model: nn.Module):

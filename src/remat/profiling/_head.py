@@ -27,7 +27,11 @@ head's memory and seconds alone, the loss computed as the user's ``loss_fn`` com
 Stable times: the head's seconds are the median of ``repeats + 1`` stubbed steps, with
 Python's garbage collector held off while timing (:func:`remat.profiling._meters._chain`).
 
-Limits: every block must be called exactly once per step, else the step does not run its
+A block called several times a step (ALBERT's one layer group: :mod:`remat.planning.calls`)
+is a stub at every call; the marks go at the step's first and last block call, as the capture
+recorded them.
+
+Limits: the blocks must be called as the capture saw them, else the step does not run its
 six phases (a ``ValueError``); a block's tuple output is its hidden state followed by None
 (but for what the block handed back of its own inputs, the KV cache of a transformers 4.x
 layer), so a head that reads a block's other outputs does not see them.
@@ -114,7 +118,7 @@ class _StubRun:
 
     def __init__(self, capture, meter, zero):
         self.capture, self.meter, self.zero = capture, meter, zero
-        self.first, self.last = capture.order[0], capture.order[-1]
+        self.calls = 0  # block calls so far: the marks go at the step's first and last
         self.marks, self.held = [], []
 
     def mark(self, *_):
@@ -122,7 +126,8 @@ class _StubRun:
 
     def forward(self, index, args, kwargs):
         x = _hidden_of(args, kwargs)
-        if index == self.first:
+        call, self.calls = self.calls, self.calls + 1
+        if call == 0:
             self.mark()                                                   # embeddings done
             self.held.append([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor) and v is not x])
             if x.requires_grad:
@@ -134,7 +139,7 @@ class _StubRun:
             y = (x.sum() * 0 + self.zero).to(template.dtype).expand(template.shape).contiguous()
         for sub, structure in self.capture.replays[index]:
             _replay(sub, x, structure)
-        if index == self.last:
+        if call == len(self.capture.calls) - 1:
             self.mark()
             y.register_hook(self.mark)                                    # head backward done
         return template.wrap(y, args, kwargs)
@@ -177,7 +182,7 @@ def _stub_run(model, batch, loss_fn, capture, meter, stubs):
     finally:
         stubs.run = None
     run.held.clear()
-    if len(run.marks) != 6:
-        raise ValueError(f"the stubbed step ran {len(run.marks)} of its 6 phases: a block was not called, or "
-                         "called more than once per step")
+    if len(run.marks) != 6 or run.calls != len(capture.calls):
+        raise ValueError(f"the stubbed step ran {len(run.marks)} of its 6 phases: its blocks were called "
+                         f"{run.calls} times, where the capture forward called them {len(capture.calls)} times")
     return run.marks

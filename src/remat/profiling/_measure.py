@@ -7,7 +7,9 @@ block of each configuration. Each configuration is then run alone per treatment
 from their base treatment's cost, moving its offloadable bytes. The rest of the model is one
 step per head mode and chunk option in which every block is a stub
 (:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`:
-the costs per configuration, which configuration each block has, and the heads.
+the costs per configuration, which configuration each block has, the heads and, where a block runs
+more than once a step, the calls in order (:mod:`remat.planning.calls`; each cost carries its
+block's gradient bytes for that).
 
 Why a block at a time: blocks of one configuration cost the same, so a deep model costs one
 block per configuration plus its head, and :mod:`remat.planning.simulator` assembles any
@@ -113,7 +115,8 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         for derived, base in DERIVED.items():
             if base in costs and backend is None:  # no offload under compile: see _compiled.OFFLOAD_UNDER_COMPILE
                 costs[derived] = replace(costs[base], offload_bytes=costs[base].offloadable)
-        classes.append(costs)
+        grads = _grad_bytes(block, rates.granularity)
+        classes.append({t: replace(cost, grad_bytes=grads) for t, cost in costs.items()})
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     heads, notes = [], {}
     notes.update(skipped)
@@ -146,8 +149,18 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                          + ". Check that loss_fn(model, batch) runs a training step's loss on this batch")
     notes["profile_seconds"] = round(time.perf_counter() - started, 2)
     names = tuple(name for name, _ in named)
+    # a block called more than once a step (ALBERT's shared layer group): the calls, in order
+    repeated = len(capture.calls) != len(named)
     return ProfileBody(classes=tuple(classes), block_class=tuple(block_class), heads=tuple(heads),
-                       hidden_bytes=_nbytes(hidden), notes=notes, block_names=names)
+                       hidden_bytes=_nbytes(hidden), notes=notes, block_names=names,
+                       block_calls=tuple(capture.calls) if repeated else ())
+
+
+def _grad_bytes(block, granularity: int) -> int:
+    """Bytes of ``block``'s trainable parameters' gradients, each rounded up as the meters round an
+    allocation (a shared parameter once)."""
+    grads = {id(p): p.numel() * p.element_size() for p in block.parameters() if p.requires_grad}
+    return sum(-(-nbytes // granularity) * granularity for nbytes in grads.values())
 
 
 def _compile_failure(error: BaseException) -> bool:

@@ -429,6 +429,8 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                    _storage_bytes(model.parameters()), _storage_bytes(model.buffers()), static)
     if not calibrate:
         return prof
+    if prof.block_calls:  # the calibration's events are per block: a block called N times would read N calls as one
+        return replace(prof, notes=dict(prof.notes, calibration="skipped: a block runs several times a step"))
     try:
         if scope:
             return calibrate_compiled(model, batch, loss_fn, named, prof, say, backend, scope)
@@ -449,7 +451,8 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
                    classes=body.classes, heads=body.heads, param_bytes=param_bytes, buffer_bytes=buffer_bytes,
                    optimizer=optimizer, optimizer_bytes=optimizer_bytes, static_bytes=static,
                    hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
-                   device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step)
+                   device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step,
+                   block_calls=body.block_calls)
 
 
 def engine_model() -> EngineModel:

@@ -10,12 +10,16 @@ per-model code and covers decoder-only LMs (``model.layers``, ``transformer.h``,
 vision transformers, PEFT wrappers (the lists are found wherever they are nested),
 plain ``nn.Module`` stacks and a model that *is* its block list (a root ``nn.Sequential``
 of residual blocks: the blocks are then named ``"0"``, ``"1"`` ... and the container ``""``).
+Where no list holds two, a list holding one module named like a layer or block is taken
+(outermost first): ALBERT keeps one ``AlbertLayerGroup`` in ``albert_layer_groups`` and calls
+it for every layer, so that one module is its block, called N times a step (the profiler sees
+the calls: :mod:`remat.planning.calls`); a one-layer model is found the same way.
 
 The obvious alternative, a table of known attribute paths per architecture, breaks on
 every new model family; the structural rule breaks only on models without repeated
 blocks, and then the error lists what was found, why each container was not taken, and
-how to pass ``blocks=``. Automatic discovery needs two blocks; a model with one block (or
-blocks that change shape, as in a UNet) is treated by naming them with ``blocks=``.
+how to pass ``blocks=``. A single block of another class (or blocks that change shape, as in a
+UNet) is treated by naming it with ``blocks=``.
 
 The LM head is ``get_output_embeddings()`` where a Hugging Face model has one, else a
 top-level ``nn.Linear`` named like a head.
@@ -65,12 +69,12 @@ def discover(model: nn.Module, blocks: BlockSelector = None) -> Structure:
     ``nn.Sequential`` (``"model.layers"``; ``""`` is the model itself), whose children are
     then the blocks, or of any other module, which is then the one block -- a list of
     block names, or a predicate ``(name, module) -> bool`` selecting blocks. One block is
-    enough when it is named; automatic discovery needs two.
+    enough when it is named; automatic discovery needs two, or one named like a layer (module doc).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat expects a torch.nn.Module, got {type(model).__name__}")
     if blocks is None:
-        lists = _outermost(_candidate_lists(model))
+        lists = _outermost(_candidate_lists(model)) or _outermost(_single_layers(model))
         if not lists:
             raise ValueError(_not_found_message(model))
         names = tuple(_join(list_name, child) for list_name, container in lists
@@ -120,6 +124,14 @@ def _select(model: nn.Module, selector: BlockSelector) -> tuple:
 def _candidate_lists(model: nn.Module) -> list:
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (nn.ModuleList, nn.Sequential)) and _rejection(module) is None]
+
+
+def _single_layers(model: nn.Module) -> list:
+    """Lists of one block-like module named like a layer or block (ALBERT's shared layer group):
+    what discovery takes where no list holds two."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) == 1
+            and _is_block_like(module[0]) and _LAYERISH.search(type(module[0]).__name__)]
 
 
 def _rejection(container: nn.Module) -> Optional[str]:
