@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
-SPECS = ("full", "selective", "attention", "mlp", "every:2", "segments:2", "tiled", "full+tiled")
+SPECS = ("full", "selective", "attention", "mlp", "every:2", "segments:2", "tiled", "full+tiled", "attn-saved")
 """Treatments proved on the CPU, each with the plain head; then ``full`` with the chunked head."""
 TILE_TOKENS = 64
 """Tokens per chunk of the tiled treatments here: 256 tokens in 4 chunks, so tiling really splits."""

@@ -90,6 +90,7 @@ def saved_ops() -> frozenset:
     return frozenset(op for op in overloads if not op._schema.is_mutable)
 
 
+@functools.lru_cache(maxsize=None)  # asked for every op of a selective block's forward and recompute
 def saves(func) -> bool:
     """Whether ``selective`` keeps the output of ``func`` (an op overload or a higher-order op)."""
     return func in saved_ops() or func.name() in _LIBRARY_OPS
@@ -104,6 +105,7 @@ def attention_ops() -> frozenset:
                      if not getattr(packet, overload)._schema.is_mutable)
 
 
+@functools.lru_cache(maxsize=None)
 def saves_attention(func) -> bool:
     """Whether ``attn-saved`` keeps the output of ``func``: attention kernels only."""
     return func in attention_ops() or func.name() in _LIBRARY_ATTENTION
@@ -113,14 +115,19 @@ def _drops_out(func, args, kwargs) -> bool:
     """An attention kernel called with dropout: its forward draws from the generator. Kept, its
     recompute would not draw, and every random op after it in the block (GPT-2's residual dropout)
     would take other masks than the forward did; so it is recomputed, from the same RNG state."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
+    position = _dropout_position(func)
+    if position is None:
         return False
-    for position, argument in enumerate(schema.arguments):
-        if argument.name == "dropout_p":
-            value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
-            return isinstance(value, (int, float)) and value > 0
-    return False
+    value = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
+    return isinstance(value, (int, float)) and value > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _dropout_position(func):
+    """Where ``func``'s schema takes ``dropout_p`` (None: it takes none); asked per kept op, so cached."""
+    schema = getattr(func, "_schema", None)
+    names = [argument.name for argument in schema.arguments] if schema is not None else []
+    return names.index("dropout_p") if "dropout_p" in names else None
 
 
 def _keeps(keeps, func, args, kwargs) -> bool:
