@@ -8,14 +8,15 @@ How, on every rank:
 
 1. The ranks form a ``dp x cp`` mesh (``world / --cp`` data-parallel groups of ``--cp`` ranks): the
    ranks of one CP group train on the same ``--batch`` sequences of ``--seq`` tokens, each holding
-   ``--seq / --cp`` tokens of them (:func:`remat.parallel.shard_sequence`: labels shifted before the
-   cut, so a rank's loss is its share of its sequences' loss). The model is sharded by FSDP2 over
+   ``--seq / --cp`` tokens of them (:func:`remat.parallel.shard_sequence`: a head and a tail chunk,
+   torch's load-balanced layout, or with ``--contiguous`` one contiguous piece; labels shifted before
+   the cut, so a rank's loss is its share of its sequences' loss). The model is sharded by FSDP2 over
    every rank (torchtitan's layout: CP ranks hold different parameter shards too).
 2. The model is built on the ``meta`` device, and what CP cannot run is refused on every rank
    before anything else (a model whose attention is not SDPA, a ``--seq`` not divisible by
-   ``--cp``: :func:`remat.parallel.check_model`, :func:`remat.parallel.check_batch`).
+   ``2 x --cp``, or ``--cp`` with ``--contiguous``: :func:`remat.parallel.check_model`, :func:`remat.parallel.check_batch`).
 3. Rank 0 plans: ``remat.plan(model, batch, budget, cp_world=cp, fsdp_world=world,
-   optimizer="adamw")`` profiles one rank's piece with fake tensors and charges the attention over
+   optimizer="adamw")`` profiles one rank's share with fake tensors and charges the attention over
    the rest of the sequence, its exchange and buffers (:mod:`remat.planning.context`), and the
    optimizer's step; the plan is broadcast as plain data. When nothing fits, rank 0 prints the
    one-line reason (the smallest budget that fits) and every rank leaves cleanly, with exit code
@@ -67,6 +68,8 @@ def main(argv=None):
     p.add_argument("--gpu", help="rates to plan with (h100, h200, a100); default: this GPU's")
     p.add_argument("--attention", default="auto", choices=("auto", "ring", "gather"),
                    help="CP attention: torch's ring (NCCL), an all-gather of K/V (any backend), or auto")
+    p.add_argument("--contiguous", action="store_true",
+                   help="cut each sequence into one contiguous piece a rank instead of a head and a tail chunk")
     p.add_argument("--same-init", action="store_true",
                    help="initialise the whole model alike on every rank before sharding (needs its unsharded "
                         "size on each device), for comparing runs on different numbers of ranks")
@@ -108,7 +111,7 @@ def _train(args, rank, world, cuda, say):
     example = torch.zeros(args.batch, args.seq, dtype=torch.long)
     try:  # what CP cannot run, refused on every rank before anything is planned or allocated
         check_model(model)
-        check_batch({"input_ids": example}, cp)
+        check_batch({"input_ids": example}, cp, balance=not args.contiguous)
     except ValueError as e:
         return f"error: {e}"
     plan, failure = _plan_on_rank0(model, example, args, rank, world, cuda)
@@ -142,10 +145,10 @@ def _train(args, rank, world, cuda, say):
     for step in range(args.steps):
         collector.step(step)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
-        local = shard_sequence({"input_ids": ids, "labels": ids}, cp_group)
+        local = shard_sequence({"input_ids": ids, "labels": ids}, cp_group, balance=not args.contiguous)
         _sync(cuda)
         start = time.perf_counter()
-        with context_parallel(model, cp_group, attention=args.attention):
+        with context_parallel(model, cp_group, attention=args.attention, balance=not args.contiguous):
             loss = model(**local).loss
             (loss * cp).backward()    # FSDP2 divides by dp x cp; the CP shares must add up
         optimizer.step()
@@ -185,7 +188,7 @@ def _plan_on_rank0(model, example, args, rank, world, cuda):
             else:
                 gpu = args.gpu or (_gpu_name() if cuda else "cpu")
                 plan = remat.plan(model, example, args.budget, cp_world=args.cp, fsdp_world=world,
-                                  optimizer="adamw", gpu=gpu)
+                                  optimizer="adamw", gpu=gpu, cp_balance=not args.contiguous)
             box[0] = (plan.to_dict(), None)
         except NoPlanFits as e:
             box[0] = (None, str(e))   # "no plan fits X: the smallest budget that fits is Y (plan) ..."

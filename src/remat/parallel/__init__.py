@@ -1,7 +1,7 @@
 """Context parallelism: a sequence split over ranks, trained under any remat treatment.
 
     from remat.parallel import context_parallel, shard_sequence
-    local = shard_sequence(batch, cp_group, model=model)   # labels shifted, then cut: each rank its share
+    local = shard_sequence(batch, cp_group, model=model)   # labels shifted, then cut head-tail: each rank its share
     with context_parallel(model, cp_group):                # torch's ring attention on NCCL, all-gather on gloo
         loss = model(**local).loss                         # this rank's share of the whole sequence's loss
         loss.backward()
