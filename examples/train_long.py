@@ -14,7 +14,8 @@ How, on every rank:
    every rank (torchtitan's layout: CP ranks hold different parameter shards too).
 2. The model is built on the ``meta`` device, and what CP cannot run is refused on every rank
    before anything else (a model whose attention is not SDPA, a ``--seq`` not divisible by
-   ``2 x --cp``, or ``--cp`` with ``--contiguous``: :func:`remat.parallel.check_model`, :func:`remat.parallel.check_batch`).
+   ``2 x --cp``, or ``--cp`` with ``--contiguous``: :func:`remat.parallel.check_model`,
+   :func:`remat.parallel.check_batch`).
 3. Rank 0 plans: ``remat.plan(model, batch, budget, cp_world=cp, fsdp_world=world,
    optimizer="adamw")`` profiles one rank's share with fake tensors and charges the attention over
    the rest of the sequence, its exchange and buffers (:mod:`remat.planning.context`), and the

@@ -227,7 +227,8 @@ def test_shards_hold_the_shifted_labels_and_global_positions(balance):
     assert all(torch.equal(p["labels"], p["shift_labels"]) for p in pieces)
     assert all(p["num_items_in_batch"] == int((shifted != -100).sum()) for p in pieces)
     if balance:
-        assert torch.equal(pieces[1]["position_ids"], torch.cat([torch.arange(4, 8), torch.arange(24, 28)]).expand(2, -1))
+        head_and_tail = torch.cat([torch.arange(4, 8), torch.arange(24, 28)])   # chunks 1 and 6 of 8
+        assert torch.equal(pieces[1]["position_ids"], head_and_tail.expand(2, -1))
         assert all(torch.equal(p["attention_mask"], torch.ones(2, 8, dtype=torch.long)) for p in pieces)
     else:
         assert torch.equal(pieces[2]["position_ids"], torch.arange(16, 24).expand(2, -1))

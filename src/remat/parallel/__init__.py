@@ -10,9 +10,9 @@
 the whole sequence; :mod:`remat.planning.context` is what the planner charges for it
 (``remat.plan(..., cp_world=N)``).
 """
-from remat.parallel.attention import CPAttention, context_parallel, reduce_gradients
+from remat.parallel.attention import CPAttention, context_parallel, plain_attention, reduce_gradients, torch_balances
 from remat.parallel.groups import rank_and_world
-from remat.parallel.sequence import check_batch, check_model, shard_for, shard_sequence
+from remat.parallel.sequence import check_batch, check_model, positions, shard_for, shard_sequence
 
-__all__ = ["CPAttention", "check_batch", "check_model", "context_parallel", "rank_and_world", "reduce_gradients",
-           "shard_for", "shard_sequence"]
+__all__ = ["CPAttention", "check_batch", "check_model", "context_parallel", "plain_attention", "positions",
+           "rank_and_world", "reduce_gradients", "shard_for", "shard_sequence", "torch_balances"]

@@ -279,6 +279,36 @@ def _torch_ring(group, pg, world, balance: bool):
         _cp_options.enable_load_balance = before
 
 
+@contextlib.contextmanager
+def plain_attention():
+    """``torch.nn.functional.scaled_dot_product_attention`` as torch defines it while the ``with``
+    is open, whatever replaced it (torch's ``context_parallel``, :func:`context_parallel`), put back
+    when it ends: for profiling one rank's share inside a CP step (the Hugging Face Trainer's, where
+    torch's ring would otherwise run on the profiler's tensors). A profile of the share is what
+    :mod:`remat.planning.context` adds the rest of the sequence's attention to."""
+    current = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = current
+
+
+def torch_balances(length: int, world: int) -> bool:
+    """Whether torch's ``context_parallel``, entered now for sequences of ``length`` tokens over
+    ``world`` ranks, cuts them head-tail (its ``_HeadTailLoadBalancer``, remat's ``balance=True``):
+    its ``_cp_options.enable_load_balance`` is on (the default; inside its context, what it chose)
+    and the length divides into ``2 x world`` chunks. For planning a rank that torch shards (the
+    Hugging Face Trainer under accelerate's ``ParallelismConfig(cp_size=...)``)."""
+    if world <= 1 or length % (2 * world):
+        return False
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:   # a torch without context parallelism shards nothing
+        return False
+    return bool(_cp_options.enable_load_balance)
+
+
 def _nccl(group) -> bool:
     """The group's collectives run on NCCL (its backend is ``nccl``, or names it for CUDA tensors:
     ``cpu:gloo,cuda:nccl``)."""
