@@ -30,10 +30,7 @@ Checks, per case:
 """
 import argparse
 import copy
-import json
 import os
-import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -43,6 +40,7 @@ from remat.presets import build_model
 from remat.parallel import context_parallel, reduce_gradients, shard_sequence
 from remat.parallel.sequence import positions
 from remat.prove.collectives import CollectiveCounter
+from workers import Worker, finish, start
 
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload", "tiled", "full+tiled")
 RECOMPUTE_ATTENTION = ("full", "selective", "attention", "full+offload", "full+tiled")
@@ -61,10 +59,10 @@ def tiny_config():
                        attn_implementation="sdpa")
 
 
-class Run:
+class Run(Worker):
     def __init__(self, rank, world):
-        self.rank, self.world = rank, world
-        self.problems, self.records = [], {}
+        super().__init__(rank, world)
+        self.records = {}
         self.base = build_model(tiny_config(), seed=0)
         ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
         labels = ids.clone()
@@ -75,9 +73,6 @@ class Run:
         loss.backward()
         self.reference = {n: p.grad for n, p in reference.named_parameters()}
         self.reference_loss = loss.detach()
-
-    def fail(self, case, message):
-        self.problems.append(f"rank {self.rank} {case}: {message}")
 
     def step(self, model, case, sharded=False, balance=True, **extra):
         """One CP step, counted; the loss (summed over ranks) and this rank's gradients (summed
@@ -302,10 +297,7 @@ def main():
     p.add_argument("--record", help="write every case's errors, SDPA calls and collectives (rank 0's) here as JSON")
     p.add_argument("--only", default="treatments,contiguous,ring,fsdp2,misuse,readme")
     args = p.parse_args()
-    torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
-    warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start()
     run = Run(rank, world)
     parts = args.only.split(",")
     if "treatments" in parts:
@@ -320,26 +312,10 @@ def main():
         misuse(run)
     if "readme" in parts:
         readme(run)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, run.problems)
-    if rank == 0:
-        if args.record:
-            import datetime
-
-            import transformers
-            with open(args.record, "w") as f:
-                json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                               torch=torch.__version__, transformers=transformers.__version__, world=world,
-                               backend="gloo", device="cpu", dtype="float32",
-                               model=f"llama hidden 32, {LAYERS} layers, 4/2 heads, vocab 128",
-                               batch=list(run.batch["input_ids"].shape), rel_tolerance=REL,
-                               cases=run.records), f, indent=1)
-        problems = [line for rank_problems in everyone for line in rank_problems]
-        print("\n".join(problems) if problems else "OK")
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as tests/fsdp_worker.py: skip the interpreter's teardown (a profiler thread once aborted it)
+    finish(run.problems, args.record, dict(dtype="float32",
+                                          model=f"llama hidden 32, {LAYERS} layers, 4/2 heads, vocab 128",
+                                          batch=list(run.batch["input_ids"].shape), rel_tolerance=REL,
+                                          cases=run.records))
 
 
 if __name__ == "__main__":
