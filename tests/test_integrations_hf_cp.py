@@ -41,8 +41,17 @@ def parallelism(cp, dp_shard=1):
 
 
 def trainer_args(config):
+    # world_size 1: the garbage collector stays Python's (several ranks would switch it off until
+    # on_train_end, which these tests, standing in for train(), do not all reach)
     return SimpleNamespace(optim="adamw_torch", gradient_checkpointing=False, activation_checkpointing=False,
-                           world_size=config.total_size if config is not None else 1, parallelism_config=config)
+                           world_size=1, parallelism_config=config)
+
+
+@pytest.fixture(autouse=True)
+def _collector_left_alone():
+    import gc
+    yield
+    assert gc.isenabled()
 
 
 class TorchRing:

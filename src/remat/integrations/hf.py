@@ -89,17 +89,14 @@ puts in, never something the callback does to the batches on its own::
 
 Context parallelism (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N, ...))``,
 accelerate >= 1.10, or an ``Accelerator`` built with one): the Trainer hands the model each rank's
-share of the sequence, which torch's ``context_parallel`` cut in place (head-tail when its load
-balancing is on and the length divides into ``2 N`` chunks, contiguous otherwise), and runs
-attention over the whole sequence with torch's ring; the model is sharded by FSDP2 over the
-``dp_shard x cp`` ranks. The callback plans one rank of that mesh: ``remat.plan(..., cp_world=N,
-fsdp_world=dp_shard_size * N, cp_balance=<as torch cuts>)`` on a stand-in for the whole sequences
-(the share's ids and labels ``N`` times as long: the planner cuts them again and charges the
-attention over the rest, :mod:`remat.planning.context`), profiled with torch's own SDPA put back
-for the profile (:func:`remat.parallel.plain_attention`: inside the step, torch's ring would run
-on the profiler's tensors). A ``batch=`` given to the callback is taken as whole sequences.
-``plan_options`` may set ``cp_world`` / ``fsdp_world`` / ``cp_balance`` itself. :func:`guard_trainer`
-is refused under CP (the Trainer shards the batch in place, so a redo would shard it twice).
+share of the sequence, cut in place by torch's ``context_parallel`` (head-tail when its load
+balancing is on and the length divides into ``2 N`` chunks), and FSDP2 shards the model over the
+``dp_shard x cp`` ranks. The callback plans one rank of that mesh (:mod:`remat.integrations._parallelism`):
+``remat.plan(..., cp_world=N, fsdp_world=dp_shard_size * N, cp_balance=<as torch cuts>)`` on a
+stand-in for the whole sequences, profiled with torch's own SDPA put back
+(:func:`remat.parallel.plain_attention`: inside the step torch's ring replaces it). A ``batch=``
+is taken as whole sequences; ``plan_options`` may set those three itself. :func:`guard_trainer` is
+refused under CP (the Trainer shards the batch in place: a redo would shard it twice).
 
 Budget while planning: plans are profiled as :class:`remat.Guard` profiles them
 (``profile_device="auto"``: the first on the GPU with the allocator capped at the budget,
@@ -123,6 +120,7 @@ from transformers import TrainerCallback
 
 from remat.guard import batch_tokens, check_recovery, redo_out_of_memory  # one rule and one loop with remat.Guard
 from remat.head import find_trl_head
+from remat.integrations._parallelism import context_parallel_sizes, sequence_length, whole_sequences
 from remat.integrations._planning import BatchPlanner
 from remat.integrations.collector import collect_every as collect_every_steps, started
 from remat.treat import patches
@@ -294,7 +292,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
             cp, fsdp = self.context_parallel
             options.setdefault("cp_world", cp)
             options.setdefault("fsdp_world", fsdp)
-            options.setdefault("cp_balance", torch_balances(_sequence_length(batch), cp))
+            options.setdefault("cp_balance", torch_balances(sequence_length(batch), cp))
         return options
 
     def _plan(self, module: nn.Module, batch, why: str, refuse: bool = True, whole: bool = False) -> None:
@@ -381,49 +379,6 @@ def without_full_attention_masks(collate: Callable) -> Callable:
             del batch["attention_mask"]
         return batch
     return collate_without_full_masks
-
-
-def context_parallel_sizes(args) -> Optional[tuple]:
-    """``(cp, fsdp_world)`` when the Trainer runs context parallelism, else None: from
-    ``TrainingArguments.parallelism_config`` (transformers >= 4.57), else from the accelerate state
-    an ``Accelerator`` built with a ``ParallelismConfig`` left (read, never created). ``cp``: its
-    ``cp_size``; ``fsdp_world``: the ranks FSDP2 shards over, ``dp_shard_size x cp_size``
-    (accelerate's ``dp_shard_cp`` mesh; HSDP replicas hold copies)."""
-    config = getattr(args, "parallelism_config", None)
-    if config is None:
-        import sys
-        state = sys.modules.get("accelerate.state")
-        shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None)
-        config = shared.get("parallelism_config") if isinstance(shared, dict) else None
-    cp = int(getattr(config, "cp_size", None) or 1)
-    if cp <= 1:
-        return None
-    return cp, int(getattr(config, "dp_shard_size", None) or 1) * cp
-
-
-def whole_sequences(batch: dict, cp: int) -> dict:
-    """A stand-in for the whole sequences one of ``cp`` context-parallel shares came from: its
-    ``input_ids`` (or ``inputs_embeds``) and ``labels``, ``cp`` times as long (values repeated: the
-    planner reads shapes, cuts the stand-in again and charges the attention over the rest). What
-    the Trainer adds for CP (``position_ids``, ``shift_labels``, the mask) is left out: the planner
-    makes a share's own."""
-    out = {}
-    for key in ("input_ids", "inputs_embeds", "labels"):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            out[key] = value.repeat(1, cp, *([1] * (value.dim() - 2)))
-    if not out:
-        raise ValueError(f"RematCallback under context parallelism plans a causal LM's batch (input_ids, labels), "
-                         f"got keys {sorted(batch)}")
-    return out
-
-
-def _sequence_length(batch) -> int:
-    for key in ("input_ids", "inputs_embeds"):
-        value = batch.get(key) if isinstance(batch, dict) else None
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
-    return 0
 
 
 def _tensors(kwargs, args=()) -> dict:

@@ -49,10 +49,11 @@ attention, and raises at its end when a forward ran with gradients and no backwa
 whose forward called no SDPA at all (eager attention on a model without a config to check
 beforehand) raises there too.
 
-Limits: two sequence layouts (head-tail, contiguous); attention dropout is refused; the
-ring path with load balancing runs torch's code, which this module has not run on GPUs (the CPU
-checks the layout it expects, not its kernels); the gather path
-holds every rank's keys and values at once (``world`` x a rank's K/V during the attention, and kept
+Limits: two sequence layouts (head-tail, contiguous); attention dropout is refused; the ring
+path has not run on GPUs from this module (the test suite runs torch's ring attention code itself,
+forward and backward, on gloo with the CPU flash kernels, on the shares remat cuts and with the
+flag set as here: not the NCCL path's dispatch or kernels); the gather path holds every rank's keys
+and values at once (``world`` x a rank's K/V during the attention, and kept
 for backward when the block keeps its activations): it exists so that a CPU checks the mathematics,
 the planner models the ring (:mod:`remat.planning.context`). GQA passes ``enable_gqa`` through as
 transformers passes it (the gather path checks it on the CPU; the ring path relies on the flash
