@@ -1,7 +1,7 @@
 """remat under context parallelism (issue 32): a sequence split over two and four CPU processes (gloo).
 
-Two process groups (tests/cp_worker.py, one process per rank; 2 and 4 ranks, started together) run
-every case; each test reads its part of a group's report. What is compared, with which tolerance
+Two process groups (tests/cp_worker.py, one process per rank; 2 and 4 ranks) run every case; each
+test reads its part of a group's report. What is compared, with which tolerance
 and why, is in the worker's docstring: llama (tiny, fp32, GQA), CP 2 and CP 4, every treatment and
 the chunked head, the sequence cut head-tail (balanced, the default) and into contiguous pieces,
 alone and under FSDP2 (CP 2), against one process over the whole sequence within 1e-6 relative; the
@@ -20,50 +20,39 @@ from cp_worker import LAYERS, RECOMPUTE_ATTENTION, REL, TREATMENTS, tiny_config
 from test_fsdp import _cpu_fsdp2_supported, launch
 
 
-WORLDS = (2, 4)
 LAYOUTS = {"cp/": "head-tail", "cp-contiguous/": "contiguous"}
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    """``{world: (problems, cases)}``: CP 2 runs every part, CP 4 the treatments and the ring."""
-    from concurrent.futures import ThreadPoolExecutor
-    out = tmp_path_factory.mktemp("cp")
+def _run(tmp_path_factory, world, parts):
+    """One group of ``world`` ranks running ``parts`` of the worker: ``(problems, cases)``."""
+    record = tmp_path_factory.mktemp(f"cp{world}") / "cases.json"
     worker = os.path.join(os.path.dirname(__file__), "cp_worker.py")
-    parts = {2: "treatments,contiguous,ring,misuse,readme" + (",fsdp2" if _cpu_fsdp2_supported() else ""),
-             4: "treatments,contiguous,ring"}
-    with ThreadPoolExecutor(len(WORLDS)) as pool:   # both groups at once: their startups overlap
-        runs = {world: pool.submit(launch, worker, ["--record", str(out / f"cp{world}.json"), "--only",
-                                                    parts[world]], world=world) for world in WORLDS}
-    found = {}
-    for world, run in runs.items():
-        results = run.result()
-        for rank, (code, _, err) in enumerate(results):
-            assert code == 0, f"CP {world}: rank {rank} exited with {code}:\n{err[-3000:]}"
-        lines = results[0][1].strip().splitlines()
-        found[world] = ([] if lines[-1:] == ["OK"] else lines,
-                        json.loads((out / f"cp{world}.json").read_text())["cases"])
-    return found
+    results = launch(worker, ["--record", str(record), "--only", parts], world=world)
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, f"CP {world}: rank {rank} exited with {code}:\n{err[-3000:]}"
+    lines = results[0][1].strip().splitlines()
+    return [] if lines[-1:] == ["OK"] else lines, json.loads(record.read_text())["cases"]
 
 
 @pytest.fixture(scope="module")
-def report(reports):
-    return reports[2]
+def report(tmp_path_factory):
+    """CP 2: every part of the worker."""
+    return _run(tmp_path_factory, 2, "treatments,contiguous,ring,misuse,readme"
+                + (",fsdp2" if _cpu_fsdp2_supported() else ""))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """CP 4: the treatments in both layouts and torch's ring (one test reads it, so that one test
+    process of the suite's starts these four ranks)."""
+    return _run(tmp_path_factory, 4, "treatments,contiguous,ring")
 
 
 def _problems(report, prefix):
     return [p for p in report[0] if f" {prefix}" in p]
 
 
-@pytest.mark.parametrize("prefix", LAYOUTS, ids=LAYOUTS.values())
-@pytest.mark.parametrize("world", WORLDS)
-def test_every_treatment_and_the_chunked_head_equal_one_process(reports, world, prefix):
-    """CP 2 and CP 4, the sequence cut head-tail and contiguous: the ranks' losses and gradients,
-    summed, equal one process over the whole sequence within 1e-6 relative for every treatment
-    (tiled ones cutting each rank's share into tiles of 4 tokens) and the chunked head; head-tail
-    also without a cache (``use_cache=False``: transformers then reads the positions' jump as packed
-    sequences unless the share's mask of ones says otherwise)."""
-    report = reports[world]
+def _equal_one_process(report, prefix):
     cases = {k: v for k, v in report[1].items() if k.startswith(prefix)}
     assert len(cases) == len(TREATMENTS) + 3 + (prefix == "cp/"), sorted(cases)
     assert _problems(report, prefix) == []
@@ -71,13 +60,8 @@ def test_every_treatment_and_the_chunked_head_equal_one_process(reports, world, 
         assert record["loss_rel_error"] <= REL and record["grad_rel_error"] <= REL, (case, record)
 
 
-@pytest.mark.parametrize("prefix", LAYOUTS, ids=LAYOUTS.values())
-@pytest.mark.parametrize("world", WORLDS)
-def test_recompute_of_attention_repeats_its_exchange(reports, world, prefix):
-    """The mechanism, not only the result: a treatment that recomputes attention calls SDPA and
-    all-gathers keys and values twice a layer per step, one that keeps attention's inputs once; a
-    treatment that did nothing (or a recompute that ran without the exchange) would show here."""
-    cases = reports[world][1]
+def _exchange_per_attention_run(report, prefix):
+    cases = report[1]
     for spec in TREATMENTS:
         per_layer = 2 if spec in RECOMPUTE_ATTENTION else 1
         record = cases[f"{prefix}{spec}"]
@@ -89,19 +73,50 @@ def test_recompute_of_attention_repeats_its_exchange(reports, world, prefix):
     assert cases[f"{prefix}mlp"]["calls"] == cases[f"{prefix}keep"]["calls"]  # mlp recomputes no attention
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_torch_ring_attention_agrees_with_the_shares_remat_cuts(reports, world):
+def _torch_ring_agrees(report):
+    record = report[1]["ring-layout"]
+    if "skipped" in record:
+        pytest.skip(record["skipped"])
+    assert _problems(report, "ring-layout") == []
+    assert record["layout balance=True, torch flag True"] <= REL, record
+    assert record["layout balance=False, torch flag False"] <= REL, record
+    assert record["layout balance=False, torch flag True"] > 1e-2, record
+
+
+@pytest.mark.parametrize("prefix", LAYOUTS, ids=LAYOUTS.values())
+def test_every_treatment_and_the_chunked_head_equal_one_process(report, prefix):
+    """CP 2, the sequence cut head-tail and contiguous: the ranks' losses and gradients, summed,
+    equal one process over the whole sequence within 1e-6 relative for every treatment (tiled ones
+    cutting each rank's share into tiles of 4 tokens) and the chunked head; head-tail also without
+    a cache (``use_cache=False``: transformers then reads the positions' jump as packed sequences
+    unless the share's mask of ones says otherwise)."""
+    _equal_one_process(report, prefix)
+
+
+@pytest.mark.parametrize("prefix", LAYOUTS, ids=LAYOUTS.values())
+def test_recompute_of_attention_repeats_its_exchange(report, prefix):
+    """The mechanism, not only the result: a treatment that recomputes attention calls SDPA and
+    all-gathers keys and values twice a layer per step, one that keeps attention's inputs once; a
+    treatment that did nothing (or a recompute that ran without the exchange) would show here."""
+    _exchange_per_attention_run(report, prefix)
+
+
+def test_torch_ring_attention_agrees_with_the_shares_remat_cuts(report):
     """The NCCL path cannot run here, but torch's ring attention itself can (on gloo, the CPU flash
     kernels): on q/k/v cut by remat's layouts, with torch's load-balancing flag as
     ``context_parallel`` sets it, forward and backward equal one process's; with the flag wrong
     they are far off."""
-    record = reports[world][1]["ring-layout"]
-    if "skipped" in record:
-        pytest.skip(record["skipped"])
-    assert _problems(reports[world], "ring-layout") == []
-    assert record["layout balance=True, torch flag True"] <= REL, record
-    assert record["layout balance=False, torch flag False"] <= REL, record
-    assert record["layout balance=False, torch flag True"] > 1e-2, record
+    _torch_ring_agrees(report)
+
+
+def test_four_ranks(four):
+    """CP 4, both layouts: what the three tests above check on two ranks (every treatment and the
+    chunked head equal one process within 1e-6, the exchange once per attention run, torch's ring
+    on remat's shares)."""
+    for prefix in LAYOUTS:
+        _equal_one_process(four, prefix)
+        _exchange_per_attention_run(four, prefix)
+    _torch_ring_agrees(four)
 
 
 def test_context_parallel_with_fsdp2(report):
