@@ -4,7 +4,8 @@ each strategy trains, and a gradient check against one GPU.
 Model: the Llama-3.1-8B shape (``--model llama-8b``), full fine-tune, AdamW, bf16, one sequence of
 ``--seq`` tokens per CP group; the ranks form a ``dp x cp`` mesh, FSDP2 over every rank
 (torchtitan's layout), forward and backward inside :func:`remat.parallel.context_parallel`
-(torch's ring attention). Strategies:
+(torch's ring attention), the sequence cut head-tail (balanced; ``--contiguous``: contiguous pieces,
+planned for with ``cp_balance=False``). Strategies:
 
 - ``remat``: ``remat.plan(model, batch, --budget, cp_world=cp, fsdp_world=world, optimizer="adamw")``
   planned on rank 0 with fake tensors at this GPU's rates, broadcast, applied before ``fully_shard``;
@@ -39,7 +40,8 @@ is recorded ``oom`` (or ``timeout`` past ``--row-timeout-s``). A row alone: ``to
 ``--grad-check``: every rank builds the model alike (seed 0, on its GPU); rank 0 runs one step over
 the whole sequence alone (no CP: the reference), then every rank runs CP steps untouched (``keep``,
 ring attention and the all-gather path) and under each remat treatment and the chunked head, the
-gradients summed over the CP ranks in fp32. Passes when every treatment's largest gradient error
+gradients summed over the CP ranks in fp32 (the untouched ring run also with contiguous pieces:
+torch's ring without its load balancing). Passes when every treatment's largest gradient error
 (per parameter, ``|g - ref| / |ref|`` in norm) is within ``--grad-slack`` x the untouched ring run's
 own (both bf16 against the same one-GPU reference).
 
@@ -92,6 +94,8 @@ def arguments(argv=None):
     p.add_argument("--budget", default="76GiB")
     p.add_argument("--gpu", help="rates to plan with (default: this GPU's)")
     p.add_argument("--attention", default="auto", choices=("auto", "ring", "gather"))
+    p.add_argument("--contiguous", action="store_true",
+                   help="cut each sequence into contiguous pieces instead of head-tail chunks (balance=False)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -142,8 +146,9 @@ def run_row(args, seq, cp, strategy, sink) -> dict:
                "--model", args.model, "--seq", str(seq), "--cp", str(cp), "--strategy", strategy,
                "--budget", args.budget, "--attention", args.attention, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--device", args.device, "--pg-timeout-s", str(args.pg_timeout_s),
-               "--out", args.out] + (["--gpu", args.gpu] if args.gpu else [])
-    base = dict(model=args.model, seq=seq, cp=cp, world=args.nproc, strategy=strategy)
+               "--out", args.out] + (["--gpu", args.gpu] if args.gpu else []) + (
+                   ["--contiguous"] if args.contiguous else [])
+    base = dict(model=args.model, seq=seq, cp=cp, world=args.nproc, strategy=strategy, balance=not args.contiguous)
     before = _lines(sink)
     try:
         done = subprocess.run(command, timeout=args.row_timeout_s, text=True, capture_output=True)
@@ -203,7 +208,7 @@ def row(args) -> int:
     model = build_model(config, device="meta", dtype=dtype)
     example = torch.zeros(1, args.seq, dtype=torch.long)
     record = dict(model=args.model, seq=args.seq, cp=cp, world=world, dp=dp, strategy=args.strategy,
-                  budget=args.budget, **environment(device))
+                  budget=args.budget, balance=not args.contiguous, **environment(device))
     box = [None]
     if rank == 0:
         box[0] = predicted(model, example, args, world, cuda)
@@ -247,10 +252,10 @@ def row(args) -> int:
             if step == args.warmup and cuda:
                 torch.cuda.reset_peak_memory_stats()
             ids = torch.randint(0, config.vocab_size, (1, args.seq), generator=generator).to(device)
-            local = shard_sequence({"input_ids": ids, "labels": ids}, groups["cp"])
+            local = shard_sequence({"input_ids": ids, "labels": ids}, groups["cp"], balance=not args.contiguous)
             _sync(cuda)
             start = time.perf_counter()
-            with context_parallel(model, groups["cp"], attention=args.attention):
+            with context_parallel(model, groups["cp"], attention=args.attention, balance=not args.contiguous):
                 loss = model(**local).loss
                 (loss * cp).backward()
             optimizer.step()
@@ -290,7 +295,7 @@ def predicted(model, example, args, world, cuda):
     # memory, shared by the ranks it runs
     from remat.planner import default_host_limit, host_share
     kwargs = dict(cp_world=args.cp, fsdp_world=world, optimizer="adamw", gpu=gpu,
-                  host_memory=host_share(default_host_limit()) if cuda else None)
+                  host_memory=host_share(default_host_limit()) if cuda else None, cp_balance=not args.contiguous)
     started = time.perf_counter()
     try:
         if args.strategy == "remat":
@@ -326,12 +331,12 @@ def grad_check(args) -> int:
     dist.barrier()
     results = {}
 
-    def case(name, spec, head, attention):
+    def case(name, spec, head, attention, balance=True):
         """One CP step of ``model`` under ``spec``; each gradient summed over the CP ranks in fp32,
         one parameter at a time (an 8B model's fp32 gradients would not fit beside it)."""
         remat.apply(model, spec, head=head)
-        local = shard_sequence(batch)
-        with context_parallel(model, attention=attention):
+        local = shard_sequence(batch, balance=balance)
+        with context_parallel(model, attention=attention, balance=balance):
             model(**local).loss.backward()
         errors = {}
         for n, p in model.named_parameters():
@@ -350,6 +355,7 @@ def grad_check(args) -> int:
 
     ring = "ring" if cuda else "gather"
     case(f"keep/{ring}", "keep", None, ring)
+    case(f"keep/{ring}/contiguous", "keep", None, ring, balance=False)
     if cuda:
         case("keep/gather", "keep", None, "gather")
     for spec, head in GRAD_CASES:

@@ -41,15 +41,15 @@ DDP plan on 2 x H100 ran 5.5% slower with automatic collection, a selective-heav
 runs end to end on a tiny model; there is no peak memory to report there.
 """
 import argparse
-import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
 import remat
+from _launch import (add_model_arguments, add_output_arguments, add_run_arguments, broadcast_plan, check_gc_every,
+                     gpu_name, report, spec_or_file, start, sync)
 from remat.integrations.collector import StepCollector
 from remat.presets import build_model, load_config, materialise
 from remat.planning.costs import MEASURED_TREATMENTS
@@ -58,45 +58,20 @@ from remat.planning.plans import TILED_TREATMENTS
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-8b", help="preset name or a config.json path")
-    p.add_argument("--budget", default="40GiB", help="memory budget of one rank (GPU)")
-    p.add_argument("--plan", help="apply this spec or plan file instead of planning")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank and step")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--gpu", help="rates to plan with (h100, h200, a100); default: this GPU's")
+    add_model_arguments(p, budget="40GiB")
+    add_run_arguments(p, batch_help="sequences per rank and step", seq_default=4096, steps=10)
     p.add_argument("--compile", action="store_true", help="torch.compile each block (after remat, before FSDP2)")
-    p.add_argument("--plan-out", help="rank 0 writes the plan it used here")
-    p.add_argument("--gc-every", type=int, default=50,
-                   help="collect Python's garbage between steps every N steps, never during one (0: automatic)")
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    if args.gc_every < 0:
-        p.error("--gc-every must be 0 (Python's automatic collection) or a positive number of steps, "
-                f"got {args.gc_every}")
+    check_gc_every(p, args)
     collector = StepCollector(args.gc_every)
 
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available; pass --device cpu (gloo) to try it on the CPU")
-    if cuda:  # before the process group, so that NCCL knows each rank's GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-        # each rank initialises its own shards; DTensor's note that its CPU random ops are local is expected
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
-
+    me = start(args)
+    rank, world, cuda, device = me.rank, me.world, me.cuda, me.device
     config = load_config(args.model)
-    model = build_model(config, device="meta", dtype=dtype)
-    plan = _plan_on_rank0(model, config, args, rank, world, cuda)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"plan for one of {world} ranks: {plan.summary()}")
+    model = build_model(config, device="meta", dtype=me.dtype)
+    plan, _ = broadcast_plan(rank, lambda: _plan(model, config, args, world, cuda))
+    me.say(f"plan for one of {world} ranks: {plan.summary()}")
     if args.plan_out and rank == 0:
         plan.save(args.plan_out)
 
@@ -119,49 +94,30 @@ def main(argv=None):
     for step in range(args.steps):
         collector.step(step)   # between steps: every --gc-every steps, on every rank at once
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
-        _sync(cuda)
-        start = time.perf_counter()
+        sync(cuda)
+        start_s = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(cuda)
-        times.append(time.perf_counter() - start)
+        sync(cuda)
+        times.append(time.perf_counter() - start_s)
         loss = loss.detach()
         dist.all_reduce(loss)
-        say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
-            f"{tokens / times[-1]:,.0f} tokens/s per rank")
+        me.say(f"step {step}: loss {loss.item() / world:.4f}  {times[-1]:.3f} s  "
+               f"{tokens / times[-1]:,.0f} tokens/s per rank")
     collector.stop()
-    steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median without the first step
-    planned = plan.notes.get("predicted_step_s")
-    say(f"median step {steady:.3f} s: {tokens / steady:,.0f} tokens/s per rank, "
-        f"{tokens * world / steady:,.0f} in all ({world} ranks)"
-        + (f"; planned {planned:.3f} s for the whole step (forward, backward and the optimizer's "
-           f"{plan.notes.get('predicted_optimizer_s', 0.0):.3f} s)" if planned else ""))
-    if cuda:
-        peaks = [None] * world
-        dist.all_gather_object(peaks, torch.cuda.max_memory_allocated())
-        predicted = plan.notes.get("predicted_peak_bytes")
-        say("peak per rank (GiB): " + ", ".join(f"{b / 2 ** 30:.2f}" for b in peaks)
-            + (f"; planned {predicted / 2 ** 30:.2f}" if predicted else ""))
+    report(me, plan, times, tokens, unit="rank")
     dist.destroy_process_group()
 
 
-def _plan_on_rank0(model, config, args, rank, world, cuda):
-    """Rank 0 plans (or reads ``--plan``), every rank gets the same plan."""
-    box = [None]
-    if rank == 0:
-        if args.plan and os.path.isfile(args.plan):
-            plan = remat.Plan.load(args.plan)
-        elif args.plan:
-            plan = _spec_plan(model, args.plan)
-        else:
-            dtype = next(model.parameters()).dtype
-            plan = (_compiled_plan(config, args, world, dtype) if args.compile and cuda else None) or \
-                _fake_plan(model, args, world, cuda)
-        box[0] = plan.to_dict()
-    dist.broadcast_object_list(box, src=0)
-    return remat.Plan.from_dict(box[0], source="the plan broadcast by rank 0")
+def _plan(model, config, args, world, cuda):
+    """Rank 0's plan: ``--plan`` as given, else planned (compiled where it can be measured)."""
+    if args.plan:
+        return spec_or_file(args.plan, model)
+    dtype = next(model.parameters()).dtype
+    return (_compiled_plan(config, args, world, dtype) if args.compile and cuda else None) or \
+        _fake_plan(model, args, world, cuda)
 
 
 def _compiled_plan(config, args, world, dtype):
@@ -185,27 +141,12 @@ def _fake_plan(model, args, world, cuda):
     """The eager plan from a fake-tensor profile at ``--gpu``'s rates (this GPU's); with ``--compile``,
     among the treatments that compile block by block."""
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    gpu = args.gpu or (_gpu_name() if cuda else "cpu")
+    gpu = args.gpu or (gpu_name() if cuda else "cpu")
     # no offload (it splits a compiled graph); an eager profile sharded for FSDP2 has no selective
     # compiled: no selective (its policy under per-block compile), no tiled (eager only)
     treatments = [t for t in MEASURED_TREATMENTS if t != "selective" and t not in TILED_TREATMENTS] \
         if args.compile else None
     return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
-
-
-def _spec_plan(model, spec):
-    from remat.planning.plans import resolve
-    return resolve(spec, remat.discover(model).block_names)
-
-
-def _gpu_name():
-    name = torch.cuda.get_device_name().lower()
-    return next((g for g in ("h200", "h100", "a100") if g in name), "h100")
-
-
-def _sync(cuda):
-    if cuda:
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""One rank of test_context_parallel.py's process group (gloo, CPU): every remat treatment and the
-chunked head under context parallelism (remat.parallel), alone and with FSDP2 over the same ranks.
+"""One rank of test_context_parallel.py's process groups (gloo, CPU, 2 or 4 ranks): every remat
+treatment and the chunked head under context parallelism (remat.parallel), the sequence cut head-tail
+(balanced, the default) and into contiguous pieces, alone and with FSDP2 over the same ranks.
 
 Run with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (the test starts one process per rank;
-torchrun works too). Every rank holds the whole batch; each keeps its piece of the sequence
+torchrun works too). Every rank holds the whole batch; each keeps its share of the sequence
 (``shard_sequence``: labels shifted before the cut), and runs forward and backward inside
 ``context_parallel`` (the all-gather path on gloo). The reference is one process over the whole
 sequence on an untouched copy of the same model, in this process. Rank 0 prints ``OK`` or the
@@ -16,18 +17,20 @@ Checks, per case:
   difference over the largest reference element): fp32, the same sums in another order;
 - the mechanism: SDPA calls and all-gathers per step are one per layer for a treatment that keeps
   attention's inputs and two for one that recomputes attention (``full``, ``attention``,
-  ``full+offload``, ``full+tiled``, and ``selective``, whose recompute re-runs the exchange and
-  takes the attention kernel's output from its cache), so a treatment that silently did nothing,
+  ``full+offload``, ``full+tiled``, and ``selective`` and ``attn-saved``, whose recompute re-runs the
+  exchange and takes the attention kernel's output from its cache), so a treatment that silently did nothing,
   or a recompute that ran without the exchange, shows;
 - misuse raises: a backward outside the ``with``, a mask the model builds, a model whose forward
-  calls no SDPA.
+  calls no SDPA, a batch cut with another layout than the attention's;
+- torch's own ring attention (``_templated_ring_attention`` forward and backward, the code
+  ``context_parallel`` runs on NCCL, here with the CPU flash kernel on gloo) on shares cut by
+  ``remat.parallel.sequence`` with torch's load-balancing flag set as remat sets it: equal to one
+  process's attention and gradients within ``REL``; with the flag the other way round, far from it
+  (so the check can fail).
 """
 import argparse
 import copy
-import json
 import os
-import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -35,15 +38,18 @@ import torch.distributed as dist
 import remat
 from remat.presets import build_model
 from remat.parallel import context_parallel, reduce_gradients, shard_sequence
+from remat.parallel.sequence import positions
 from remat.prove.collectives import CollectiveCounter
+from workers import Worker, finish, start
 
-TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload", "tiled", "full+tiled")
-RECOMPUTE_ATTENTION = ("full", "selective", "attention", "full+offload", "full+tiled")
+TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload", "tiled", "full+tiled",
+              "attn-saved")
+RECOMPUTE_ATTENTION = ("full", "selective", "attention", "full+offload", "full+tiled", "attn-saved")
 HEADS = (("keep", "chunked"), ("full", "chunked"), ("full+tiled", "chunked"))
 REL = 1e-6
 LAYERS = 2
 SEQ = 32
-TILE = 4  # tokens per tile: the tiled treatments cut each rank's 16 tokens into 4 chunks
+TILE = 4  # tokens per tile: the tiled treatments cut each rank's 16 (8 on 4 ranks) tokens into chunks
 
 
 def tiny_config():
@@ -54,10 +60,10 @@ def tiny_config():
                        attn_implementation="sdpa")
 
 
-class Run:
+class Run(Worker):
     def __init__(self, rank, world):
-        self.rank, self.world = rank, world
-        self.problems, self.records = [], {}
+        super().__init__(rank, world)
+        self.records = {}
         self.base = build_model(tiny_config(), seed=0)
         ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
         labels = ids.clone()
@@ -69,16 +75,13 @@ class Run:
         self.reference = {n: p.grad for n, p in reference.named_parameters()}
         self.reference_loss = loss.detach()
 
-    def fail(self, case, message):
-        self.problems.append(f"rank {self.rank} {case}: {message}")
-
-    def step(self, model, case, sharded=False):
+    def step(self, model, case, sharded=False, balance=True, **extra):
         """One CP step, counted; the loss (summed over ranks) and this rank's gradients (summed
-        over ranks: by FSDP2's reduce-scatter when ``sharded``)."""
-        local = shard_sequence(self.batch, model=model)
+        over ranks: by FSDP2's reduce-scatter when ``sharded``). ``extra``: more model arguments."""
+        local = shard_sequence(self.batch, model=model, balance=balance)
         with CollectiveCounter() as counter:
-            with context_parallel(model) as attention:
-                loss = model(**local).loss
+            with context_parallel(model, balance=balance) as attention:
+                loss = model(**local, **extra).loss
                 (loss * self.world if sharded else loss).backward()
         if not sharded:
             reduce_gradients(model)
@@ -120,18 +123,70 @@ class Run:
             self.fail(case, f"{gathers} all-gathers a step, expected {per_step} (one per attention run)")
 
 
-def treatments(run):
-    for spec, head in [(t, None) for t in TREATMENTS] + list(HEADS):
-        case = f"cp/{spec}" + (f"+{head}" if head else "")
+def treatments(run, balance=True):
+    """Every treatment and the chunked head, the sequence cut head-tail (``balance``) or contiguous;
+    with the balanced cut also the untouched model with ``use_cache=False`` (no cache: transformers
+    looks for packed sequences in the positions, which jump; the share's mask of ones stops it)."""
+    prefix = "cp/" if balance else "cp-contiguous/"
+    cases = [(t, None, {}) for t in TREATMENTS] + [(t, h, {}) for t, h in HEADS]
+    if balance:
+        cases.append(("keep", None, {"use_cache": False}))
+    for spec, head, extra in cases:
+        case = prefix + spec + (f"+{head}" if head else "") + ("+no-cache" if extra else "")
         model = copy.deepcopy(run.base)
         remat.apply(model, spec, head=head, tile_tokens=TILE)
         try:
-            loss, grads = run.step(model, case)
+            loss, grads = run.step(model, case, balance=balance, **extra)
         except Exception as e:  # noqa: BLE001 - a crash in one case is a finding, not the end
             run.fail(case, f"{type(e).__name__}: {e}")
             continue
         run.compare(case, loss, grads)
         run.mechanism(case, spec)
+
+
+def ring_layout(run):
+    """torch's ring attention (the code its ``context_parallel`` dispatches SDPA to on NCCL) run
+    directly on gloo with the CPU flash kernels, on q/k/v cut by remat's layouts, torch's
+    load-balancing flag set as :func:`remat.parallel.context_parallel` sets it: forward and backward
+    equal one process's within ``REL``; the flag the other way round must be far off."""
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward)
+    except ImportError as e:
+        run.records["ring-layout"] = dict(skipped=f"torch {torch.__version__}: {e}")
+        return
+    import torch.nn.functional as F
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(2, 4, SEQ, 8, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    reference.backward(grad)
+    wanted = [reference.detach()] + [t.grad for t in leaves]
+    before = _cp_options.enable_load_balance
+    record = {}
+    try:
+        for balance, flag in ((True, True), (False, False), (False, True)):
+            idx = positions(run.rank, run.world, SEQ, balance=balance)
+            lq, lk, lv, lg = (t[:, :, idx].contiguous() for t in (q, k, v, grad))
+            _cp_options.enable_load_balance = flag
+            out, lse, *_ = _templated_ring_attention(dist.group.WORLD, 2, forward, query=lq, key=lk, value=lv,
+                                                     is_causal=True)
+            dq, dk, dv, *_ = _templated_ring_attention_backward(dist.group.WORLD, 2, backward, lg, "grad_out", lq, lk,
+                                                                lv, out, lse, is_causal=True, dropout_p=0.0)
+            error = max(((a - b[:, :, idx]).abs().max() / b.abs().max()).item()
+                        for a, b in zip((out, dq, dk, dv), wanted))
+            record[f"layout balance={balance}, torch flag {flag}"] = error
+            if balance == flag and error > REL:
+                run.fail("ring-layout", f"balance={balance}: torch's ring differs from one process by {error:.2e}")
+            if balance != flag and error < 1e-2:
+                run.fail("ring-layout", f"torch's ring gave one process's result with the wrong flag ({error:.2e}): "
+                                        "the check cannot tell the layouts apart")
+    finally:
+        _cp_options.enable_load_balance = before
+    run.records["ring-layout"] = record
 
 
 def fsdp2(run):
@@ -192,18 +247,32 @@ def misuse(run):
         with context_parallel(net):
             net(torch.randn(2, 4)).sum().backward()
     expect("misuse/no-sdpa", RuntimeError, "no attention of Linear", no_sdpa)
+
+    def other_layout():  # contiguous pieces under a balanced attention: positions tell, before any SDPA
+        contiguous = shard_sequence(run.batch, model=model, balance=False)
+        with context_parallel(model):
+            model(**contiguous).loss.backward()
+    expect("misuse/other-layout", ValueError, "pass the same balance", other_layout)
+
+    def untagged_positions():  # positions made elsewhere are compared by value
+        other = dict(shard_sequence(run.batch, model=model, balance=False))
+        other["position_ids"] = other["position_ids"].clone()
+        with context_parallel(model):
+            model(**other).loss.backward()
+    expect("misuse/untagged-positions", ValueError, "other position_ids", untagged_positions)
     import torch.nn.functional as F
     if not getattr(F.scaled_dot_product_attention, "__module__", "").startswith("torch"):
         run.fail("misuse", "scaled_dot_product_attention was not restored after the errors")
 
 
 def readme_snippet() -> str:
-    """The Python block of the README's context-parallelism section, as written."""
+    """The Python block of the README's context-parallelism section that calls ``shard_sequence``, as
+    written (the section's other block, the Hugging Face Trainer's, needs GPUs)."""
     import re
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "README.md")) as f:
         section = f.read().split("\n## Longer than one GPU holds: context parallelism\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "shard_sequence(" in b]
     assert len(blocks) == 1, blocks
     return blocks[0]
 
@@ -227,42 +296,27 @@ def readme(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--record", help="write every case's errors, SDPA calls and collectives (rank 0's) here as JSON")
-    p.add_argument("--only", default="treatments,fsdp2,misuse,readme")
+    p.add_argument("--only", default="treatments,contiguous,ring,fsdp2,misuse,readme")
     args = p.parse_args()
-    torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
-    warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start()
     run = Run(rank, world)
     parts = args.only.split(",")
     if "treatments" in parts:
         treatments(run)
+    if "contiguous" in parts:
+        treatments(run, balance=False)
+    if "ring" in parts:
+        ring_layout(run)
     if "fsdp2" in parts:
         fsdp2(run)
     if "misuse" in parts:
         misuse(run)
     if "readme" in parts:
         readme(run)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, run.problems)
-    if rank == 0:
-        if args.record:
-            import datetime
-
-            import transformers
-            with open(args.record, "w") as f:
-                json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                               torch=torch.__version__, transformers=transformers.__version__, world=world,
-                               backend="gloo", device="cpu", dtype="float32",
-                               model=f"llama hidden 32, {LAYERS} layers, 4/2 heads, vocab 128",
-                               batch=list(run.batch["input_ids"].shape), rel_tolerance=REL,
-                               cases=run.records), f, indent=1)
-        problems = [line for rank_problems in everyone for line in rank_problems]
-        print("\n".join(problems) if problems else "OK")
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as tests/fsdp_worker.py: skip the interpreter's teardown (a profiler thread once aborted it)
+    finish(run.problems, args.record, dict(dtype="float32",
+                                          model=f"llama hidden 32, {LAYERS} layers, 4/2 heads, vocab 128",
+                                          batch=list(run.batch["input_ids"].shape), rel_tolerance=REL,
+                                          cases=run.records))
 
 
 if __name__ == "__main__":

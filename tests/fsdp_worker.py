@@ -21,10 +21,6 @@ Checks, per wrapper (FSDP2 variant or DDP):
 """
 import argparse
 import copy
-import json
-import os
-import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,6 +28,7 @@ import torch.distributed as dist
 import remat
 from remat.presets import build_model
 from remat.prove.collectives import CollectiveCounter
+from workers import Worker, finish, start
 
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload")
 HEADS = (("keep", "chunked"), ("full", "chunked"))
@@ -48,10 +45,10 @@ def tiny_config(tie=False):
                        tie_word_embeddings=tie)
 
 
-class Run:
+class Run(Worker):
     def __init__(self, rank, world, tie=False):
-        self.rank, self.world = rank, world
-        self.problems, self.counts = [], {}
+        super().__init__(rank, world)
+        self.counts = {}
         self.config = tiny_config(tie)
         self.base = build_model(self.config, seed=0)
         ids = torch.randint(0, self.config.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(0))
@@ -62,9 +59,6 @@ class Run:
         loss.backward()
         self.reference = {n: p.grad for n, p in reference.named_parameters()}
         self.reference_loss = loss.detach()
-
-    def fail(self, case, message):
-        self.problems.append(f"rank {self.rank} {case}: {message}")
 
     def step(self, model, case):
         """Two steps; the second is counted. Returns its loss (averaged over ranks) and gradients."""
@@ -211,10 +205,7 @@ def main():
     p.add_argument("--record", help="write the collective counts (rank 0's) to this JSON file")
     p.add_argument("--only", default="fsdp2,ddp,fsdp1,tied")
     args = p.parse_args()
-    torch.set_num_threads(1)  # two ranks on a shared CPU: more threads only contend
-    warnings.filterwarnings("ignore")  # offload's no-CUDA note and torch deprecations, once per case
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start()
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))  # stay on the CPU even where a GPU is visible
     run = Run(rank, world)
@@ -231,29 +222,10 @@ def main():
               label="fsdp2-tied")
         run.problems += tied.problems
         run.counts.update(tied.counts)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, run.problems)
-    if rank == 0:
-        if args.record:
-            import datetime
-
-            import transformers
-            with open(args.record, "w") as f:
-                json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                               torch=torch.__version__, transformers=transformers.__version__, world=world,
-                               backend="gloo", device="cpu", model="llama hidden 32, 2 layers, vocab 128",
-                               batch_per_rank=list(run.batch["input_ids"].shape),
-                               note="c10d operator calls per training step (the second step), rank 0",
-                               counts=run.counts), f, indent=1)
-        problems = [line for rank_problems in everyone for line in rank_problems]
-        print("\n".join(problems) if problems else "OK")
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # All is done and reported: leave without the interpreter's teardown, where torch 2.13 (CPU)
-    # once aborted a rank that had finished ("terminate called without an active exception": a
-    # native thread, likely the profiler's, still joinable at exit), about one run in ten.
-    os._exit(0)
+    finish(run.problems, args.record, dict(model="llama hidden 32, 2 layers, vocab 128",
+                                          batch_per_rank=list(run.batch["input_ids"].shape),
+                                          note="c10d operator calls per training step (the second step), rank 0",
+                                          counts=run.counts))
 
 
 if __name__ == "__main__":

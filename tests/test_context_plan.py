@@ -32,6 +32,12 @@ def piece(model):
     return remat.profile(model, torch.zeros(2, SEQ // 2, dtype=torch.long), gpu="h100", optimizer="adamw")
 
 
+@pytest.fixture(scope="module")
+def long_piece(model):
+    """A share long enough for attention to outweigh the exchange it hides (8,192 tokens)."""
+    return remat.profile(model, torch.zeros(1, 8192, dtype=torch.long), gpu="h100", optimizer="adamw")
+
+
 def _shape(model):
     from remat.planner import attention_shape
     return attention_shape(model)
@@ -64,9 +70,34 @@ def test_the_last_rank_works_more_as_the_group_grows(model, piece):
     """Contiguous pieces: the last of W ranks attends to W - 1 pieces beyond its own, and the
     gathered keys and values grow with W."""
     shape = _shape(model)
-    two, four = charges(piece, 2, shape), charges(piece, 4, shape)
+    two, four = charges(piece, 2, shape, balance=False), charges(piece, 4, shape, balance=False)
+    assert (two["blocks"], four["blocks"]) == (1, 3)
     assert four["compute_s"] == pytest.approx(3 * two["compute_s"])
     assert four["fwd_bytes"] > two["fwd_bytes"] and four["exchange_bytes"] > two["exchange_bytes"]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_balanced_rank_attends_to_an_equal_share(model, piece, long_piece, world):
+    """Head-tail chunks (the default): every rank attends to W / 2 of the sequence's W^2 / 2 causal
+    s x s blocks, (W - 1) / 2 beyond the half block of its own the profile holds; the contiguous
+    last rank to W - 1/2 of them (1.75x at CP 4). The same bytes move either way; only the compute
+    and what it hides differ."""
+    shape = _shape(model)
+    balanced, last = charges(piece, world, shape), charges(piece, world, shape, balance=False)
+    assert balanced["blocks"] == pytest.approx((world - 1) / 2) and last["blocks"] == world - 1
+    assert (last["blocks"] + 0.5) / (balanced["blocks"] + 0.5) == pytest.approx(2 - 1 / world)  # 1.75 at CP 4
+    assert balanced["compute_s"] == pytest.approx(last["compute_s"] / 2)
+    for key in ("fwd_bytes", "bwd_bytes", "exchange_bytes"):
+        assert balanced[key] == last[key], key
+    assert balanced["fwd_s"] <= last["fwd_s"] and balanced["bwd_s"] <= last["bwd_s"] * (1 + 1e-12)   # at 128 tokens the
+    # exchange, not attention, sets the backward: what compute no longer hides is waited for instead
+    balanced, last = charges(long_piece, world, shape), charges(long_piece, world, shape, balance=False)
+    assert balanced["fwd_s"] < last["fwd_s"] and balanced["bwd_s"] < last["bwd_s"]
+    cp, contiguous = context(long_piece, world, shape), context(long_piece, world, shape, balance=False)
+    assert cp.notes["cp_balance"] is True and contiguous.notes["cp_balance"] is False
+    assert cp.notes["cp_attention_s"] < contiguous.notes["cp_attention_s"]
+    keep, keep_last = cp.classes[0]["keep"], contiguous.classes[0]["keep"]
+    assert keep.fwd_s < keep_last.fwd_s and keep.fwd_peak == keep_last.fwd_peak
 
 
 def test_plan_profiles_the_piece_and_notes_the_mesh(model):
@@ -75,9 +106,27 @@ def test_plan_profiles_the_piece_and_notes_the_mesh(model):
     n = plan.notes
     assert n["seq"] == SEQ // 2 and n["batch"] == 2 and n["cp_world"] == 2 and n["cp_seq"] == SEQ, n
     assert n["fsdp_world"] == 2 and n["cp_exchange_bytes"] > 0 and n["cp_exposed_s"] > 0, n
+    assert n["cp_balance"] is True, n
     # the smallest peak: a rank of a 2-way split holds about half the activations of one process
     whole = remat.plan(model, ids, "1GiB", fsdp_world=2, optimizer="adamw", gpu="h100").notes
     assert n["predicted_peak_bytes"] < whole["predicted_peak_bytes"]
+
+
+def test_plan_charges_the_layout_it_is_told(model, long_piece):
+    """``cp_balance=False`` (contiguous pieces) plans for the last rank, whose step is longer (one
+    profile of a rank's 8,192 tokens serves both); a sequence that divides into CP pieces but not
+    into head-tail chunks is planned only contiguous."""
+    ids = torch.zeros(1, 4 * 8192, dtype=torch.long)
+    kwargs = dict(cp_world=4, optimizer="adamw", gpu="h100", profiled=long_piece)
+    balanced = remat.plan(model, ids, "4GiB", **kwargs).notes
+    contiguous = remat.plan(model, ids, "4GiB", cp_balance=False, **kwargs).notes
+    assert balanced["cp_balance"] is True and contiguous["cp_balance"] is False
+    assert contiguous["predicted_step_s"] > balanced["predicted_step_s"]
+    odd = torch.zeros(2, 36, dtype=torch.long)   # 4 pieces of 9, not 8 chunks
+    kwargs = dict(cp_world=4, gpu="h100", treatments=["keep"], heads=["plain"])
+    with pytest.raises(ValueError, match="36 tokens cannot be split evenly over 4 .* balanced .*multiple of 8"):
+        remat.plan(model, odd, "1GiB", **kwargs)
+    assert remat.plan(model, odd, "1GiB", cp_balance=False, **kwargs).notes["seq"] == 9
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -119,12 +168,18 @@ def test_cli_plans_a_cp_rank(capsys):
     assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", str(SEQ), "--budget", "1GiB",
                  "--optimizer", "adamw", "--cp", "2", "--fsdp", "2"]) == 0
     out = capsys.readouterr().out
-    assert f"context    2 ranks split each {SEQ}-token sequence: {SEQ // 2} tokens of activations a rank" in out
+    assert f"context    2 ranks split each {SEQ}-token sequence: {SEQ // 2} tokens of activations a rank; each rank " \
+        "(head-tail chunks) attends" in out
     assert "tokens/s per GPU" in out and "the optimizer's step" in out
+    assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", str(SEQ + 2), "--budget", "1GiB",
+                 "--cp", "2", "--cp-contiguous"]) == 0
+    assert "the last rank (contiguous pieces) attends" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--cp", "3"], f"--seq {SEQ} cannot be split evenly over --cp 3 ranks"),
+    (["--cp", "3", "--cp-contiguous"], f"--seq {SEQ} cannot be split evenly over --cp 3 ranks: pass a multiple of 3"),
+    (["--cp", "4"] if SEQ % 8 else ["--cp", "5"], "as a head and a tail chunk each"),
     (["--cp", "0"], "--cp must be a whole number >= 1"),
     (["--cp", "2", "--ddp", "2"], "not modelled"),
 ])

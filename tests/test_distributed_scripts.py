@@ -270,6 +270,7 @@ def test_train_fsdp_compile_plans_among_what_compiles_block_by_block(monkeypatch
 
     from remat.presets import build_model, load_config
     from remat.planning.costs import MEASURED_TREATMENTS
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))   # its _launch, as torchrun's script folder
     spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
     train_fsdp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_fsdp)

@@ -1,9 +1,10 @@
 """``examples/train_long.py`` under torchrun on the CPU (gloo), as its docstring runs it (issue 32).
 
-Three launches start together (each spends most of its time importing torch and transformers):
-the example with CP 2 on two ranks (planned on rank 0 and broadcast, the sequence split, FSDP2
-over both ranks), the same steps on one rank over the whole sequence (the reference), and a
-budget below the floor on two ranks. The loss of every step must equal the one-rank run's: fp32,
+Four launches start together (each spends most of its time importing torch and transformers):
+the example with CP 2 on two ranks (planned on rank 0 and broadcast, the sequence split head-tail,
+FSDP2 over both ranks), the same with contiguous pieces (``--contiguous``, a fixed spec), the same
+steps on one rank over the whole sequence (the reference), and a budget below the floor on two
+ranks. The loss of every step must equal the one-rank run's: fp32,
 the same weights (``--same-init``) and tokens, the same sums in another order.
 """
 import os
@@ -35,6 +36,7 @@ def runs(tmp_path_factory):
     commands = {
         "cp": torchrun(2, *CPU, "--cp", "2", "--budget", "3MiB", "--plan-out", str(out / "plan.json")),
         "one": torchrun(1, *CPU, "--cp", "1", "--plan", "keep"),
+        "contiguous": torchrun(2, *CPU, "--cp", "2", "--contiguous", "--plan", "full"),
         "nofit": torchrun(2, *CPU, "--cp", "2", "--budget", "100KiB"),
     }
     return run_concurrently(commands, cwd=ROOT, env=env), out
@@ -57,8 +59,9 @@ def test_train_long_plans_splits_the_sequence_and_trains(runs):
     assert notes["predicted_peak_bytes"] <= notes["budget_bytes"]
 
 
-def test_train_long_loss_equals_one_process(runs):
-    (cp, code), (one, one_code) = runs[0]["cp"], runs[0]["one"]
+@pytest.mark.parametrize("layout", ["cp", "contiguous"])
+def test_train_long_loss_equals_one_process(runs, layout):
+    (cp, code), (one, one_code) = runs[0][layout], runs[0]["one"]
     assert code == 0 and one_code == 0, (cp[-2000:], one[-2000:])
     split, whole = _losses(cp), _losses(one)
     assert len(split) == len(whole) == 2, (cp[-2000:], one[-2000:])

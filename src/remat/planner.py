@@ -59,7 +59,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
          compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True,
-         host_memory=None, cp_world: int = 1) -> Plan:
+         host_memory=None, cp_world: int = 1, cp_balance: bool = True) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
     (a block left untouched, and the model's own head, unless changing it gains more than 1%
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
@@ -99,14 +99,18 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.
     ``cp_world``: plan for one of that many context-parallel ranks splitting each sequence
-    (:mod:`remat.parallel`: contiguous pieces, torch's ring attention on the GPU): the model is
-    profiled on one rank's ``seq / cp_world`` tokens of ``batch`` (the whole sequences) and each
-    block charged the attention over the rest of the sequence, its exchange and buffers
+    (:mod:`remat.parallel`, torch's ring attention on the GPU): the model is profiled on one rank's
+    ``seq / cp_world`` tokens of ``batch`` (the whole sequences) and each block charged the
+    attention over the rest of the sequence, its exchange and buffers
     (:mod:`remat.planning.context`); with ``fsdp_world``, parameters, gradients and optimizer
     state sharded over that many ranks (the CP ranks included when FSDP2 shards over all of them).
-    The model must run attention through SDPA (Hugging Face: ``attn_implementation="sdpa"``) and
-    the sequence divide by ``cp_world``: ValueError otherwise, before anything is profiled.
-    ``profiled`` is then a profile of one rank's piece. Not with ``ddp_world``.
+    ``cp_balance``: the sequence is cut head-tail, as :func:`remat.parallel.shard_sequence` cuts it
+    by default and torch's ``context_parallel`` does (every rank an equal share of attention), or,
+    False, into contiguous pieces (``shard_sequence(..., balance=False)``: the last rank's share,
+    the largest, is charged). The model must run attention through SDPA (Hugging Face:
+    ``attn_implementation="sdpa"``) and the sequence divide by ``2 x cp_world`` (``cp_world`` with
+    ``cp_balance=False``): ValueError otherwise, before anything is profiled. ``profiled`` is then a
+    profile of one rank's share. Not with ``ddp_world``.
     ``host_memory``: pinned host memory the offloaded tensors may take (bytes or "100GiB"; default,
     for a profile measured on this machine's GPU: what the offload engine's pool takes by default
     here, 60% of the available memory, divided among the ranks torchrun started on this host; for a fake-tensor profile, made for another machine: no
@@ -122,7 +126,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
                              "the ranks with fsdp_world instead (as torchtitan does under context parallelism)")
         shape = attention_shape(model)
         if profiled is None:
-            batch = cp_piece(model, batch, cp_world)
+            batch = cp_piece(model, batch, cp_world, balance=cp_balance)
     if fsdp_world != 1 and ddp_world != 1:
         raise ValueError(f"fsdp_world={fsdp_world!r} and ddp_world={ddp_world!r}: a model is either sharded (FSDP2) or "
                          "replicated (DDP) over its ranks, not both; pass one of them (HSDP is not modelled)")
@@ -145,7 +149,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         host_share(default_host_limit()) if prof.device == "cuda" else None)
     prof = replace(prof, host_limit=host)
     if cp_world != 1:
-        prof = context(prof, cp_world, shape)
+        prof = context(prof, cp_world, shape, balance=cp_balance)
     if fsdp_world != 1:
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     if ddp_world != 1:
@@ -256,17 +260,18 @@ def _noted(chosen: Plan, verified_note) -> Plan:
     return replace(chosen, notes=dict(chosen.notes, verified=verified_note))
 
 
-def cp_piece(model: nn.Module, batch, world: int):
+def cp_piece(model: nn.Module, batch, world: int, *, balance: bool = True):
     """What one of ``world`` context-parallel ranks computes of ``batch``: the first ``seq / world``
-    tokens of every tensor whose second dimension is the sequence (the costs of any rank's piece;
-    its attention over the rest is :mod:`remat.planning.context`'s). Checks what
-    :func:`remat.parallel.shard_sequence` will refuse (ValueError), and the model's attention."""
+    tokens of every tensor whose second dimension is the sequence (the shapes, and so the costs, of
+    any rank's share in either layout; its attention over the rest is
+    :mod:`remat.planning.context`'s). Checks what :func:`remat.parallel.shard_sequence` will refuse
+    with that ``balance`` (ValueError), and the model's attention."""
     from remat.parallel.sequence import check_batch, check_model
     check_model(model)
     whole = {"input_ids": batch} if isinstance(batch, torch.Tensor) else batch
     if not isinstance(whole, dict):
         raise TypeError(f"cp_world plans a causal LM's batch: token ids or a dict of them, got {type(batch).__name__}")
-    _, length = check_batch(whole, world)
+    _, length = check_batch(whole, world, balance=balance)
     piece = {k: v[:, :length // world] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
              else v for k, v in whole.items() if k != "attention_mask"}
     return piece["input_ids"] if isinstance(batch, torch.Tensor) else piece

@@ -59,7 +59,9 @@ trains on --images images per sequence (default 1) of --image-size HxW, counted 
 --json prints the plan on stdout in the format --out writes.
 --cp N plans one of N context-parallel ranks splitting each sequence (remat.parallel): --seq is the
 whole sequence, each rank holds --seq/N tokens of activations and attends over the rest (torch's
-ring attention); with --fsdp M, parameters, gradients and optimizer state are sharded over M ranks.
+ring attention), the sequence cut head-tail so that every rank attends alike (--cp-contiguous:
+contiguous pieces, the last rank's attention charged); with --fsdp M, parameters, gradients and
+optimizer state are sharded over M ranks.
 --compile plans for `remat.apply(model, plan); model.compile()`: it builds the model on the GPU
 with random weights and measures each block compiled (needs CUDA).
 """
@@ -94,6 +96,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD context-parallel ranks splitting each --seq-token sequence "
                              "(default 1); combine with --fsdp for a cp x fsdp mesh")
+    parser.add_argument("--cp-contiguous", action="store_true",
+                        help="with --cp: the sequence cut into contiguous pieces (shard_sequence(balance=False)) "
+                             "instead of head-tail chunks")
     parser.add_argument("--ddp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD DDP ranks, each holding the whole model "
                              "(default 1; not with --fsdp)")
@@ -169,9 +174,11 @@ def check_model_arguments(args) -> None:
                          "context parallelism")
     if cp != 1 and ddp != 1:
         raise ValueError(f"--cp {cp} with --ddp {ddp} is not modelled: shard the model with --fsdp instead")
-    if cp != 1 and args.seq % cp:
-        raise ValueError(f"--seq {args.seq} cannot be split evenly over --cp {cp} ranks: pass a multiple of {cp} "
-                         f"(e.g. {-(-args.seq // cp) * cp})")
+    chunks = cp if getattr(args, "cp_contiguous", False) else 2 * cp
+    if cp != 1 and args.seq % chunks:
+        how = "" if chunks == cp else f" as a head and a tail chunk each (--cp-contiguous: a multiple of {cp})"
+        raise ValueError(f"--seq {args.seq} cannot be split evenly over --cp {cp} ranks{how}: pass a multiple of "
+                         f"{chunks} (e.g. {-(-args.seq // chunks) * chunks})")
     if cp != 1 and getattr(args, "compile", None):
         raise ValueError("--cp with --compile is not planned: context parallelism runs eager (drop --compile)")
     rates_for(args.gpu)  # ValueError naming the known GPUs
@@ -240,12 +247,12 @@ def profile_from_args(args, say):
         if cp != 1:
             from remat.planner import cp_piece
             say(f"profiling one of {cp} context-parallel ranks: {args.seq // cp} of the {args.seq} tokens")
-            ids = cp_piece(model, ids, cp)
+            ids = cp_piece(model, ids, cp, balance=not getattr(args, "cp_contiguous", False))
         prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
         if cp != 1:
             from remat.planner import attention_shape
             from remat.planning.context import context
-            prof = context(prof, cp, attention_shape(model))
+            prof = context(prof, cp, attention_shape(model), balance=not getattr(args, "cp_contiguous", False))
     host = getattr(args, "host_memory", None)
     if host is not None or prof.device == "cuda":
         from dataclasses import replace
@@ -387,8 +394,9 @@ def explain(prof, sim, budget=None) -> list:
                  + (f"; the optimizer's step {_seconds(sim.optimizer_s)} included" if sim.optimizer_s else "") + ")")
     if prof.notes.get("cp_world"):
         n = prof.notes
+        who = "each rank (head-tail chunks)" if n.get("cp_balance", False) else "the last rank (contiguous pieces)"
         lines.append(f"context    {n['cp_world']} ranks split each {n['cp_seq']:,}-token sequence: {prof.seq:,} tokens "
-                     f"of activations a rank; the last rank attends {_seconds(n['cp_attention_s'])} beyond its piece "
+                     f"of activations a rank; {who} attends {_seconds(n['cp_attention_s'])} beyond its share "
                      f"and waits {_seconds(n['cp_exposed_s'])} for keys and values ({f(n['cp_exchange_bytes'])} over "
                      "its link a step, recompute not counted)")
     stages = sim.stages()

@@ -19,7 +19,8 @@ which both inherit beside their framework's callback base:
 A callback changes one small method: :meth:`BatchPlanner._options` (what the planner needs
 beyond ``plan_options``: the optimizer state, a loss function, the blocks) and
 :meth:`BatchPlanner._planning_budget` (the Trainer callback fixes the free-memory budget once,
-at ``on_train_begin``).
+at ``on_train_begin``); the Hugging Face one also wraps :meth:`BatchPlanner._plan` under context
+parallelism (it plans for the whole sequences a rank's share came from).
 
 How it differs from :class:`remat.Guard`: the guard is bound to one model when it is made and
 wraps the step itself, so it can redo a step that ran out of memory; a callback only sees the

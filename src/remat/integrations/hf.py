@@ -87,13 +87,26 @@ puts in, never something the callback does to the batches on its own::
 
     trainer = Trainer(..., data_collator=without_full_attention_masks(collator), callbacks=[...])
 
+Context parallelism (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N, ...))``,
+accelerate >= 1.10, or an ``Accelerator`` built with one): the Trainer hands the model each rank's
+share of the sequence, cut in place by torch's ``context_parallel`` (head-tail when its load
+balancing is on and the length divides into ``2 N`` chunks), and FSDP2 shards the model over the
+``dp_shard x cp`` ranks. The callback plans one rank of that mesh (:mod:`remat.integrations._parallelism`):
+``remat.plan(..., cp_world=N, fsdp_world=dp_shard_size * N, cp_balance=<as torch cuts>)`` on a
+stand-in for the whole sequences, profiled with torch's own SDPA put back
+(:func:`remat.parallel.plain_attention`: inside the step torch's ring replaces it). A ``batch=``
+is taken as whole sequences; ``plan_options`` may set those three itself. :func:`guard_trainer` is
+refused under CP (the Trainer shards the batch in place: a redo would shard it twice).
+
 Budget while planning: plans are profiled as :class:`remat.Guard` profiles them
 (``profile_device="auto"``: the first on the GPU with the allocator capped at the budget,
 later ones on fake tensors), so re-planning never takes more GPU memory than the budget.
 
 Limits: planning happens inside the first training forward, outside any autocast wrapper
 accelerate installed later than the watcher; without :func:`guard_trainer` a batch that runs
-out of memory is not redone. Planning on a GPU profiles the model for a few seconds at the
+out of memory is not redone. Under CP the callback's plan has been checked on the CPU with the
+parallelism config stood in for (tests/test_integrations_hf.py); a Trainer run over GPUs (NCCL,
+FSDP2, torch's ring) has not been made from this module. Planning on a GPU profiles the model for a few seconds at the
 first step; later plans are made on fake tensors (host seconds).
 """
 from __future__ import annotations
@@ -107,6 +120,7 @@ from transformers import TrainerCallback
 
 from remat.guard import batch_tokens, check_recovery, redo_out_of_memory  # one rule and one loop with remat.Guard
 from remat.head import find_trl_head
+from remat.integrations._parallelism import context_parallel_sizes, sequence_length, whole_sequences
 from remat.integrations._planning import BatchPlanner
 from remat.integrations.collector import collect_every as collect_every_steps, started
 from remat.treat import patches
@@ -153,6 +167,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self._optimizer = "none"
         self.collect_every = collect_every
         self._collector = None
+        self.context_parallel = None  # (cp, fsdp_world) when the Trainer splits sequences over ranks
 
     # -- Trainer events ------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -166,6 +181,11 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self._take_over_args(args)
         self._take_over_model(model)
         self._optimizer = _optimizer_state(args)
+        self.context_parallel = context_parallel_sizes(args)
+        if self.context_parallel is not None:
+            cp, fsdp = self.context_parallel
+            self.say(f"remat: the Trainer splits each sequence over {cp} context-parallel ranks (FSDP2 over {fsdp}): "
+                     "plans are made for one rank's share")
         self.trl_head = find_trl_head(model) is not None
         if self.trl_head:
             self._cooperate_with_trl(model)
@@ -174,7 +194,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
             return
         self._budget_bytes = self.resolve_budget(model)   # fixed for the run: later re-plans use it too
         if self.batch is not None:
-            self._plan(model, _tensors(self.batch), f"the given batch of {batch_tokens(self.batch)} tokens")
+            self._plan(model, _tensors(self.batch), f"the given batch of {batch_tokens(self.batch)} tokens", whole=True)
             self.planned_tokens = batch_tokens(self.batch)
         self._watch = patches.install(model, "forward", _watched_forward, tag=_TAG, state=_Watch(self))
 
@@ -267,7 +287,26 @@ class RematCallback(BatchPlanner, TrainerCallback):
     def _options(self, module: nn.Module, batch) -> dict:
         options = dict(self.plan_options)
         options.setdefault("optimizer", self._optimizer)
+        if self.context_parallel is not None:
+            from remat.parallel import torch_balances
+            cp, fsdp = self.context_parallel
+            options.setdefault("cp_world", cp)
+            options.setdefault("fsdp_world", fsdp)
+            options.setdefault("cp_balance", torch_balances(sequence_length(batch), cp))
         return options
+
+    def _plan(self, module: nn.Module, batch, why: str, refuse: bool = True, whole: bool = False) -> None:
+        """Under CP: plan for the whole sequences a share came from (``whole``: ``batch`` is them
+        already), with torch's SDPA in place for the profile (module docstring)."""
+        if self.context_parallel is None:
+            return super()._plan(module, batch, why, refuse)
+        from remat.parallel import plain_attention
+        cp = self.context_parallel[0]
+        if not whole:
+            batch = whole_sequences(batch, cp)
+            why = f"{why}, one of {cp} context-parallel shares"
+        with plain_attention():
+            return super()._plan(module, batch, why, refuse)
 
     def _planning_budget(self, module: nn.Module) -> int:
         return self._budget_bytes
@@ -309,6 +348,10 @@ def guard_trainer(trainer, callback: Optional[RematCallback] = None):
     if callback.spec is not None:
         raise ValueError("guard_trainer redoes a step after re-planning at a lower budget, but this RematCallback "
                          "applies a fixed spec; build it with budget= (or budget=None on a GPU) instead")
+    if context_parallel_sizes(trainer.args) is not None:
+        raise ValueError("guard_trainer cannot redo a step under context parallelism (parallelism_config.cp_size > 1): "
+                         "the Trainer shards the batch in place for its CP step, so a redo would shard the shares "
+                         "again; train without guard_trainer (RematCallback still plans each rank's share)")
     if callback._guard is not None and callback._guard.active:
         return trainer
     callback._guard = patches.install(trainer, "training_step", _guarded_training_step, tag=_OOM_TAG,

@@ -11,15 +11,21 @@ sequence, the rank's queries against every rank's keys and values:
 
 - ``"ring"`` (NCCL, the default on CUDA): torch's own context parallelism
   (``torch.distributed.tensor.experimental.context_parallel``: ring attention through the SDPA
-  flash / efficient / cuDNN kernels, its default all-gather rotation), entered without load
-  balancing, as the batch was cut into contiguous pieces (:mod:`remat.parallel.sequence`);
+  flash / efficient / cuDNN kernels, its default all-gather rotation), entered with torch's load
+  balancing on (``_cp_options.enable_load_balance``) when the batch was cut head-tail, off when it
+  was cut into contiguous pieces (``balance=False``): torch's ring reads that one flag to know which
+  chunks of a neighbour's keys each of its steps needs, and remat shards the batch itself
+  (:mod:`remat.parallel.sequence`) exactly as torch's ``_HeadTailLoadBalancer`` would (rank ``r``:
+  chunks ``r`` and ``2 world - 1 - r`` of ``2 world``; tests/test_context_parallel.py compares the
+  two layouts), so torch is handed only a throwaway buffer to shard;
 - ``"gather"`` (gloo, the default on the CPU, where torch's CP has no kernel): the keys and values of
   every rank are all-gathered (one collective per call), and SDPA runs the rank's queries against
-  those of ranks ``0 .. r`` with the causal mask shifted to the rank's positions (query ``i`` of rank
-  ``r`` sees keys ``0 .. r * s + i``): the same mathematics as one process, in fp32 equal to it up to
-  the order of a few sums. Its backward (:class:`_GatherKV`) returns each rank the sum over ranks
-  of the gradients of its own keys and values (a reduce-scatter; on gloo an all-reduce, then the
-  rank's slice).
+  them under the causal mask of the tokens' global positions (:func:`remat.parallel.sequence.positions`:
+  query at position ``p`` sees the keys at positions ``<= p``, wherever the layout put them; for
+  contiguous pieces, the keys of ranks ``0 .. r`` only, the mask shifted to the rank's positions):
+  the same mathematics as one process, in fp32 equal to it up to the order of a few sums. Its
+  backward (:class:`_GatherKV`) returns each rank the sum over ranks of the gradients of its own
+  keys and values (a reduce-scatter; on gloo an all-reduce, then the rank's slice).
 
 Why the function and not a ``TorchFunctionMode`` (thread-local, nothing global replaced): a
 treatment that recomputes attention (``full``, ``attention``, ``full+offload`` ...) calls the
@@ -31,14 +37,23 @@ replaced function is what the recompute calls. Each call is counted
 (a model that builds one: sliding windows, padding) or attention dropout cannot be split this way
 and raise ValueError naming why.
 
+The layout must be the one the batch was cut with (``balance``, default True for both): with
+``model=``, a forward pre-hook (removed when the ``with`` ends) reads the ``position_ids`` the
+model is handed and raises ValueError when they are not this rank's under the context's layout
+(``shard_sequence``'s are tagged with theirs, so nothing is read from the device; other
+``position_ids`` are compared by value). A model called without ``position_ids`` is not checked.
+
 The ``with`` must hold the backward too: a recompute outside it would attend to the rank's own
 piece only, silently. On the gather path the context knows whether a backward ran through its
 attention, and raises at its end when a forward ran with gradients and no backward did. A model
 whose forward called no SDPA at all (eager attention on a model without a config to check
 beforehand) raises there too.
 
-Limits: one sequence layout (contiguous pieces); attention dropout is refused; the gather path
-holds every rank's keys and values at once (``world`` x a rank's K/V during the attention, and kept
+Limits: two sequence layouts (head-tail, contiguous); attention dropout is refused; the ring
+path has not run on GPUs from this module (the test suite runs torch's ring attention code itself,
+forward and backward, on gloo with the CPU flash kernels, on the shares remat cuts and with the
+flag set as here: not the NCCL path's dispatch or kernels); the gather path holds every rank's keys
+and values at once (``world`` x a rank's K/V during the attention, and kept
 for backward when the block keeps its activations): it exists so that a CPU checks the mathematics,
 the planner models the ring (:mod:`remat.planning.context`). GQA passes ``enable_gqa`` through as
 transformers passes it (the gather path checks it on the CPU; the ring path relies on the flash
@@ -48,6 +63,7 @@ kernel taking fewer key/value heads, not yet run on a GPU from this module). Not
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -56,7 +72,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat.parallel.groups import process_group, rank_and_world
-from remat.parallel.sequence import check_model
+from remat.parallel.sequence import LAYOUT_TAG, check_model, positions
 
 PATHS = ("auto", "ring", "gather")
 
@@ -117,8 +133,8 @@ class CPAttention:
     included); ``forward_calls``: those outside a backward with gradients on; ``backward_calls``
     (gather path): backwards that ran through them."""
 
-    def __init__(self, group, rank: int, world: int, path: str, previous):
-        self.group, self.rank, self.world, self.path = group, rank, world, path
+    def __init__(self, group, rank: int, world: int, path: str, previous, balance: bool = True):
+        self.group, self.rank, self.world, self.path, self.balance = group, rank, world, path, balance
         self.previous = previous  # torch's ring dispatch on the ring path, the plain SDPA otherwise
         self.calls = self.forward_calls = self.backward_calls = 0
 
@@ -140,19 +156,29 @@ class CPAttention:
             return self.previous(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                  **({"enable_gqa": enable_gqa} if enable_gqa else {}))
         out = gathered_attention(query, key, value, self.group, self.rank, self.world, is_causal=is_causal,
-                                 scale=scale, enable_gqa=enable_gqa, sdpa=self.previous)
+                                 scale=scale, enable_gqa=enable_gqa, sdpa=self.previous, balance=self.balance)
         return _Seen.apply(out, self) if out.requires_grad else out
 
 
 def gathered_attention(query, key, value, group, rank: int, world: int, *, is_causal: bool, scale=None,
-                       enable_gqa: bool = False, sdpa=F.scaled_dot_product_attention):
-    """The gather path: ``query`` (the rank's ``s`` positions, contiguous piece ``rank``) against the
-    all-gathered keys and values; causal over global positions."""
+                       enable_gqa: bool = False, sdpa=F.scaled_dot_product_attention, balance: bool = True):
+    """The gather path: ``query`` (the rank's ``s`` tokens: its head and tail chunk with
+    ``balance``, else contiguous piece ``rank``) against the all-gathered keys and values; causal
+    over global positions."""
     keys, values = _GatherKV.apply(key, value, group, rank, world)
     extra = {"enable_gqa": True} if enable_gqa else {}
     if not is_causal:
         return sdpa(query, keys, values, scale=scale, **extra)
     s = query.shape[-2]
+    if balance:
+        if s % 2:
+            raise ValueError(f"context_parallel(balance=True) got {s} tokens on a rank, which cannot be a head and "
+                             "a tail chunk of equal length: the batch was cut another way; pass the same balance to "
+                             "shard_sequence and context_parallel")
+        whole = s * world
+        mine = positions(rank, world, whole, device=query.device)
+        theirs = torch.cat([positions(r, world, whole, device=query.device) for r in range(world)])
+        return sdpa(query, keys, values, attn_mask=mine[:, None] >= theirs[None, :], scale=scale, **extra)
     end = (rank + 1) * s  # later ranks' keys are all masked: not computed
     keys, values = keys[:, :, :end], values[:, :, :end]
     if rank == 0:
@@ -162,13 +188,16 @@ def gathered_attention(query, key, value, group, rank: int, world: int, *, is_ca
 
 
 @contextlib.contextmanager
-def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention: str = "auto"):
+def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention: str = "auto",
+                     balance: bool = True):
     """Run attention over the sequence split across ``group`` (see the module doc); yields the
     :class:`CPAttention` (its counts). ``model``: checked first (:func:`check_model`), so a model
-    whose attention is not SDPA is refused before anything runs. ``group``: the CP process group, a
-    1-D DeviceMesh (``mesh["cp"]``) or None (the default group). ``attention``: ``"ring"`` (torch's
-    ring attention; NCCL), ``"gather"`` (all-gathered keys and values; any backend) or ``"auto"``
-    (ring on NCCL, gather otherwise)."""
+    whose attention is not SDPA is refused before anything runs, and its ``position_ids`` checked
+    against the layout at each forward. ``group``: the CP process group, a 1-D DeviceMesh
+    (``mesh["cp"]``) or None (the default group). ``attention``: ``"ring"`` (torch's ring attention;
+    NCCL), ``"gather"`` (all-gathered keys and values; any backend) or ``"auto"`` (ring on NCCL,
+    gather otherwise). ``balance``: how the batch was cut (:func:`remat.parallel.shard_sequence`'s
+    ``balance``): head-tail chunks (default) or contiguous pieces."""
     if attention not in PATHS:
         raise ValueError(f"attention must be one of {', '.join(PATHS)}, got {attention!r}")
     if model is not None:
@@ -176,14 +205,19 @@ def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention
     pg = process_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     path = attention if attention != "auto" else ("ring" if _nccl(pg) and torch.cuda.is_available() else "gather")
-    ring = _torch_ring(group, pg, world) if path == "ring" else contextlib.nullcontext()
+    balance = bool(balance) and world > 1
+    ring = _torch_ring(group, pg, world, balance) if path == "ring" else contextlib.nullcontext()
     with ring:
-        mode = CPAttention(pg, rank, world, path, F.scaled_dot_product_attention)
+        mode = CPAttention(pg, rank, world, path, F.scaled_dot_product_attention, balance)
+        hook = (model.register_forward_pre_hook(functools.partial(_check_positions, mode), with_kwargs=True)
+                if model is not None and world > 1 else None)
         F.scaled_dot_product_attention = mode
         try:
             yield mode
         finally:
             F.scaled_dot_product_attention = mode.previous
+            if hook is not None:
+                hook.remove()
     if mode.forward_calls == 0 and mode.calls == 0 and model is not None and torch.is_grad_enabled():
         raise RuntimeError(
             f"no attention of {type(model).__name__} ran through torch.nn.functional.scaled_dot_product_attention "
@@ -196,23 +230,84 @@ def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention
             "otherwise recompute it without the other ranks' keys and values)")
 
 
+def _check_positions(mode: CPAttention, module, args, kwargs):
+    """Forward pre-hook: the ``position_ids`` the model is handed are this rank's under the
+    context's layout (see the module doc); ValueError otherwise."""
+    ids = kwargs.get("position_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() == 0:
+        return None
+    want = (mode.rank, mode.world, mode.balance)
+    tag = getattr(ids, LAYOUT_TAG, None)
+    if tag is not None:
+        ok = tuple(tag) == want
+    else:  # position_ids made elsewhere: compared by value (one device sync a forward)
+        local = ids.shape[-1]
+        expected = positions(mode.rank, mode.world, local * mode.world, balance=mode.balance, device=ids.device) \
+            if not mode.balance or local % 2 == 0 else None
+        ok = expected is not None and bool((ids.reshape(-1, local) == expected).all())
+    if not ok:
+        how = "head-tail chunks (balance=True)" if mode.balance else "contiguous pieces (balance=False)"
+        got = f" (the batch was cut for rank {tag[0]} of {tag[1]}, balance={tag[2]})" if tag is not None else ""
+        raise ValueError(
+            f"context_parallel splits attention as {how}, rank {mode.rank} of {mode.world}, but the model was handed "
+            f"other position_ids{got}: pass the same balance (and group) to shard_sequence and context_parallel")
+    return None
+
+
 @contextlib.contextmanager
-def _torch_ring(group, pg, world):
-    """torch's context parallelism, dispatching SDPA to ring attention, for contiguous pieces (no
-    load balancing). It shards the buffers it is given; the batch is cut already, so it is given a
-    throwaway one (the public API needs one to know the sequence's length)."""
+def _torch_ring(group, pg, world, balance: bool):
+    """torch's context parallelism, dispatching SDPA to ring attention, its load balancing on for
+    head-tail chunks and off for contiguous pieces. torch reads ``_cp_options.enable_load_balance``
+    twice: when ``context_parallel`` shards its buffers (torch 2.9+ keeps it on only when the
+    buffer's length divides into ``2 x world`` chunks: the probe's does) and at every ring step (which
+    chunk of a neighbour's keys and values each local chunk needs). The batch is cut already, so
+    torch is given a throwaway buffer to shard (the public API needs one to know the sequence's
+    length); the flag is put back as it was when the ``with`` ends."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options
     mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(pg, "cuda")
     probe = torch.empty(1, 2 * world, device=torch.device("cuda", torch.cuda.current_device()))
-    balanced = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = False
+    before = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = balance
     try:
         with torch_context_parallel(mesh, buffers=[probe], buffer_seq_dims=[1], no_restore_buffers={probe}):
+            if _cp_options.enable_load_balance != balance:
+                raise RuntimeError(f"torch's context_parallel set its load balancing to "
+                                   f"{_cp_options.enable_load_balance}, remat sharded the batch with balance={balance}")
             yield
     finally:
-        _cp_options.enable_load_balance = balanced
+        _cp_options.enable_load_balance = before
+
+
+@contextlib.contextmanager
+def plain_attention():
+    """``torch.nn.functional.scaled_dot_product_attention`` as torch defines it while the ``with``
+    is open, whatever replaced it (torch's ``context_parallel``, :func:`context_parallel`), put back
+    when it ends: for profiling one rank's share inside a CP step (the Hugging Face Trainer's, where
+    torch's ring would otherwise run on the profiler's tensors). A profile of the share is what
+    :mod:`remat.planning.context` adds the rest of the sequence's attention to."""
+    current = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = current
+
+
+def torch_balances(length: int, world: int) -> bool:
+    """Whether torch's ``context_parallel``, entered now for sequences of ``length`` tokens over
+    ``world`` ranks, cuts them head-tail (its ``_HeadTailLoadBalancer``, remat's ``balance=True``):
+    its ``_cp_options.enable_load_balance`` is on (the default; inside its context, what it chose)
+    and the length divides into ``2 x world`` chunks. For planning a rank that torch shards (the
+    Hugging Face Trainer under accelerate's ``ParallelismConfig(cp_size=...)``)."""
+    if world <= 1 or length % (2 * world):
+        return False
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:   # a torch without context parallelism shards nothing
+        return False
+    return bool(_cp_options.enable_load_balance)
 
 
 def _nccl(group) -> bool:

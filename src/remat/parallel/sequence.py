@@ -5,10 +5,18 @@
         loss = model(**local).loss           # this rank's share of the loss of the whole sequence
         loss.backward()
 
-How: the sequence of ``S`` tokens is cut into ``world`` contiguous pieces of ``S / world`` tokens,
-rank ``r`` keeping tokens ``[r * S / world, (r + 1) * S / world)`` of every tensor whose second
-dimension is the sequence (``input_ids``, ``inputs_embeds``, ``token_type_ids`` ...). Three things
-are done to the whole batch before it is cut, because after the cut no rank could do them:
+How: the sequence of ``S`` tokens is cut into ``2 x world`` chunks of ``S / (2 world)`` tokens and
+rank ``r`` keeps chunks ``r`` and ``2 world - 1 - r`` (a head and a tail, in that order) of every
+tensor whose second dimension is the sequence (``input_ids``, ``inputs_embeds``, ``token_type_ids``
+...): the head-tail ("zigzag") layout of torch's ``context_parallel`` (its ``_HeadTailLoadBalancer``,
+the ``_RoundRobinLoadBalancer`` of torch 2.6 - 2.8), so that under causal attention every rank
+attends to the same number of keys (``world / 2`` of the whole sequence's ``s x s`` blocks, ``s = S /
+world``). ``balance=False`` cuts ``world`` contiguous pieces instead (rank ``r`` keeps tokens ``[r s,
+(r + 1) s)``): the last rank then attends to the whole sequence and the first to its own piece only,
+and the step waits for the last (``world - 1/2`` blocks: 1.75x a balanced share at CP 4). Every
+rank and :func:`remat.parallel.context_parallel` must use the same layout (both default to the
+balanced one; ``context_parallel`` checks the ``position_ids`` it is handed). Three things are done
+to the whole batch before it is cut, because after the cut no rank could do them:
 
 - labels are shifted (a causal LM predicts token ``t + 1`` at position ``t``): ``shift_labels`` is
   ``labels[:, 1:]`` followed by ``-100``, cut like the ids, and passed as both ``labels`` and
@@ -20,23 +28,22 @@ are done to the whole batch before it is cut, because after the cut no rank coul
   Gradients add up the same way: summed over the CP ranks (:func:`remat.parallel.reduce_gradients`
   for a model replicated on them; under FSDP2 over ``dp x cp`` ranks, which averages, back-propagate
   ``cp x`` the loss, as ``examples/train_long.py`` does);
-- ``position_ids`` are the global positions of the rank's tokens, so rotary (or learned) position
-  embeddings see where each token really is.
+- ``position_ids`` are the global positions of the rank's tokens (:func:`positions`), so rotary (or
+  learned) position embeddings see where each token really is.
 
-Contiguous, not load-balanced: torch's ``context_parallel`` by default deals each rank two pieces
-(head and tail, so that every rank has the same share of causal attention's work); that hands a
-Hugging Face model ``position_ids`` with a jump, which transformers reads as packed sequences and
-answers with a block-diagonal 4-D mask that no CP attention can take. With contiguous pieces the
-model builds no mask (SDPA's ``is_causal``), at the cost of balance: the last rank attends to the
-whole sequence, the first to its own piece only, and the step waits for the last (the planner
-charges the last rank's work: :mod:`remat.planning.context`).
+A balanced share's positions jump from the head to the tail, which transformers reads as packed
+sequences when no ``attention_mask`` is given, answering with a block-diagonal 4-D mask that no CP
+attention can take. So a balanced share carries a 2-D ``attention_mask`` of ones: transformers then
+builds no mask (SDPA's ``is_causal``; checked for transformers 5 by tests/test_context_parallel.py,
+and an attention that does get a mask refuses it rather than run it wrong), and the CP attention
+applies the causal mask of the permuted positions itself (:mod:`remat.parallel.attention`).
 
 Refused, before anything is touched (ValueError, naming what to do): a sequence not divisible by
-the CP degree (pad it on the right with ``-100`` labels: causal attention makes padding at the end
-exact), a padding mask (a 2-D ``attention_mask`` with zeros; one of all ones is dropped), a 4-D
-mask, ``position_ids`` other than ``0 .. S-1`` (packed sequences), and with ``model=`` a model whose
-attention does not run through ``torch.nn.functional.scaled_dot_product_attention``
-(:func:`check_model`).
+``2 x world`` (balanced) or ``world`` (pad it on the right with ``-100`` labels: causal attention
+makes padding at the end exact), a padding mask (a 2-D ``attention_mask`` with zeros; one of all ones
+is dropped, and a balanced share gets its own), a 4-D mask, ``position_ids`` other than ``0 .. S-1``
+(packed sequences), and with ``model=`` a model whose attention does not run through
+``torch.nn.functional.scaled_dot_product_attention`` (:func:`check_model`).
 """
 from __future__ import annotations
 
@@ -52,41 +59,50 @@ SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
 _LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
 
 
-def shard_sequence(batch: dict, group=None, *, model: Optional[nn.Module] = None) -> dict:
+def shard_sequence(batch: dict, group=None, *, model: Optional[nn.Module] = None, balance: bool = True) -> dict:
     """This rank's share of ``batch`` (a dict of a causal LM's inputs, the whole sequence, the same on
     every rank of ``group``): see the module doc. ``group``: the CP process group, a 1-D
-    ``DeviceMesh``, or None for the default group. ``model``: also checked (:func:`check_model`)."""
+    ``DeviceMesh``, or None for the default group. ``model``: also checked (:func:`check_model`).
+    ``balance``: the head-tail layout (default) or contiguous pieces (False); pass the same to
+    :func:`remat.parallel.context_parallel`."""
     rank, world = rank_and_world(group)
-    return shard_for(batch, rank, world, model=model)
+    return shard_for(batch, rank, world, model=model, balance=balance)
 
 
-def shard_for(batch: dict, rank: int, world: int, *, model: Optional[nn.Module] = None) -> dict:
+def shard_for(batch: dict, rank: int, world: int, *, model: Optional[nn.Module] = None, balance: bool = True) -> dict:
     """:func:`shard_sequence` for rank ``rank`` of ``world`` without a process group (the planner
     profiles rank 0's share; tests build every rank's)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"the context-parallel degree must be a whole number >= 1, got {world!r}")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank!r} is not one of the {world} context-parallel ranks")
-    sequences, length = check_batch(batch, world)
+    sequences, length = check_batch(batch, world, balance=balance)
     if model is not None:
         check_model(model)
     if world == 1:
         return dict(batch)
-    s = length // world
-    start, end = rank * s, (rank + 1) * s
+    spans = layout(rank, world, length, balance=balance)
+
+    def cut(value):
+        if len(spans) == 1:
+            return value[:, spans[0][0]:spans[0][1]].contiguous()
+        return torch.cat([value[:, start:end] for start, end in spans], dim=1)
     out = {}
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") + _LOSS_KEYS:
             continue  # checked above; rebuilt below
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length:
-            out[key] = value[:, start:end].contiguous()
+            out[key] = cut(value)
         else:
             out[key] = value
     device = batch[_sequence_key(batch)].device
-    out["position_ids"] = torch.arange(start, end, device=device).unsqueeze(0).expand(sequences, -1)
+    out["position_ids"] = tag_layout(positions(rank, world, length, balance=balance, device=device)
+                                     .unsqueeze(0).expand(sequences, -1), rank, world, balance)
+    if balance:  # positions with a jump: without a mask transformers would take them for packed sequences
+        out["attention_mask"] = torch.ones(sequences, length // world, dtype=torch.long, device=device)
     shift = _shifted_labels(batch)
     if shift is not None:
-        local = shift[:, start:end].contiguous()  # the loss views it flat
+        local = cut(shift)  # contiguous: the loss views it flat
         out["labels"] = local
         out["shift_labels"] = local
         total = batch.get("num_items_in_batch")
@@ -94,18 +110,54 @@ def shard_for(batch: dict, rank: int, world: int, *, model: Optional[nn.Module] 
     return out
 
 
-def check_batch(batch, world: int) -> tuple:
-    """``(sequences, tokens)`` of a batch CP can cut into ``world`` pieces; ValueError otherwise."""
+def layout(rank: int, world: int, length: int, *, balance: bool = True) -> list:
+    """The ``(start, end)`` spans of the whole sequence of ``length`` tokens that rank ``rank`` of
+    ``world`` holds, in the order it holds them: its head and tail chunk (``balance``), or its one
+    contiguous piece."""
+    if world == 1:
+        return [(0, length)]
+    if balance:
+        c = length // (2 * world)
+        return [(rank * c, (rank + 1) * c), ((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
+    s = length // world
+    return [(rank * s, (rank + 1) * s)]
+
+
+def positions(rank: int, world: int, length: int, *, balance: bool = True, device=None) -> torch.Tensor:
+    """The global positions of rank ``rank``'s tokens of a sequence of ``length`` (1-D, in the order
+    the rank holds them): the ``position_ids`` :func:`shard_for` hands the model, and what the CP
+    attention builds its causal mask from."""
+    return torch.cat([torch.arange(start, end, device=device)
+                      for start, end in layout(rank, world, length, balance=balance)])
+
+
+LAYOUT_TAG = "_remat_cp_layout"
+"""The attribute :func:`shard_for` sets on the ``position_ids`` it makes: ``(rank, world, balance)``,
+read by :func:`remat.parallel.context_parallel` to check that it splits attention the same way
+without reading the tensor (no device sync)."""
+
+
+def tag_layout(position_ids: torch.Tensor, rank: int, world: int, balance: bool) -> torch.Tensor:
+    setattr(position_ids, LAYOUT_TAG, (rank, world, bool(balance)))
+    return position_ids
+
+
+def check_batch(batch, world: int, *, balance: bool = True) -> tuple:
+    """``(sequences, tokens)`` of a batch CP can cut into ``world`` shares (of two chunks each with
+    ``balance``); ValueError otherwise."""
     if not isinstance(batch, dict):
         raise TypeError(f"context parallelism shards a dict batch of a causal LM's inputs (input_ids, labels ...), "
                         f"got {type(batch).__name__}")
     key = _sequence_key(batch)
     sequences, length = int(batch[key].shape[0]), int(batch[key].shape[1])
-    if length % world:
-        up = -(-length // world) * world
+    chunks = 2 * world if balance and world > 1 else world
+    if length % chunks:
+        up = -(-length // chunks) * chunks
+        how = (f" balanced ({chunks} chunks of equal length, a head and a tail a rank; balance=False needs a multiple "
+               f"of {world} only)" if chunks != world else "")
         raise ValueError(
-            f"a sequence of {length} tokens cannot be split evenly over {world} context-parallel ranks: pad it on the "
-            f"right to a multiple of {world} (e.g. {up} tokens) with labels -100 (under causal attention tokens "
+            f"a sequence of {length} tokens cannot be split evenly over {world} context-parallel ranks{how}: pad it on "
+            f"the right to a multiple of {chunks} (e.g. {up} tokens) with labels -100 (under causal attention tokens "
             "padded at the end change nothing before them), or change the CP degree")
     mask = batch.get("attention_mask")
     if mask is not None:

@@ -1,32 +1,37 @@
 """Context parallelism: what splitting the sequence over ``world`` ranks changes in one rank's step,
 as a profile transform.
 
-How: the profile is taken on one rank's piece (``seq / world`` tokens: :func:`remat.plan` cuts the
+How: the profile is taken on one rank's share (``seq / world`` tokens: :func:`remat.plan` cuts the
 batch before profiling, :mod:`remat.parallel.sequence` cuts it the same way when training), so
-every activation, every token-wise cost and the head are already a rank's. What that piece alone
+every activation, every token-wise cost and the head are already a rank's. What that share alone
 does not show is attention over the rest of the sequence, which :func:`context` adds to each
 block's cost for every treatment, as torch's ring attention runs it on a GPU
-(``torch.distributed.tensor.experimental.context_parallel``, its default all-gather rotation, no
-load balancing: :mod:`remat.parallel.attention`):
+(``torch.distributed.tensor.experimental.context_parallel``, its default all-gather rotation:
+:mod:`remat.parallel.attention`), for the layout the batch is cut with (``balance``):
 
-- compute: the pieces are contiguous, so rank ``r`` attends to ``r`` whole pieces beyond its own
-  causal one; the step waits for the last rank, whose ``world - 1`` extra ``s x s`` blocks are charged
-  (forward ``4 b h s^2 d`` FLOPs each at the attention rate measured for the head dimension, else
-  the matmul rate x :data:`ATTENTION_EFFICIENCY`; backward :data:`BACKWARD_FACTOR` times that
-  at the backward's rate);
+- compute, in ``s x s`` blocks (``s = seq / world``, the share's length; the share's own causal
+  attention, half a block, is in the profile already): balanced (head-tail chunks, the default)
+  every rank attends to ``world / 2`` blocks of the sequence's ``world^2 / 2``, so ``(world - 1) /
+  2`` beyond its own, half a block at each of the ring's ``world - 1`` steps; contiguous
+  (``balance=False``) the last rank attends to ``world - 1`` whole blocks beyond its own causal one
+  (the first to none) and the step waits for it, so the last rank's are charged (1.75x a balanced
+  share at CP 4). A block is forward ``4 b h s^2 d`` FLOPs at the attention rate measured for the
+  head dimension, else the matmul rate x :data:`ATTENTION_EFFICIENCY`; backward
+  :data:`BACKWARD_FACTOR` times that at the backward's rate;
 - exchange: in forward one all-gather of every rank's keys and values (``world x`` a rank's K/V,
   ``(world - 1) / world`` of it over each GPU's link at the bus rate), overlapped with the rank's own
   causal block only; in backward the same all-gather again (overlapped with that block's backward),
   and the K/V gradients passed around the ring in fp32, ``world`` hops, each hidden behind the next
-  block's backward but the last; what the compute does not hide is added to the block's forward or
-  backward seconds, with :data:`LATENCY_S` per collective;
-- memory: during attention's forward the gathered K/V (``world x`` a rank's) and the fp32 output
-  the ring merges into; during its backward the gathered K/V again, fp32 accumulators of the query
+  step's backward (half a block balanced, a whole one on the contiguous last rank) but the last;
+  what the compute does not hide is added to the block's forward or backward seconds, with
+  :data:`LATENCY_S` per collective. The same bytes move in either layout;
+- memory: during attention's forward the gathered K/V (``world x`` a rank's) and the merge of each
+  step's output into the running one (:data:`MERGE_QUERIES`); during its backward the gathered K/V again, fp32 accumulators of the query
   gradient and of the K/V gradients (with the hop's receive and send buffers): added to the block's
-  forward and backward peaks (transient: nothing more is kept for backward than the piece's own
+  forward and backward peaks (transient: nothing more is kept for backward than the share's own
   q, k, v, output and log-sum-exp, which the profile already holds);
 - recompute: a treatment whose recompute runs attention (:data:`RECOMPUTES_ATTENTION`) repeats, in
-  its backward, the forward's extra compute and exchange. ``selective`` keeps the attention
+  its backward, the forward's extra compute and exchange. ``selective`` and ``attn-saved`` keep the attention
   kernel's output, so its recompute neither exchanges nor attends again on the GPU (the CPU's
   all-gather path repeats the exchange: tests/test_context_parallel.py counts it).
 
@@ -35,14 +40,14 @@ Parameters, gradients and optimizer state are sharded by :func:`remat.planning.s
 cp x dp``); this transform composes with it in either order.
 
 Why a transform (as :mod:`remat.planning.sharding`): no process group is needed, so ``remat plan
---cp 4 --fsdp 4`` answers on a laptop, and the one-GPU profile of a piece stays the measured truth.
+--cp 4 --fsdp 4`` answers on a laptop, and the one-GPU profile of a share stays the measured truth.
 
 Limits: modelled, not measured (the GPU bench, ``benchmarks/cp_bench.py``, is what checks it);
 every block is taken to hold one attention of :class:`AttentionShape` (hybrid models' other
 mixers are charged as attention); the ring's traffic and FSDP2's share the link but are charged
-apart; a rank's own causal block is in the profile at the piece's length, so it is not charged
-again; the load-balanced layout (every rank ``(world - 1/2)`` blocks on average instead of the last
-rank's ``world - 1/2``) is not modelled, as remat does not shard that way.
+apart; a rank's own causal block is in the profile at the share's length, so it is not charged
+again; the balanced ring's half-block steps are charged at the whole block's FLOP rate (a kernel
+on half the queries or keys may run below it).
 """
 from __future__ import annotations
 
@@ -60,6 +65,13 @@ BACKWARD_FACTOR = 2.5
 """Attention's backward FLOPs over its forward's (flash attention: five matmuls against two)."""
 LATENCY_S = 50e-6
 """Seconds per CP collective on the compute stream beyond its bytes (a guess, not fitted)."""
+MERGE_QUERIES = 8
+"""Bytes of the ring's forward merge beyond the share's own attention, in bf16 queries ``q``: torch's
+``_SDPAMerger`` holds the running output in fp32 (2q) and, merging a step, the step's bf16 output
+(q), its fp32 copy (2q), ``sigmoid(...) * (out - block_out)`` (2q) and the new running output (2q)
+at once: 9q, of which the share's own attention output (q) is in the profile. (Charged as 2q before:
+on 2 x H100, llama-8b at 262,144 tokens, the last rank peaked 3.7 GiB over such a plan and a 76 GiB
+plan ran out of memory: ``benchmarks/results/issue32``.)"""
 RECOMPUTES_ATTENTION = frozenset({"full", "attention", "full+offload", "full+tiled", "full+offload+tiled"})
 """Treatments whose recompute runs the block's attention again, its exchange included."""
 
@@ -79,14 +91,17 @@ class AttentionShape:
     """Per head, of values (None: ``head_dim``)."""
 
 
-def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps: Optional[float] = None) -> Profile:
+def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps: Optional[float] = None,
+            balance: bool = True) -> Profile:
     """``profile`` (of one rank's ``seq / world`` tokens) as one of ``world`` context-parallel ranks
-    sees its step (see the module doc). ``bus_Bps``: the link's bus bandwidth; default the profile's."""
+    sees its step (see the module doc). ``bus_Bps``: the link's bus bandwidth; default the profile's.
+    ``balance``: the sequence cut head-tail (every rank's share of attention alike) or contiguous
+    (the last rank's, the most)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"the context-parallel world size must be a positive integer, got {world!r}")
     if world == 1:
         return profile
-    charge = charges(profile, world, attention, bus_Bps=bus_Bps)
+    charge = charges(profile, world, attention, bus_Bps=bus_Bps, balance=balance)
 
     def ringed(treatment, cost):
         again = treatment in RECOMPUTES_ATTENTION
@@ -95,30 +110,33 @@ def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
                        fwd_peak=cost.fwd_peak + charge["fwd_bytes"], bwd_peak=cost.bwd_peak + charge["bwd_bytes"])
     classes = tuple({t: ringed(t, c) for t, c in costs.items()} for costs in profile.classes)
     blocks = len(calls(profile))   # a block called N times exchanges N times
-    notes = dict(profile.notes, cp_world=world, cp_seq=profile.seq * world,
+    notes = dict(profile.notes, cp_world=world, cp_seq=profile.seq * world, cp_balance=bool(balance),
                  cp_exchange_bytes=int(charge["exchange_bytes"] * blocks),
                  cp_exposed_s=round((charge["fwd_exposed_s"] + charge["bwd_exposed_s"]) * blocks, 6),
                  cp_attention_s=round(charge["compute_s"] * blocks, 6))
     return replace(profile, classes=classes, notes=notes)
 
 
-NOTES = ("cp_world", "cp_seq", "cp_exchange_bytes", "cp_exposed_s", "cp_attention_s")
+NOTES = ("cp_world", "cp_seq", "cp_balance", "cp_exchange_bytes", "cp_exposed_s", "cp_attention_s")
 """What a plan's notes say of context parallelism (:func:`context_notes`)."""
 
 
 def context_notes(profile: Profile) -> dict:
     """The plan's notes on context parallelism (empty on one CP rank): the CP world, the whole
-    sequence's length, the bytes over the rank's link for attention's exchange per step (recompute
-    not counted), the seconds of it compute does not hide, and the extra attention compute the last
-    rank does beyond its piece's own (forward and backward, every block; recompute not counted)."""
+    sequence's length, the layout (balanced or not), the bytes over the rank's link for attention's
+    exchange per step (recompute not counted), the seconds of it compute does not hide, and the
+    extra attention compute the rank charged does beyond its share's own (every rank balanced, the
+    last contiguous; forward and backward, every block; recompute not counted)."""
     return {k: profile.notes[k] for k in NOTES if k in profile.notes}
 
 
-def charges(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps: Optional[float] = None) -> dict:
-    """What one block's attention adds on the last CP rank (see the module doc): ``fwd_s`` /
+def charges(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps: Optional[float] = None,
+            balance: bool = True) -> dict:
+    """What one block's attention adds on the rank the step waits for (see the module doc): ``fwd_s`` /
     ``bwd_s`` (extra compute and exposed exchange), ``fwd_bytes`` / ``bwd_bytes`` (transient peaks),
     and for the notes ``compute_s``, ``fwd_exposed_s``, ``bwd_exposed_s``, ``exchange_bytes``
-    (bytes over this GPU's link per step, without recompute)."""
+    (bytes over this GPU's link per step, without recompute), ``blocks`` (the ``s x s`` blocks of
+    attention beyond the share's own)."""
     b, s = profile.batch, profile.seq
     element = dtype_bytes(profile.dtype)
     d, dv = attention.head_dim, attention.value_dim or attention.head_dim
@@ -130,15 +148,17 @@ def charges(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
     backward_rate = profile.rates.attention_flops(d, True) if measured else fallback
     block_s = 2 * b * attention.heads * s * s * (d + dv) / rate   # one whole s x s block, forward
     backward_block_s = block_s * rate / backward_rate             # its backward's FLOPs / BACKWARD_FACTOR
-    extra = world - 1
+    hops = world - 1                                                # ring steps beyond the rank's own
+    step = 0.5 if balance else 1.0                                  # blocks a step: half balanced, one contiguous
+    blocks = hops * step
     bus = bus_Bps or profile.rates.bus_Bps
-    gather_s = extra * kv / bus                                     # world x kv gathered, (world-1)/world moved
+    gather_s = hops * kv / bus                                      # world x kv gathered, (world-1)/world moved
     hop_s = kv * 4 / element / bus                                  # fp32 K/V gradients, one hop
     fwd_exposed = max(0.0, gather_s - block_s / 2) + LATENCY_S      # hidden behind the causal block only
-    bwd_exposed = (max(0.0, gather_s - BACKWARD_FACTOR * backward_block_s / 2) + extra * max(
-        0.0, hop_s - BACKWARD_FACTOR * backward_block_s) + hop_s + (1 + world) * LATENCY_S)
+    bwd_exposed = (max(0.0, gather_s - BACKWARD_FACTOR * backward_block_s / 2) + hops * max(
+        0.0, hop_s - BACKWARD_FACTOR * backward_block_s * step) + hop_s + (1 + world) * LATENCY_S)
     fp32 = 4 / element
-    return dict(fwd_s=extra * block_s + fwd_exposed, bwd_s=BACKWARD_FACTOR * extra * backward_block_s + bwd_exposed,
-                fwd_bytes=int(world * kv + q * fp32), bwd_bytes=int(world * kv + (q + 3 * kv) * fp32),
-                compute_s=(1 + BACKWARD_FACTOR) * extra * block_s, fwd_exposed_s=fwd_exposed,
-                bwd_exposed_s=bwd_exposed, exchange_bytes=int(2 * extra * kv + world * kv * fp32))
+    return dict(fwd_s=blocks * block_s + fwd_exposed, bwd_s=BACKWARD_FACTOR * blocks * backward_block_s + bwd_exposed,
+                fwd_bytes=int(world * kv + MERGE_QUERIES * q), bwd_bytes=int(world * kv + (q + 3 * kv) * fp32),
+                compute_s=(1 + BACKWARD_FACTOR) * blocks * block_s, fwd_exposed_s=fwd_exposed,
+                bwd_exposed_s=bwd_exposed, exchange_bytes=int(2 * hops * kv + world * kv * fp32), blocks=blocks)
