@@ -31,7 +31,8 @@ block's cost for every treatment, as torch's ring attention runs it on a GPU
   forward and backward peaks (transient: nothing more is kept for backward than the share's own
   q, k, v, output and log-sum-exp, which the profile already holds);
 - recompute: a treatment whose recompute runs attention (:data:`RECOMPUTES_ATTENTION`) repeats, in
-  its backward, the forward's extra compute and exchange. ``selective`` and ``attn-saved`` keep the attention
+  its backward, the forward's extra compute and exchange, and its backward phase peaks at the larger
+  of the forward's and the backward's transients. ``selective`` and ``attn-saved`` keep the attention
   kernel's output, so its recompute neither exchanges nor attends again on the GPU (the CPU's
   all-gather path repeats the exchange: tests/test_context_parallel.py counts it).
 
@@ -69,9 +70,10 @@ MERGE_QUERIES = 8
 """Bytes of the ring's forward merge beyond the share's own attention, in bf16 queries ``q``: torch's
 ``_SDPAMerger`` holds the running output in fp32 (2q) and, merging a step, the step's bf16 output
 (q), its fp32 copy (2q), ``sigmoid(...) * (out - block_out)`` (2q) and the new running output (2q)
-at once: 9q, of which the share's own attention output (q) is in the profile. (Charged as 2q before:
-on 2 x H100, llama-8b at 262,144 tokens, the last rank peaked 3.7 GiB over such a plan and a 76 GiB
-plan ran out of memory: ``benchmarks/results/issue32``.)"""
+at once: 9q, of which the share's own attention output (q) is in the profile. (Charged as 2q, and
+not at all in a recompute, before: on 2 x H100, llama-8b at 262,144 tokens, the last rank peaked 3.7
+GiB over such a plan, in the backward of a recomputed block, and a 76 GiB plan ran out of memory:
+``benchmarks/results/issue32``.)"""
 RECOMPUTES_ATTENTION = frozenset({"full", "attention", "full+offload", "full+tiled", "full+offload+tiled"})
 """Treatments whose recompute runs the block's attention again, its exchange included."""
 
@@ -105,9 +107,11 @@ def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
 
     def ringed(treatment, cost):
         again = treatment in RECOMPUTES_ATTENTION
+        # a recompute runs the ring's forward inside the block's backward phase: its merge too
+        transient = max(charge["bwd_bytes"], charge["fwd_bytes"]) if again else charge["bwd_bytes"]
         return replace(cost, fwd_s=cost.fwd_s + charge["fwd_s"],
                        bwd_s=cost.bwd_s + charge["bwd_s"] + (charge["fwd_s"] if again else 0.0),
-                       fwd_peak=cost.fwd_peak + charge["fwd_bytes"], bwd_peak=cost.bwd_peak + charge["bwd_bytes"])
+                       fwd_peak=cost.fwd_peak + charge["fwd_bytes"], bwd_peak=cost.bwd_peak + transient)
     classes = tuple({t: ringed(t, c) for t, c in costs.items()} for costs in profile.classes)
     blocks = len(calls(profile))   # a block called N times exchanges N times
     notes = dict(profile.notes, cp_world=world, cp_seq=profile.seq * world, cp_balance=bool(balance),
