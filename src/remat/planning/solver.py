@@ -273,7 +273,8 @@ def _best(profile, options, head_options, budget, resolution, margin, exact, rec
     """
     plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
     runs = [(plain, budget)] if plain else []
-    offloading = sorted({t for t in options if t in OFFLOADING_TREATMENTS},
+    # in the options' order where the largest offloads tie (a set's order would follow the hash seed)
+    offloading = sorted(dict.fromkeys(t for t in options if t in OFFLOADING_TREATMENTS),
                         key=lambda t: largest_offload(profile, t))
     for k in range(len(offloading)):  # offload treatments up to the k-th largest: its window
         runs.append((plain + offloading[:k + 1], int(budget * (1 - margin))))
