@@ -22,9 +22,10 @@ How, on every rank:
    plans with ``compile="blocks"`` (each block class x treatment measured compiled, the
    embeddings and head eager; see ``remat.profiling._compiled``). Where the unsharded model
    does not fit rank 0's GPU (or on the CPU) it plans eager with fake tensors among the
-   treatments that compile block by block (the measured ones but ``selective``, which an eager
-   FSDP2 profile leaves out, and no offload, which splits a compiled graph at its hooks): an eager
-   plan's memory is an over-estimate under compile, its step time an under-estimate of the gain.
+   treatments that compile block by block (the measured ones but ``selective`` and ``attn-saved``,
+   whose per-op policies an eager FSDP2 profile leaves out, and no offload, which splits a compiled
+   graph at its hooks): an eager plan's memory is an over-estimate under compile, its step time an
+   under-estimate of the gain.
 4. ``to_empty`` on the device and the model's own weight init (each rank initialises only its
    shards), AdamW, and ``--steps`` steps on random tokens. Rank 0 prints the loss, tokens/s
    (per GPU and in all) and, on CUDA, every rank's peak beside the plan's prediction.
@@ -142,9 +143,10 @@ def _fake_plan(model, args, world, cuda):
     among the treatments that compile block by block."""
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     gpu = args.gpu or (gpu_name() if cuda else "cpu")
-    # no offload (it splits a compiled graph); an eager profile sharded for FSDP2 has no selective
-    # compiled: no selective (its policy under per-block compile), no tiled (eager only)
-    treatments = [t for t in MEASURED_TREATMENTS if t != "selective" and t not in TILED_TREATMENTS] \
+    # no offload (it splits a compiled graph); an eager profile sharded for FSDP2 has neither selective
+    # nor attn-saved (their per-op policies), no tiled (eager only)
+    op_policies = ("selective", "attn-saved")
+    treatments = [t for t in MEASURED_TREATMENTS if t not in op_policies and t not in TILED_TREATMENTS] \
         if args.compile else None
     return remat.plan(model, ids, args.budget, fsdp_world=world, optimizer="adamw", gpu=gpu, treatments=treatments)
 
