@@ -62,6 +62,18 @@ least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised 
 one DP per head option, and one more per offload window (without offload, with
 ``full+offload`` only, with both).
 
+Tiling's chunk, per block: a profile that measured the tiled treatments at several chunk sizes
+(:attr:`~remat.planning.costs.Profile.tiles`) lets the DP take, for each block, the chunk of its
+tiled treatment that scores best where its phases fit (smaller chunks hold one chunk's MLP
+intermediates less but pay per-chunk launches and weight-gradient sums; ties go to the larger
+chunk); the uniform candidates are checked at every chunk. The plan's ``tile_tokens`` holds the
+choice: one size where every tiled block took the same, else a ``{block name: size}`` mapping,
+and its predicted peak and time are those of the chosen chunks. Per block rather than plan-wide:
+the blocks whose backward sits on the most kept bytes or gradients (the first and the last) can
+take small chunks while the others keep larger, faster ones; a chunk changes no state of the DP
+(see :mod:`remat.planning.dp`), so this costs about 1.6x the solve of a profile with one chunk
+(an 8B model at 32k tokens, four chunks), not a DP over four times the treatments.
+
 Safety margin: the memory model is exact for every treatment, but the offload engine's
 bytes depend on when copies land. For plans that offload the solver uses the engine's
 bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
