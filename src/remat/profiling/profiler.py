@@ -5,10 +5,11 @@ tables, mask) and output shape. Then each *block class* (same module class, para
 shapes, attention configuration and input shape) is run once per treatment, alone, on the
 input its first block really received, forward then backward, with a meter reading live bytes at the phase
 boundaries: its forward peak, what it keeps for backward, its backward peak (recompute
-included) and what it leaves (parameter gradients, the input gradient). The rest of the
-model is measured by one more forward+backward per head mode in which every block is a
-stub (a fresh tensor of the block's output shape): embeddings, then the final norm, LM head
-and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
+included) and what it leaves (parameter gradients, the input gradient); the tiled treatments
+once more at each chunk size of ``tile_candidates`` below the step's tokens (``Profile.tiles``:
+what the solver chooses a chunk per block from). The rest of the model is measured by one
+more forward+backward per head mode in which every block is a stub (a fresh tensor of the
+block's output shape): embeddings, then the final norm, LM head and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
 or a Hugging Face model's ``.loss``. Profiling changes nothing in the model: see
 :mod:`remat.profiling.snapshot` and :func:`remat.treat.patches.suspended`.
 :mod:`remat.planning.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
