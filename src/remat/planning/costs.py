@@ -56,11 +56,14 @@ launches), charged once per op: tens of microseconds against a step of tenths of
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
 TILE_CANDIDATES = (2048, 4096, 8192, 16384)
 """Chunk sizes the tiled treatments are profiled at (those below the step's tokens; the solver
-picks one per block). Not below 2048: the per-chunk costs are priced (each chunk's kernel launches,
-its fp32 weight-gradient accumulation: :mod:`remat.profiling._meters` charges both, a GPU profile
-measures them), but the fake roofline takes a matmul's rate as the same at any row count, and on a
-GPU a matmul of a few hundred rows runs well below it; from 2048 rows of a transformer's MLP the
-rate holds, so a choice among these cannot drift to a chunk the roofline makes look free."""
+picks one per block). Not below 2048: the per-chunk costs are priced (a GPU profile measures them;
+the fake roofline, :mod:`remat.profiling._meters`, charges each kernel its ``LAUNCH_S`` of 4 us,
+calibrated against the H100 anchors, and the weight-gradient sum each chunk adds, a pass over the
+weights' gradients, by its bytes: an 8B block's ``full+tiled`` backward at 32k tokens reads
+170.6 ms in chunks of 8192, 180.1 in chunks of 2048), but the roofline takes a matmul's rate as
+the same at any row count, and on a GPU a matmul of a few hundred rows runs well below it; from
+2048 rows of a transformer's MLP the rate holds, so a choice among these cannot drift to a chunk
+the roofline makes look free."""
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
 # HBM GB/s (the datasheet's; the FSDP2/DDP copies run at a fraction of it, remat.planning.sharding.Overheads),
