@@ -233,7 +233,8 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
             if not tab.allowed[i, t]:
                 continue
             variants = np.flatnonzero(tab.variant[i, t])
-            candidate, which = None, np.full(values.shape, variants[0], dtype=np.int8)
+            # the variant each value came from (one variant: that one)
+            candidate, which = None, np.full(values.shape, variants[0], dtype=np.int8) if variants.size > 1 else None
             for z in variants:  # largest chunk first: it keeps a tie
                 phase = np.maximum(live.forward_base() + tab.fwd[i, p, t, z] + res_f,
                                    live.backward_base() + tab.after[i] + tab.bwd[i, p, t, z] + res_b)
@@ -258,7 +259,7 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
                 new[state] = sub[k, cols]
                 before = np.clip(cols - step[rows[k]], 0, N - 1)
                 back[i, state] = reached[rows[k]] * N + before
-                chunk_back[i, state] = which[rows[k], before]
+                chunk_back[i, state] = variants[0] if which is None else which[rows[k], before]
         value = new
     resident, _ = engine_states(tab.window, tab.largest, tab.off[L - 1, p_of], f_of, tab.prefetch)
     total = objective.finish(value, levels, live.head_peak() + resident)
