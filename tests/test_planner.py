@@ -96,11 +96,14 @@ def test_identical_blocks_are_profiled_once(llama):
 
 @pytest.fixture(scope="module")
 def bench3():
-    """The bench model's shapes with 3 blocks, on the meta device (offload bytes are real)."""
+    """The bench model's shapes with 3 blocks, on the meta device (offload bytes are real); the tiled
+    treatments at the default chunk alone (the brute force here enumerates treatments; the choice of
+    chunk is checked against its own brute force in test_tile_choice.py)."""
     config = load_config("llama-1b")
     config.num_hidden_layers = 3
     model = build_model(config, device="meta", dtype=torch.bfloat16)
-    return profile(model, torch.zeros(4, 4096, dtype=torch.long), gpu="h100", chunk_candidates=(2048,))
+    return profile(model, torch.zeros(4, 4096, dtype=torch.long), gpu="h100", chunk_candidates=(2048,),
+                   tile_candidates=())
 
 
 def test_solver_is_optimal_against_brute_force(bench3):
@@ -348,7 +351,7 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload, margin):
                   for _, bound, score in [_evaluate(prof, list(c), head, options, margin)]]
         least = min(b for _, b, _ in scored)
         scale = max(b for _, b, _ in scored)
-        peak, chosen = dp(prof, options, head, MinPeak(), scale, resolution, margin)
+        peak, chosen, _ = dp(prof, options, head, MinPeak(), scale, resolution, margin)
         assert least <= peak <= least + blocks * scale / resolution + 1
         assert _evaluate(prof, chosen, head, options)[1] <= peak
         for budget in sorted({int(least) - 1, int(least + blocks * scale / resolution) + 1,
@@ -360,7 +363,7 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload, margin):
             if found is None:
                 assert best_with_slack is None
                 continue
-            score, chosen = found
+            score, chosen, _ = found
             score += head_seconds(prof, head) + head_margin(prof, head, margin)
             assert _evaluate(prof, chosen, head, options)[1] <= budget
             assert score == pytest.approx(_evaluate(prof, chosen, head, options, margin)[2])

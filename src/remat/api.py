@@ -33,7 +33,7 @@ import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,7 @@ _BATCH_TAG = "batch-check"
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
-          tile_tokens: Optional[int] = None, offload_options: Optional[dict] = None,
+          tile_tokens: Union[int, Mapping[str, int], None] = None, offload_options: Optional[dict] = None,
           strict: bool = True, mask_skip: bool = True) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
@@ -64,8 +64,9 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     mapping, or a :class:`Plan`.
     ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
     tokens at a time; see :mod:`remat.head`. ``tile_tokens``: tokens per chunk of the
-    tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`; default: the plan's, else
-    8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
+    tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`), one size for every tiled
+    block or a ``{block name: size}`` mapping; given, it replaces the plan's (default: the plan's,
+    which :func:`remat.plan` chooses per block, else 8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
     them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
     this model, block for block (module docstring); False applies the blocks it names, by suffix.
     ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where

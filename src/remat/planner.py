@@ -95,6 +95,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     budget (:func:`verified`; ``notes["verified"]`` has the measured peak and step). Off: the
     prediction alone, which the whole compiled graph can exceed by more than the margin.
     Plans for FSDP or DDP ranks are not measured (one GPU does not run them).
+    Where a block is tiled (sequences of 16k tokens or more), the plan also says in chunks of how
+    many tokens, per block (``plan.tile_tokens``: one size, or a ``{block: size}`` mapping; see
+    :mod:`remat.planning.solver`).
     ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
     ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
     serves many budgets.

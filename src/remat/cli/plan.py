@@ -364,10 +364,13 @@ def check_out_path(path) -> None:
 
 
 def describe(plan) -> str:
-    """Blocks grouped into runs of one treatment: ``0-7 full, 8-15 keep``."""
+    """Blocks grouped into runs of one treatment: ``0-7 full, 8-15 keep``; a tiled one with its
+    chunk where the plan names it: ``0-13 full+tiled(8192), 14-15 full+tiled(2048)``."""
     runs, names = [], list(plan.blocks)
     for i, name in enumerate(names):
         t = plan.blocks[name]
+        if plan.tile_of(name) is not None:
+            t = f"{t}({plan.tile_of(name)})"
         if runs and runs[-1][2] == t:
             runs[-1][1] = i
         else:

@@ -126,7 +126,7 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
     segmented = any(segment_of(t) is not None for t in setup.blocks.values())
     if segmented:   # not simulated; its time is full's (every block recomputed once), its peak unknown
         setup = Plan(blocks={n: "full" if segment_of(t) is not None else t for n, t in setup.blocks.items()},
-                     head=setup.head, chunk_tokens=setup.chunk_tokens)
+                     head=setup.head, chunk_tokens=setup.chunk_tokens, tile_tokens=setup.tile_tokens)
     now = simulate(prof, setup)
     if now.peak_bytes > budget and not segmented:
         return [_does_not_fit(model, batch, prof, budget, source, now)]
@@ -194,7 +194,8 @@ def _setup(model, batch, prof, budget, training_args, callback):
         if getattr(callback, "spec", None) is not None:
             plan = resolve(callback.spec, prof.block_names, strict=False)
             head = callback.head or "plain"
-            return (Plan(blocks=plan.blocks, head=head, chunk_tokens=plan.chunk_tokens if head == "chunked" else None),
+            return (Plan(blocks=plan.blocks, head=head, chunk_tokens=plan.chunk_tokens if head == "chunked" else None,
+                         tile_tokens=plan.tile_tokens),
                     f"the callback's spec ({plan.summary()})", None)
         wanted = callback.budget if getattr(callback, "budget", None) is not None else budget
         heads = [callback.head] if getattr(callback, "head", None) else None

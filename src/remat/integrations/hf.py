@@ -275,8 +275,8 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self.head = "plain"
         applied = current_plan(model)
         if applied is not None and applied.head == "chunked":
-            apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes),
-                  strict=False)
+            apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes,
+                              tile_tokens=applied.tile_tokens), strict=False)
             then = ("the callback's spec replaces the blocks' plan now" if self.spec is not None else
                     "the blocks keep their plan until the callback plans them from the first batch")
             self.say("remat: TRL's fused LM head computes the loss here, so remat's chunked head (applied before "

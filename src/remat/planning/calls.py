@@ -52,6 +52,7 @@ def unrolled(profile):
     order = calls(profile)
     last = {index: j for j, index in enumerate(order)}   # the call whose backward runs first
     seen, names, classes, block_class, again = {}, [], list(profile.classes), [], {}
+    tiles = list(profile.tiles)   # the tiled costs at other chunks, per class, follow the classes
     for j, index in enumerate(order):
         seen[index] = seen.get(index, 0) + 1
         name = profile.block_names[index]
@@ -62,18 +63,26 @@ def unrolled(profile):
                 again[cls] = len(classes)
                 classes.append({t: replace(c, bwd_end=c.bwd_end - c.grad_bytes)
                                 for t, c in profile.classes[cls].items()})
+                if tiles:
+                    tiles.append({size: {t: replace(c, bwd_end=c.bwd_end - c.grad_bytes) for t, c in costs.items()}
+                                  for size, costs in profile.tiles[cls].items()})
             cls = again[cls]
         block_class.append(cls)
     return replace(profile, block_names=tuple(names), block_class=tuple(block_class), classes=tuple(classes),
-                   block_calls=())
+                   tiles=tuple(tiles), block_calls=())
 
 
 def per_call(profile, treatments) -> tuple:
     """``(unrolled profile, treatments per call)`` for ``treatments`` given per block of ``profile``."""
     if not profile.block_calls:
         return profile, list(treatments)
-    treatments = list(treatments)
-    return unrolled(profile), [treatments[index] for index in calls(profile)]
+    return unrolled(profile), each_call(profile, treatments)
+
+
+def each_call(profile, values) -> list:
+    """``values`` given per block of ``profile`` (treatments, chunk sizes), one per call."""
+    values = list(values)
+    return [values[index] for index in calls(profile)] if profile.block_calls else values
 
 
 def per_block(profile, treatments) -> list:
@@ -87,15 +96,20 @@ def pinned(profile, pins: dict):
     solver's view of one choice for the blocks called several times."""
     flat = unrolled(profile)
     classes, block_class, made = list(flat.classes), list(flat.block_class), {}
+    tiles = list(flat.tiles)
     for j, index in enumerate(calls(profile)):
         if index in pins:
-            key = (flat.block_class[j], pins[index])
+            pin = pins[index]
+            key = (flat.block_class[j], pin)
             if key not in made:
                 made[key] = len(classes)
-                classes.append({pins[index]: flat.classes[key[0]][pins[index]]})
+                classes.append({pin: flat.classes[key[0]][pin]})
+                if tiles:
+                    tiles.append({size: {pin: costs[pin]} for size, costs in flat.tiles[key[0]].items()
+                                  if pin in costs})
             block_class[j] = made[key]
     used = sorted(set(block_class))   # only the classes some call has: what profile.treatments() offers
-    return replace(flat, classes=tuple(classes[c] for c in used),
+    return replace(flat, classes=tuple(classes[c] for c in used), tiles=tuple(tiles[c] for c in used) if tiles else (),
                    block_class=tuple(used.index(c) for c in block_class))
 
 

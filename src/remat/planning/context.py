@@ -112,13 +112,12 @@ def context(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
         return replace(cost, fwd_s=cost.fwd_s + charge["fwd_s"],
                        bwd_s=cost.bwd_s + charge["bwd_s"] + (charge["fwd_s"] if again else 0.0),
                        fwd_peak=cost.fwd_peak + charge["fwd_bytes"], bwd_peak=cost.bwd_peak + transient)
-    classes = tuple({t: ringed(t, c) for t, c in costs.items()} for costs in profile.classes)
     blocks = len(calls(profile))   # a block called N times exchanges N times
     notes = dict(profile.notes, cp_world=world, cp_seq=profile.seq * world, cp_balance=bool(balance),
                  cp_exchange_bytes=int(charge["exchange_bytes"] * blocks),
                  cp_exposed_s=round((charge["fwd_exposed_s"] + charge["bwd_exposed_s"]) * blocks, 6),
                  cp_attention_s=round(charge["compute_s"] * blocks, 6))
-    return replace(profile, classes=classes, notes=notes)
+    return replace(profile.with_costs(lambda c, t, cost: ringed(t, cost)), notes=notes)
 
 
 NOTES = ("cp_world", "cp_seq", "cp_balance", "cp_exchange_bytes", "cp_exposed_s", "cp_attention_s")

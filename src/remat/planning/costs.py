@@ -2,8 +2,8 @@
 
 How: plain frozen dataclasses, built by keyword only. :class:`Profile` is what
 :func:`remat.profile` returns and what :func:`remat.simulate` and :func:`remat.solve` read: per
-block class a :class:`BlockCost` for each treatment, a :class:`HeadCost` per head mode, the
-static bytes, the :class:`Rates` the seconds were computed or measured with, the
+block class a :class:`BlockCost` for each treatment (and, for the tiled treatments, one per chunk
+size profiled: ``tiles``), a :class:`HeadCost` per head mode, the static bytes, the :class:`Rates` the seconds were computed or measured with, the
 :class:`~remat.planning.offload_model.EngineModel` of the offload engine and, on several ranks,
 the step's :class:`~remat.planning.comm.Collectives`. :data:`GPUS` holds the
 rates a fake (CPU-only) profile prices ops with.
@@ -18,11 +18,12 @@ Bytes are what the meters read (see :mod:`remat.profiling.profiler`), not a mode
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Optional
 
 from remat.planning.comm import Collectives
 from remat.planning.offload_model import EngineModel
+from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
 
 MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "tiled", "full+tiled", "attn-saved",
                        "attn-saved+tiled")
@@ -53,6 +54,16 @@ OPTIMIZER_LAUNCH_S = 20e-6
 """Seconds per launch of an optimizer's kernels (a foreach op splits its tensor list into a few
 launches), charged once per op: tens of microseconds against a step of tenths of seconds."""
 CHUNK_CANDIDATES = (1024, 2048, 4096, 8192)
+TILE_CANDIDATES = (2048, 4096, 8192, 16384)
+"""Chunk sizes the tiled treatments are profiled at (those below the step's tokens; the solver
+picks one per block). Not below 2048: the per-chunk costs are priced (a GPU profile measures them;
+the fake roofline, :mod:`remat.profiling._meters`, charges each kernel its ``LAUNCH_S`` of 4 us,
+calibrated against the H100 anchors, and the weight-gradient sum each chunk adds, a pass over the
+weights' gradients, by its bytes: an 8B block's ``full+tiled`` backward at 32k tokens reads
+170.6 ms in chunks of 8192, 180.1 in chunks of 2048), but the roofline takes a matmul's rate as
+the same at any row count, and on a GPU a matmul of a few hundred rows runs well below it; from
+2048 rows of a transformer's MLP the rate holds, so a choice among these cannot drift to a chunk
+the roofline makes look free."""
 
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
 # HBM GB/s (the datasheet's; the FSDP2/DDP copies run at a fraction of it, remat.planning.sharding.Overheads),
@@ -305,18 +316,68 @@ class Profile:
     """The step's block calls in the order its forward makes them, as indices into ``block_names``,
     where a block runs more than once a step (ALBERT calls its one layer group for every layer);
     empty: each block once, in order. See :mod:`remat.planning.calls`."""
+    tiles: tuple = ()
+    """Per block class, ``{chunk tokens: {treatment: BlockCost}}``: its tiled treatments measured at
+    the chunk sizes of :data:`TILE_CANDIDATES` below the step's tokens other than
+    :data:`~remat.planning.plans.DEFAULT_TILE_TOKENS`, whose costs are the tiled entries of
+    ``classes``. A chunk changes a tiled block's transient peaks and its seconds (per-chunk launches
+    and weight-gradient sums), not what it keeps or offloads: the tiled sub-modules save only their
+    inputs. Empty (a profile made before chunk sizes were chosen, or one that tiles nothing): the
+    default chunk only. Read through :meth:`cost` and :meth:`tile_sizes`."""
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
-    def cost(self, index: int, treatment: str) -> BlockCost:
+    def cost(self, index: int, treatment: str, tile_tokens: Optional[int] = None) -> BlockCost:
+        """Block ``index``'s cost under ``treatment``; for a tiled one, at the profiled chunk that stands
+        for ``tile_tokens`` (:meth:`tile_size`; None: the default chunk)."""
         costs = self.classes[self.block_class[index]]
         if treatment not in costs:
             why = f": {self.notes[treatment]}" if isinstance(self.notes.get(treatment), str) else ""
             raise ValueError(f"treatment {treatment!r} is not available for block {self.block_names[index]} "
                              f"(profiled: {', '.join(costs)}){why}")
-        return costs[treatment]
+        size = self.tile_size(index, treatment, tile_tokens)
+        if size is None or size == DEFAULT_TILE_TOKENS:
+            return costs[treatment]
+        return self.tiles[self.block_class[index]][size][treatment]
+
+    def tile_sizes(self, index: int, treatment: str) -> tuple:
+        """The chunk sizes block ``index``'s ``treatment`` was profiled at, largest first: () unless it is
+        a tiled treatment the block can take; the default chunk alone in a profile without ``tiles``."""
+        c = self.block_class[index]
+        if treatment not in TILED_TREATMENTS or treatment not in self.classes[c]:
+            return ()
+        extra = self.tiles[c] if self.tiles else {}
+        return tuple(sorted({DEFAULT_TILE_TOKENS, *(s for s, costs in extra.items() if treatment in costs)},
+                            reverse=True))
+
+    def tile_size(self, index: int, treatment: str, tile_tokens: Optional[int] = None) -> Optional[int]:
+        """The profiled chunk size whose cost stands for a chunk of ``tile_tokens`` in block ``index``'s
+        ``treatment``: that size where profiled, else the smallest profiled above it (its memory
+        bounds the chunk's), else the largest; the default for None; None for a treatment that does
+        not tile."""
+        sizes = self.tile_sizes(index, treatment)
+        if not sizes:
+            return None
+        if tile_tokens is None:
+            return DEFAULT_TILE_TOKENS
+        return min((s for s in sizes if s >= tile_tokens), default=sizes[0])
+
+    def with_costs(self, change: Callable) -> "Profile":
+        """This profile with each block cost, in ``classes`` and ``tiles`` alike, replaced by
+        ``change(block class, treatment, cost)``; a cost for which it returns None is left out (what
+        every transform of a profile's block costs goes through: sharding, calibration ...)."""
+        def mapped(c, costs):
+            out = {}
+            for t, cost in costs.items():
+                new = change(c, t, cost)
+                if new is not None:
+                    out[t] = new
+            return out
+        return replace(self, classes=tuple(mapped(c, costs) for c, costs in enumerate(self.classes)),
+                       tiles=tuple({size: mapped(c, costs) for size, costs in sizes.items()}
+                                   for c, sizes in enumerate(self.tiles)))
 
     def treatments(self, index: Optional[int] = None) -> tuple:
         """The treatments profiled for block ``index``; None: those of any block, in profile order
@@ -338,6 +399,8 @@ class Profile:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["classes"] = [{t: asdict(c) for t, c in costs.items()} for costs in self.classes]
+        data["tiles"] = [{size: {t: asdict(c) for t, c in costs.items()} for size, costs in sizes.items()}
+                         for sizes in self.tiles]
         return data
 
 
@@ -359,3 +422,5 @@ class ProfileBody:
     """Qualified names of the blocks, in forward order."""
     block_calls: tuple = ()
     """Block indices of the step's calls, in order, where a block runs more than once (else empty)."""
+    tiles: tuple = ()
+    """Per block class, ``{chunk tokens: {treatment: BlockCost}}`` (:attr:`Profile.tiles`)."""

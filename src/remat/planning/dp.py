@@ -19,6 +19,17 @@ over ``keep`` only when the memory needs it or its predicted gain passes the pro
 simulator's. The head is held to the same rule (:func:`head_margin`): a chunked head is charged
 ``margin`` of the plain head's forward and backward seconds, so the model's own head is kept
 unless the chunked one gains more or the budget needs it.
+
+Chunk sizes of the tiled treatments: a tiled treatment profiled at several chunks
+(:attr:`~remat.planning.costs.Profile.tiles`) is one option with a *variant* per chunk, chosen
+within each transition rather than as options of their own: a chunk changes the block's transient
+peaks and its seconds, never what it keeps, offloads or hands the next block, so the state (the
+previous treatment and the kept bytes) is the same whichever chunk a block took, and the DP keeps,
+per state and level, the best-scoring variant whose phase fits (the largest chunk on a tie). That
+costs a few more vectorised steps per tiled option instead of multiplying the options (the states
+and transitions grow with the square of their number); a back pointer per state records the chunk.
+So the chunk is chosen per block: the blocks whose backward sets the peak may take small chunks
+while the others keep large, faster ones.
 """
 from __future__ import annotations
 
@@ -26,8 +37,8 @@ import numpy as np
 
 from remat.planning.memory import LiveBytes, block_terms, freed_input, input_bytes
 from remat.planning.offload_model import engine_bounds
-from remat.planning.plans import OFFLOADING_TREATMENTS
-from remat.planning.simulator import largest_offload
+from remat.planning.plans import OFFLOADING_TREATMENTS, TILED_TREATMENTS
+from remat.planning.simulator import largest_offload, offload_sizes
 
 
 def head_seconds(profile, head) -> float:
@@ -56,7 +67,9 @@ def engine_states(window, largest, prev_off, f_of, prefetch_blocks):
 
 
 class Tables:
-    """Per block, per (previous, current) treatment: the numbers the DP's constraints and time need."""
+    """Per block, per (previous, current) treatment and per chunk variant of the current one (see the
+    module doc; a treatment that does not tile has the one variant 0): the numbers the DP's
+    constraints and time need."""
 
     def __init__(self, profile, options, head, margin: float = 0.0):
         rates = profile.rates
@@ -65,18 +78,31 @@ class Tables:
         sizes = [largest_offload(profile, t) for t in options]
         self.window, self.largest = profile.engine.window(sizes), max(sizes)
         self.prefetch = profile.engine.prefetch_blocks
-        self.d = np.zeros((L, T, T))        # kept bytes added by block i (BlockTerms.kept)
-        self.fwd = np.zeros((L, T, T))      # forward peak above kept(0..i-1), without the engine's bytes
-        self.bwd = np.zeros((L, T, T))      # backward peak above kept(0..i-1) + later blocks' leftovers
-        self.time = np.zeros((L, T, T))
+        # the chunk sizes any option is profiled at, largest first: variant z of a tiled option is tiles[z]
+        self.tiles = tuple(sorted({s for i in range(L) for t in options for s in _tile_sizes(profile, i, t)},
+                                  reverse=True))
+        self.options = list(options)
+        self.tiled = [t in TILED_TREATMENTS for t in options]
+        Z = max(1, len(self.tiles))
+        self.d = np.zeros((L, T, T))        # kept bytes added by block i (BlockTerms.kept; the largest over variants)
+        self.fwd = np.zeros((L, T, T, Z))   # forward peak above kept(0..i-1), without the engine's bytes
+        self.bwd = np.zeros((L, T, T, Z))   # backward peak above kept(0..i-1) + later blocks' leftovers
+        self.time = np.zeros((L, T, T, Z))
         self.off = np.zeros((L, T))         # bytes block i hands to the engine
         self.tie = np.zeros((L, T))         # the recompute margin's seconds (see the module doc)
         self.left = np.zeros(L)             # block i's leftover after its backward (the largest over treatments)
         # a treatment block i cannot take (a hybrid's mamba block has no mlp) is never chosen for
         # it; its table entries are filled with a treatment it can take, only to keep them finite
         self.allowed = np.array([[t in profile.treatments(i) for t in options] for i in range(L)])
+        # the variants block i's option t can take: 0 alone for an untiled one, its profiled chunks for a tiled one
+        self.variant = np.zeros((L, T, Z), dtype=bool)
         for i in range(L):
             costs = [_cost(profile, i, t) for t in options]
+            variants = []                   # per option: [(z, cost)] of the chunks block i can take
+            for t, (name, c) in enumerate(zip(options, costs)):
+                chunks = _tile_sizes(profile, i, name) if self.allowed[i, t] else ()
+                variants.append([(self.tiles.index(s), profile.cost(i, name, s)) for s in chunks] or [(0, c)])
+                self.variant[i, t, [z for z, _ in variants[-1]]] = True
             if margin and "keep" in profile.treatments(i):  # whether or not the plan may use keep
                 keep = profile.cost(i, "keep")
                 self.tie[i] = [0.0 if t == "keep" else margin * (keep.fwd_s + keep.bwd_s) for t in options]
@@ -84,25 +110,32 @@ class Tables:
             prev_costs = [_cost(profile, i - 1, t) for t in options] if i else [None] * T
             for p, previous in enumerate(prev_costs):
                 prev_off = self.off[i - 1, p] if i else 0.0
-                for t, c in enumerate(costs):
-                    terms = block_terms(c, freed_input(previous, h), input_bytes(previous, h), self.off[i, t])
-                    self.d[i, p, t], self.fwd[i, p, t], self.bwd[i, p, t] = terms.kept, terms.forward, terms.backward
-                    seconds = c.fwd_s + c.bwd_s
-                    if profile.comm is not None:  # FSDP2: what this block's compute cannot hide
-                        seconds += profile.comm.block_exposed_s(i, c.fwd_s, c.bwd_s)
-                    if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
-                        seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
-                        seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
-                    if i == L - 1 and self.off[i, t]:
-                        seconds += (max(0.0, self.off[i, t] / rates.d2h_Bps - head.head_fwd_s)
-                                    + self.off[i, t] / rates.h2d_Bps)
-                    self.time[i, p, t] = seconds
+                for t, chunks in enumerate(variants):
+                    kept = []
+                    for k, (z, c) in enumerate(chunks):
+                        # the first variant fills all: those the option cannot take stay finite, never chosen
+                        z = slice(None) if k == 0 else z
+                        terms = block_terms(c, freed_input(previous, h), input_bytes(previous, h), self.off[i, t])
+                        kept.append(terms.kept)
+                        self.fwd[i, p, t, z], self.bwd[i, p, t, z] = terms.forward, terms.backward
+                        seconds = c.fwd_s + c.bwd_s
+                        if profile.comm is not None:  # FSDP2: what this block's compute cannot hide
+                            seconds += profile.comm.block_exposed_s(i, c.fwd_s, c.bwd_s)
+                        if prev_off:  # block i-1's copy to host hides behind this forward; its fetch behind this backward
+                            seconds += max(0.0, prev_off / rates.d2h_Bps - c.fwd_s)
+                            seconds += max(0.0, prev_off / rates.h2d_Bps - c.bwd_s)
+                        if i == L - 1 and self.off[i, t]:
+                            seconds += (max(0.0, self.off[i, t] / rates.d2h_Bps - head.head_fwd_s)
+                                        + self.off[i, t] / rates.h2d_Bps)
+                        self.time[i, p, t, z] = seconds
+                    self.d[i, p, t] = max(kept)
             # what a block leaves depends on the block before it (the input it frees) and on its
             # own treatment; the DP, which has not chosen them yet, takes the largest
             self.left[i] = max((block_terms(c, freed_input(previous, h), input_bytes(previous, h)).left
                                 for previous in prev_costs
-                                for c, ok in zip(costs, self.allowed[i]) if ok), default=0.0)
-        self.score = self.time + self.tie[:, None, :]  # what MinTime minimises
+                                for chunks, ok in zip(variants, self.allowed[i]) if ok for _, c in chunks),
+                               default=0.0)
+        self.score = self.time + self.tie[:, None, :, None]  # what MinTime minimises
         self.after = np.zeros(L)            # leftovers of blocks i+1 .. L-1
         running = 0.0
         for i in reversed(range(L)):
@@ -111,6 +144,21 @@ class Tables:
         live = LiveBytes(profile.static_bytes, head)
         # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward
         self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak)
+
+    def variant_of(self, profile, index: int, option: int, tile_tokens) -> int:
+        """The variant of block ``index``'s option ``option`` that prices a chunk of ``tile_tokens``
+        (:meth:`~remat.planning.costs.Profile.tile_size`; 0 for an option that does not tile)."""
+        size = profile.tile_size(index, self.options[option], tile_tokens) if self.tiled[option] else None
+        return self.tiles.index(size) if size in self.tiles else 0
+
+    def tile_of(self, option: int, variant: int):
+        """The chunk size of ``variant`` of ``option`` (None for an option that does not tile)."""
+        return self.tiles[variant] if self.tiled[option] and self.tiles else None
+
+
+def _tile_sizes(profile, index: int, treatment: str) -> tuple:
+    """The chunks block ``index`` can take under ``treatment`` (none where it cannot take the treatment)."""
+    return profile.tile_sizes(index, treatment) if treatment in profile.treatments(index) else ()
 
 
 def _cost(profile, index: int, treatment: str):
@@ -152,12 +200,14 @@ class MinPeak:
 
 
 def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0):
-    """(objective's value, treatments) of the best plan using ``options`` with ``head``, or None.
-    ``margin``: the recompute margin (see the module doc).
+    """(objective's value, treatments, chunks) of the best plan using ``options`` with ``head``, or
+    None; ``chunks``: per block the chunk size of its tiled treatment (None for one that does not
+    tile). ``margin``: the recompute margin (see the module doc).
 
     States are (previous treatment p, flag F: any block before p offloaded), flattened as
     ``2 * p + F``; each holds the objective's best value per kept-bytes level, levels being
-    multiples of ``scale / resolution`` (kept bytes rounded up).
+    multiples of ``scale / resolution`` (kept bytes rounded up). A tiled treatment's chunk is
+    chosen per state and level, the largest first (see the module doc).
     """
     L, T = len(profile.block_names), len(options)
     tab = Tables(profile, options, head, margin)
@@ -172,6 +222,7 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
     value = np.full((S, N), np.inf)
     value[0, 0] = objective.start(tab.ends)            # block 0: no previous block, nothing offloaded
     back = np.zeros((L, S, N), dtype=np.int64)          # previous state * N + previous level
+    chunk_back = np.zeros((L, S, N), dtype=np.int8)     # the variant (chunk) of the state's treatment
     cols = np.arange(N)
     for i in range(L):
         reached = np.flatnonzero(np.isfinite(value).any(axis=1))  # states some plan reaches
@@ -180,13 +231,23 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
         flag = f_of[reached].astype(bool) | (prev_off > 0)     # the next state's flag
         groups = [(f, np.flatnonzero(flag == f)) for f in (0, 1)]
         new = np.full((S, N), np.inf)
+        values, p = value[reached], p_of[reached]
         for t in range(T):
             if not tab.allowed[i, t]:
                 continue
-            p = p_of[reached]
-            phase = np.maximum(live.forward_base() + tab.fwd[i, p, t] + res_f,
-                               live.backward_base() + tab.after[i] + tab.bwd[i, p, t] + res_b)
-            candidate = objective.step(value[reached], levels, phase, tab.score[i, p, t])
+            variants = np.flatnonzero(tab.variant[i, t])
+            # the variant each value came from (one variant: that one)
+            candidate, which = None, np.full(values.shape, variants[0], dtype=np.int8) if variants.size > 1 else None
+            for z in variants:  # largest chunk first: it keeps a tie
+                phase = np.maximum(live.forward_base() + tab.fwd[i, p, t, z] + res_f,
+                                   live.backward_base() + tab.after[i] + tab.bwd[i, p, t, z] + res_b)
+                value_z = objective.step(values, levels, phase, tab.score[i, p, t, z])
+                if candidate is None:
+                    candidate = value_z
+                else:
+                    better = value_z < candidate
+                    np.copyto(candidate, value_z, where=better)
+                    which[better] = z
             step = np.ceil(np.maximum(tab.d[i, p, t], 0.0) / q).astype(np.int64)
             shifted = np.full(candidate.shape, np.inf)  # a state's values moved up by its kept bytes
             for row, k in enumerate(step):
@@ -199,7 +260,9 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
                 k = np.argmin(sub, axis=0) if rows.size > 1 else np.zeros(N, dtype=np.int64)
                 state = 2 * t + f
                 new[state] = sub[k, cols]
-                back[i, state] = reached[rows[k]] * N + np.clip(cols - step[rows[k]], 0, N - 1)
+                before = np.clip(cols - step[rows[k]], 0, N - 1)
+                back[i, state] = reached[rows[k]] * N + before
+                chunk_back[i, state] = variants[0] if which is None else which[rows[k], before]
         value = new
     resident, _ = engine_states(tab.window, tab.largest, tab.off[L - 1, p_of], f_of, tab.prefetch)
     total = objective.finish(value, levels, live.head_peak() + resident)
@@ -207,9 +270,11 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
         return None
     state, n = np.unravel_index(np.argmin(total), total.shape)
     best = float(total[state, n])
-    chosen = []
+    chosen, chunks = [], []
     for i in reversed(range(L)):
         chosen.append(options[state // 2])
+        chunks.append(tab.tile_of(state // 2, int(chunk_back[i, state, n])))
         state, n = divmod(int(back[i, state, n]), N)
     chosen.reverse()
-    return best, chosen
+    chunks.reverse()
+    return best, chosen, chunks

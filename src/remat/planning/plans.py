@@ -28,6 +28,13 @@ treatment, a ``head`` that is not ``plain``/``chunked``, a ``chunk_tokens`` of `
 file, the field, what it must be and what it was. ``chunk_tokens=None`` is the only way
 to ask for the default chunk; no other falsy value stands in for it.
 
+``tile_tokens`` (the chunk of a tiled block's token-wise sub-modules) is one size for every tiled
+block, or a ``{block name: size}`` mapping over tiled blocks (the solver chooses a size per block:
+the blocks whose backward sets the peak can take small chunks while the others run larger, faster
+ones; :mod:`remat.planning.solver`); a tiled block the mapping does not name, or ``None``, takes
+:data:`DEFAULT_TILE_TOKENS`. Plans written before the mapping existed (an integer or no field) load
+as they are.
+
 What a plan was made for rides in ``notes`` too (:func:`made_for_notes`, written by the solver):
 the model's class, its dtype, the batch and sequence, the optimizer, the GPU whose rates timed it,
 the compile mode and the torch / transformers / remat versions; the blocks are the plan's own keys
@@ -46,7 +53,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 PLAN_VERSION = 1
 TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload",
@@ -56,6 +63,10 @@ OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled", "attn-
                          "attn-saved+offload+tiled")
 TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
 HEAD_MODES = ("plain", "chunked")
+DEFAULT_TILE_TOKENS = 8192
+"""Tokens per chunk of a tiled block whose plan names no size (``tile_tokens`` None, or a mapping
+without the block): what :mod:`remat.treat.tiled` runs (its own constant of the same value: treat
+asks planning nothing; a test holds them equal) and what a profile's ``classes`` measure."""
 _FIELDS = ("version", "blocks", "head", "chunk_tokens", "tile_tokens", "notes")
 _SEGMENT = re.compile(r"segment:(0|[1-9][0-9]*)")
 
@@ -85,14 +96,16 @@ class Plan:
 
     Blocks not named keep everything. ``chunk_tokens`` applies to the ``chunked`` head
     (None: chosen at apply time); ``tile_tokens`` to the blocks with a tiled treatment
-    (tokens per chunk of their token-wise sub-modules; None: the default).
+    (tokens per chunk of their token-wise sub-modules): one size for all, a ``{block name: size}``
+    mapping over tiled blocks (:meth:`tile_of` reads a block's), or None for
+    :data:`DEFAULT_TILE_TOKENS`.
     """
 
     blocks: Mapping[str, str]
     head: str = "plain"
     chunk_tokens: Optional[int] = None
     notes: Mapping[str, object] = field(default_factory=dict)
-    tile_tokens: Optional[int] = None
+    tile_tokens: Union[None, int, Mapping[str, int]] = None
 
     def __post_init__(self):
         if not isinstance(self.blocks, Mapping):
@@ -113,25 +126,31 @@ class Plan:
             # 0, False or 2.5 are mistakes, not a request for the default: None asks for that
             raise ValueError(f"'chunk_tokens' must be a positive integer, or None to choose it for the "
                              f"vocabulary at apply time; got {c!r} ({type(c).__name__})")
-        t = self.tile_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or t <= 0):
-            raise ValueError(f"'tile_tokens' must be a positive integer (tokens per chunk of a tiled block's "
-                             f"token-wise sub-modules), or None for the default; got {t!r} ({type(t).__name__})")
+        t = _checked_tiles(self.tile_tokens, self.blocks)
         if not isinstance(self.notes, Mapping):
             raise TypeError(f"'notes' must be a mapping; got a {type(self.notes).__name__}")
         object.__setattr__(self, "chunk_tokens", None if c is None else int(c))
-        object.__setattr__(self, "tile_tokens", None if t is None else int(t))
+        object.__setattr__(self, "tile_tokens", t)
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
     def __reduce__(self):  # mapping proxies don't pickle; a plan copies as its dict
         return (Plan.from_dict, (self.to_dict(),))
 
+    def tile_of(self, name: str) -> Optional[int]:
+        """Tokens per chunk of block ``name``'s tiled sub-modules: its own size in a mapping, the plan's
+        one size, or None (the default, :data:`DEFAULT_TILE_TOKENS`); None for a block not tiled."""
+        if self.blocks.get(name) not in TILED_TREATMENTS:
+            return None
+        t = self.tile_tokens
+        return t.get(name) if isinstance(t, Mapping) else t
+
     def to_dict(self) -> dict:
         data = {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
                 "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}
         if self.tile_tokens is not None:
-            data["tile_tokens"] = self.tile_tokens
+            t = self.tile_tokens
+            data["tile_tokens"] = dict(t) if isinstance(t, Mapping) else t
         return data
 
     @classmethod
@@ -195,9 +214,24 @@ class Plan:
         if segments:
             parts = [p + f" (in {len(segments)} segments)" if p.endswith(" segment") else p for p in parts]
         head = self.head + (f"({self.chunk_tokens})" if self.head == "chunked" and self.chunk_tokens else "")
-        tiles = (f"; tiles of {self.tile_tokens} tokens" if self.tile_tokens and
-                 any(t in TILED_TREATMENTS for t in self.blocks.values()) else "")
-        return f"{', '.join(parts) or 'no blocks'}; head {head}{tiles}"
+        return f"{', '.join(parts) or 'no blocks'}; head {head}{self._tiles_summary()}"
+
+    def _tiles_summary(self) -> str:
+        """``"; tiles of 4096 tokens"``, or each size with its blocks where they differ
+        (``"; tiles of 8192 tokens (30 blocks), 2048 (2 blocks)"``); empty where nothing is tiled
+        or no size is named."""
+        tiled = [name for name, t in self.blocks.items() if t in TILED_TREATMENTS]
+        sizes = [self.tile_of(name) for name in tiled]
+        if not any(sizes):
+            return ""
+        if len(set(sizes)) == 1:
+            return f"; tiles of {sizes[0]} tokens"
+        counts = {}
+        for size in sizes:
+            key = size or DEFAULT_TILE_TOKENS
+            counts[key] = counts.get(key, 0) + 1
+        parts = [f"{size} ({n} block{'s' * (n != 1)})" for size, n in sorted(counts.items(), reverse=True)]
+        return f"; tiles of {parts[0].replace(' ', ' tokens ', 1)}" + "".join(f", {p}" for p in parts[1:])
 
 
 _MADE_FOR = ("model", "dtype", "batch", "seq", "optimizer", "gpu", "versions")
@@ -249,8 +283,11 @@ def _renamed(plan: Plan, block_names: list, strict: bool = True) -> Plan:
         if len(set(mapping.values())) != len(mapping):
             raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
                              f"was it made for another model?{_made_for_text(plan)}")
+        tiles = plan.tile_tokens
+        if isinstance(tiles, Mapping):
+            tiles = {mapping[k]: v for k, v in tiles.items()}
         renamed = Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
-                       chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=plan.tile_tokens)
+                       chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=tiles)
     if strict and is_solved(plan) and len(renamed.blocks) != len(block_names):
         missing = next(n for n in block_names if n not in renamed.blocks)
         raise ValueError(
@@ -337,6 +374,35 @@ def _check_segments(plan: Plan, block_names: list) -> Plan:
                              f"block from the output of the one before); the plan gives it {names}. Number "
                              "each run of consecutive blocks on its own, or use the 'segments:K' spec.")
     return plan
+
+
+def _checked_tiles(tiles, blocks: Mapping):
+    """``tiles`` (a plan's ``tile_tokens``) as the plan holds it: None, an int, or a read-only
+    ``{block name: int}`` over blocks the plan tiles; a ValueError that says what is wrong otherwise."""
+    if tiles is None:
+        return None
+    what = ("'tile_tokens' must be a positive integer (tokens per chunk of the tiled blocks' token-wise "
+            "sub-modules), a mapping of tiled block names to such integers, or None for the default "
+            f"{DEFAULT_TILE_TOKENS}")
+    if isinstance(tiles, Mapping):
+        bad = {k: v for k, v in tiles.items() if not _positive_int(v)}
+        if bad or not all(isinstance(k, str) for k in tiles):
+            raise ValueError(f"{what}; got the mapping {dict(tiles)!r}, whose entries {bad or dict(tiles)!r} are not "
+                             "block name -> positive integer")
+        untiled_names = [k for k in tiles if blocks.get(k) not in TILED_TREATMENTS]
+        if untiled_names:
+            raise ValueError(f"'tile_tokens' names blocks the plan does not tile: {untiled_names[:3]} (treatments: "
+                             f"{[blocks.get(k, 'not in the plan') for k in untiled_names[:3]]}); name only blocks "
+                             f"whose treatment is one of {', '.join(TILED_TREATMENTS)}")
+        return MappingProxyType({k: int(v) for k, v in tiles.items()})
+    if not _positive_int(tiles):
+        raise ValueError(f"{what}; got {tiles!r} ({type(tiles).__name__})")
+    return int(tiles)
+
+
+def _positive_int(value) -> bool:
+    """A positive whole number: not a bool, a float (2.5, 2.0) or a string."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value > 0
 
 
 def _describe(value) -> str:

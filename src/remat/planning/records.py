@@ -61,9 +61,10 @@ def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Opti
 
 def block_records(plan: Plan, block_names) -> tuple:
     """One :class:`BlockRecord` per name of ``block_names``, in order (blocks the plan does not name
-    are ``keep``), each segment's members numbered by position with the segment's size."""
+    are ``keep``), each segment's members numbered by position with the segment's size, each tiled
+    block with its own chunk size (:meth:`Plan.tile_of`)."""
     names = list(block_names)
-    records = [block_record(plan.blocks.get(name, "keep"), name=name, index=index, tile_tokens=plan.tile_tokens)
+    records = [block_record(plan.blocks.get(name, "keep"), name=name, index=index, tile_tokens=plan.tile_of(name))
                for index, name in enumerate(names)]
     members = {}
     for index, record in enumerate(records):

@@ -113,8 +113,6 @@ def replicate(profile: Profile, world: int, *, bucket_cap_mb: Optional[float] = 
     def viewed(cost, grads):  # the gradients live in the buckets (static), not in what the block leaves
         return replace(cost, bwd_end=max(0, cost.bwd_end - grads)) if gradient_as_bucket_view else cost
 
-    classes = tuple({t: viewed(cost, class_grad_bytes[c]) for t, cost in costs.items()}
-                    for c, costs in enumerate(profile.classes))
     n = len(per_block)
     comm = Collectives(world=world, bus_Bps=bus, kind="ddp", gather_bytes=(0,) * n,
                        reduce_bytes=tuple(sum(b for _, b in block) for block in buckets),
@@ -125,7 +123,8 @@ def replicate(profile: Profile, world: int, *, bucket_cap_mb: Optional[float] = 
                        root_bwd_copy_bytes=2 * root, root_bwd_launches=len(tail),
                        final_copy_bytes=0 if gradient_as_bucket_view else 2 * total,
                        **overheads.fields(profile.rates.hbm_Bps))
-    return replace(profile, static_bytes=int(profile.static_bytes + total), classes=classes, comm=comm,
+    return replace(profile.with_costs(lambda c, t, cost: viewed(cost, class_grad_bytes[c])),
+                   static_bytes=int(profile.static_bytes + total), comm=comm,
                    notes=dict(profile.notes, ddp_world=world, gradient_as_bucket_view=bool(gradient_as_bucket_view),
                               bucket_cap_mb=bucket_cap_mb if bucket_cap_mb is not None else BUCKET_CAP_MB))
 

@@ -220,9 +220,11 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
 
     eager = not profile.notes.get("compile")
     host_bound = eager and profile.batch * profile.seq < OP_POLICY_FROM_TOKENS
-    classes = tuple({t: sharded(cost, class_param_bytes[c]) for t, cost in costs.items()
-                     if not (eager and t == "selective") and not (host_bound and t.startswith("attn-saved"))}
-                    for c, costs in enumerate(profile.classes))
+
+    def planned(c, t, cost):  # eager selective, and attn-saved where the host bounds it, are left out
+        if (eager and t == "selective") or (host_bound and t.startswith("attn-saved")):
+            return None
+        return sharded(cost, class_param_bytes[c])
     heads = tuple(replace(h, pre_bwd_peak=h.pre_bwd_peak + scatter_buffers) for h in profile.heads)
     gathers = tuple(int(class_param_bytes[c] * gather) for c in profile.block_class)
     reduces = tuple(int(class_param_bytes[c] * reduce) for c in profile.block_class)
@@ -247,7 +249,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     if eager and any("selective" in costs for costs in profile.classes):
         notes["selective"] = EAGER_SELECTIVE_UNDER_FSDP2
     # each rank steps the optimizer over its own shard
-    return replace(profile, static_bytes=int(static), classes=classes, heads=heads, comm=comm, notes=notes,
+    return replace(profile.with_costs(planned), static_bytes=int(static), heads=heads, comm=comm, notes=notes,
                    optimizer_s=profile.optimizer_s / world)
 
 

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from remat.planning.calls import per_call
+from remat.planning.calls import each_call, per_call
 from remat.planning.memory import Bytes, LiveBytes, plan_terms
 from remat.planning.offload_model import engine_overhead
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan, segment_of
@@ -106,18 +106,40 @@ def block_treatments(profile, plan) -> list:
                     f"got {type(plan).__name__}")
 
 
-def host_bytes(profile, treatments) -> int:
+def block_tiles(profile, plan, tile_tokens=None) -> list:
+    """Per block, the chunk size of its tiled treatment (None: the default, or a block not tiled), from
+    ``tile_tokens``: one size, a sequence (one per block) or a ``{block name: size}`` mapping; None:
+    the plan's own (a :class:`Plan`'s ``tile_tokens``), else the default everywhere."""
+    names = profile.block_names
+    if tile_tokens is None and isinstance(plan, Plan):
+        return [plan.tile_of(name) for name in names]
+    if tile_tokens is None or isinstance(tile_tokens, int):
+        return [tile_tokens] * len(names)
+    if hasattr(tile_tokens, "get"):
+        return [tile_tokens.get(name) for name in names]
+    if len(tile_tokens) != len(names):
+        raise ValueError(f"tile_tokens as a sequence needs one size (or None) per block ({len(names)}), "
+                         f"got {len(tile_tokens)}")
+    return list(tile_tokens)
+
+
+def host_bytes(profile, treatments, tiles=None) -> int:
     """Pinned host bytes a plan's offloaded tensors take at once (every offloaded block call's, at the
-    head: the engine's pool holds them all until their call's backward)."""
+    head: the engine's pool holds them all until their call's backward). ``tiles``: each block's
+    chunk size (:func:`block_tiles`; None: the default)."""
+    tiles = each_call(profile, tiles or [None] * len(treatments))
     profile, treatments = per_call(profile, treatments)
-    return sum(profile.cost(i, t).host_bytes for i, t in enumerate(treatments) if t in OFFLOADING_TREATMENTS)
+    return sum(profile.cost(i, t, s).host_bytes for i, (t, s) in enumerate(zip(treatments, tiles))
+               if t in OFFLOADING_TREATMENTS)
 
 
-def offload_sizes(profile, treatments) -> list:
-    """Bytes each block call's treatment hands to the offload engine (0 for the others)."""
+def offload_sizes(profile, treatments, tiles=None) -> list:
+    """Bytes each block call's treatment hands to the offload engine (0 for the others); ``tiles`` as
+    for :func:`host_bytes`."""
+    tiles = each_call(profile, tiles or [None] * len(treatments))
     profile, treatments = per_call(profile, treatments)
-    return [profile.cost(i, t).offload_bytes if t in OFFLOADING_TREATMENTS else 0
-            for i, t in enumerate(treatments)]
+    return [profile.cost(i, t, s).offload_bytes if t in OFFLOADING_TREATMENTS else 0
+            for i, (t, s) in enumerate(zip(treatments, tiles))]
 
 
 def largest_offload(profile, treatment: str) -> int:
@@ -165,10 +187,14 @@ class _Bus:
         return self.free_at
 
 
-def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optional[int] = None) -> Simulation:
+def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optional[int] = None,
+             tile_tokens=None) -> Simulation:
     """Predicted peak bytes, step seconds and what sets the peak, for ``plan`` on ``profile``.
 
-    ``head``/``chunk_tokens`` default to the plan's own (a Plan) or ``"plain"``.
+    ``head``/``chunk_tokens`` default to the plan's own (a Plan) or ``"plain"``; ``tile_tokens``
+    (the tiled blocks' chunks: one size, one per block or a mapping, :func:`block_tiles`) to the
+    plan's own. A tiled block is priced at the profiled chunk that stands for its own
+    (:meth:`~remat.planning.costs.Profile.tile_size`: the same size where profiled).
     """
     treatments = block_treatments(profile, plan)
     segmented = [t for t in treatments if segment_of(t) is not None]
@@ -180,13 +206,16 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
         head = head or plan.head
         chunk_tokens = chunk_tokens or plan.chunk_tokens
     h = profile.head(head or "plain", chunk_tokens)
+    tiles = [profile.tile_size(i, t, s) for i, (t, s) in enumerate(zip(treatments, block_tiles(profile, plan,
+                                                                                              tile_tokens)))]
+    tiles = each_call(profile, tiles)
     profile, treatments = per_call(profile, treatments)   # a block called N times is walked N times
-    costs = [profile.cost(i, t) for i, t in enumerate(treatments)]
-    return _walk(profile, treatments, costs, h)
+    costs = [profile.cost(i, t, s) for i, (t, s) in enumerate(zip(treatments, tiles))]
+    return _walk(profile, treatments, costs, h, tiles)
 
 
-def _walk(profile, treatments, costs, h) -> Simulation:
-    walk = _Walk(profile, treatments, costs, h)
+def _walk(profile, treatments, costs, h, tiles) -> Simulation:
+    walk = _Walk(profile, treatments, costs, h, tiles)
     walk.root_gather()
     walk.embeddings_forward()
     for i in range(len(costs)):
@@ -204,11 +233,13 @@ class _Walk:
     order): the clocks of the host and the GPU, the copy buses, the collectives' link, and the
     timeline of :class:`~remat.planning.simulation.Phase` records."""
 
-    def __init__(self, profile, treatments, costs, h):
+    def __init__(self, profile, treatments, costs, h, tiles):
         self.profile, self.treatments, self.costs, self.h = profile, treatments, costs, h
         self.names = profile.block_names
+        # a tiled block's phases name its chunk
+        self.labels = [t if s is None else f"{t} in chunks of {s}" for t, s in zip(treatments, tiles)]
         self.engine = profile.engine
-        self.off = offload_sizes(profile, treatments)
+        self.off = [c.offload_bytes if t in OFFLOADING_TREATMENTS else 0 for t, c in zip(treatments, costs)]
         self.window = self.engine.window(self.off)
         self.overhead = engine_overhead(self.engine, self.off)
         self.terms = plan_terms(profile, costs, self.off)
@@ -292,7 +323,7 @@ class _Walk:
             self.released = d2h.done_by(clock["host"])              # released at the block's end
         self.exposed += wait
         b = self.live.forward(self.terms[i])
-        self.phase(f"forward of block {i} ({self.names[i]}, {self.treatments[i]})", b, start,
+        self.phase(f"forward of block {i} ({self.names[i]}, {self.labels[i]})", b, start,
                    bound=self.overhead["forward"][i], held=held, end=b.end + self.packed - self.released, wait=wait,
                    comm_wait=cw, over=over)
 
@@ -357,7 +388,7 @@ class _Walk:
             self.held = sum(off[j] if j in fetched else never[j] for j in range(i))
         treatment = self.treatments[i]
         what = "recompute + backward" if treatment not in ("keep", "offload") else "backward"
-        self.phase(f"backward of block {i} ({self.names[i]}, {treatment}: {what})",
+        self.phase(f"backward of block {i} ({self.names[i]}, {self.labels[i]}: {what})",
                    self.live.backward(i, self.terms[i]), start, bound=self.overhead["backward"][i], held=self.held,
                    wait=wait, comm_wait=cw, over=over)
         fetched.discard(i)

@@ -68,6 +68,18 @@ calls as a stack once per choice of treatments for the repeated blocks (each cal
 block's choice, the other blocks free) and keeps the best-scoring plan; past
 :data:`TIED_CHOICES` choices, the repeated blocks share one treatment.
 
+Tiling's chunk, per block: a profile that measured the tiled treatments at several chunk sizes
+(:attr:`~remat.planning.costs.Profile.tiles`) lets the DP take, for each block, the chunk of its
+tiled treatment that scores best where its phases fit (smaller chunks hold one chunk's MLP
+intermediates less but pay per-chunk launches and weight-gradient sums; ties go to the larger
+chunk); the uniform candidates are checked at every chunk. The plan's ``tile_tokens`` holds the
+choice: one size where every tiled block took the same, else a ``{block name: size}`` mapping,
+and its predicted peak and time are those of the chosen chunks. Per block rather than plan-wide:
+the blocks whose backward sits on the most kept bytes or gradients (the first and the last) can
+take small chunks while the others keep larger, faster ones; a chunk changes no state of the DP
+(see :mod:`remat.planning.dp`), so this costs about 1.6x the solve of a profile with one chunk
+(an 8B model at 32k tokens, four chunks), not a DP over four times the treatments.
+
 Safety margin: the memory model is exact for every treatment, but the offload engine's
 bytes depend on when copies land. For plans that offload the solver uses the engine's
 bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
@@ -84,9 +96,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from remat.planning.calls import per_block, per_call, pinned, repeated, unrolled
+from remat.planning.calls import each_call, per_block, per_call, pinned, repeated, unrolled
 from remat.planning.context import context_notes
 from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
 from remat.planning.memory import BlockTerms, LiveBytes
@@ -141,7 +153,7 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
                          f"{sorted({h.mode for h in profile.heads})}")
     exact = _uniform(profile, options, head_options, offload_margin, recompute_margin)
     best = _best(profile, options, head_options, budget, resolution, offload_margin, exact, recompute_margin)
-    if best is not None and _over_host(profile, best[1]):
+    if best is not None and _over_host(profile, best):
         best = _within_host(profile, options, head_options, budget, resolution, offload_margin, recompute_margin)
     if best is None:
         smallest, plan = _smallest(profile, options, head_options, resolution, offload_margin, exact,
@@ -153,8 +165,7 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
             f"{n.get('peak_at')}). Raise the budget to at least {format_size(smallest)}, shorten the batch "
             f"or sequence, or free static memory (static alone is {format_size(profile.static_bytes)}).",
             smallest, plan)
-    _, chosen, head = best
-    return _plan(profile, chosen, head, budget)
+    return _plan(profile, best, budget)
 
 
 TIED_CHOICES = 64
@@ -196,7 +207,8 @@ def _tied(profile, budget, treatments, heads, resolution, margin, recompute_marg
             best = (score, found, chosen)
     if best is not None:
         _, found, chosen = best
-        return replace(found, blocks=dict(zip(profile.block_names, per_block(profile, chosen))))
+        return replace(found, blocks=dict(zip(profile.block_names, per_block(profile, chosen))),
+                       tile_tokens=_per_module_tiles(profile, flat, found))
     error = min(refusals, key=lambda e: float("inf") if e.smallest_peak is None else e.smallest_peak)
     plan = error.plan
     if plan is not None:
@@ -208,8 +220,29 @@ def _tied(profile, budget, treatments, heads, resolution, margin, recompute_marg
     raise error
 
 
-def _over_host(profile, chosen) -> bool:
-    return profile.host_limit is not None and host_bytes(profile, chosen) > profile.host_limit
+
+
+def _per_module_tiles(profile, flat, found: Plan):
+    """``found``'s ``tile_tokens`` (solved over ``flat``, one name per call) per module of ``profile``:
+    a block's calls share its module, so each takes its first call's chunk."""
+    sizes = found.tile_tokens
+    if not isinstance(sizes, dict):
+        return sizes
+    per_block_sizes = per_block(profile, [sizes.get(name) for name in flat.block_names])
+    return tile_tokens(profile.block_names, per_block_sizes)
+
+class _Found(NamedTuple):
+    """A plan the search found: what it scores, each block's treatment, the head, and each block's
+    chunk (None for a block not tiled)."""
+
+    score: float
+    treatments: list
+    head: object
+    tiles: list
+
+
+def _over_host(profile, found: _Found) -> bool:
+    return profile.host_limit is not None and host_bytes(profile, found.treatments, found.tiles) > profile.host_limit
 
 
 def _within_host(profile, options, head_options, budget, resolution, margin, recompute_margin):
@@ -227,12 +260,12 @@ def _within_host(profile, options, head_options, budget, resolution, margin, rec
         return _best(charged, options, head_options, budget, resolution, margin, exact, recompute_margin)
     low, high = 0.0, 1e-12  # seconds per byte: from a millisecond per GB ...
     found = solve_at(high)
-    while found is not None and _over_host(profile, found[1]) and high < 1e-3:  # ... to seconds per KB
+    while found is not None and _over_host(profile, found) and high < 1e-3:  # ... to seconds per KB
         low, high = high, high * 100
         found = solve_at(high)
-    if found is None or _over_host(profile, found[1]):
+    if found is None or _over_host(profile, found):
         last = found or solve_at(0.0)
-        offloading = _plan(profile, last[1], last[2], budget)
+        offloading = _plan(profile, last, budget)
         plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
         smallest, plan = _smallest(profile, plain, head_options, resolution, margin,
                                    _uniform(profile, plain, head_options, margin, recompute_margin),
@@ -249,23 +282,21 @@ def _within_host(profile, options, head_options, budget, resolution, margin, rec
     for _ in range(12 if low else 0):  # the least price whose plan fits: offload as much as the host allows
         middle = (low * high) ** 0.5
         attempt = solve_at(middle)
-        if attempt is not None and not _over_host(profile, attempt[1]):
+        if attempt is not None and not _over_host(profile, attempt):
             high, found = middle, attempt
         else:
             low = middle
-    chosen, head = found[1], found[2]
-    return plan_score(profile, chosen, head, recompute_margin), chosen, head
+    return found._replace(score=plan_score(profile, found.treatments, found.head, recompute_margin, found.tiles))
 
 
 def _charged(profile, price):
     """``profile`` whose offloading treatments cost ``price`` seconds more per pinned host byte."""
-    classes = tuple({t: replace(c, fwd_s=c.fwd_s + price * c.host_bytes) if t in OFFLOADING_TREATMENTS else c
-                     for t, c in costs.items()} for costs in profile.classes)
-    return replace(profile, classes=classes)
+    return profile.with_costs(lambda _, t, c: replace(c, fwd_s=c.fwd_s + price * c.host_bytes)
+                              if t in OFFLOADING_TREATMENTS else c)
 
 
 def _best(profile, options, head_options, budget, resolution, margin, exact, recompute_margin):
-    """(score, treatments, head) of the best-scoring plan within ``budget``, or None.
+    """The best-scoring plan within ``budget`` (a :class:`_Found`), or None.
 
     Plans that offload are held to ``budget * (1 - margin)``; each window the engine may
     use (it can depend on the largest offloaded block) gets its own DP. ``exact``: plans
@@ -282,17 +313,17 @@ def _best(profile, options, head_options, budget, resolution, margin, exact, rec
     for allowed, limit in runs:
         for head in head_options:
             found = _fastest(profile, allowed, head, limit, resolution, recompute_margin)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = (found[0], found[1], head)
-    for score, need, chosen, head in exact:
-        if need <= budget and (best is None or score < best[0]):
-            best = (score, chosen, head)
+            if found is not None and (best is None or found.score < best.score):
+                best = found
+    for need, found in exact:
+        if need <= budget and (best is None or found.score < best.score):
+            best = found
     return best
 
 
 def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
-    """(score, smallest budget that fits, treatments, head) of every uniform plan: one
-    treatment on every block, for each head option.
+    """(smallest budget that fits, :class:`_Found`) of every uniform plan: one treatment on every
+    block, for each head option, and for a tiled treatment each chunk size, largest first.
 
     The simulator's bound, not the DP's rounded one, so a plan that fits by less than the
     DP's rounding is still found; its score is the DP's own (:func:`plan_score`). A block that can
@@ -307,10 +338,14 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
             continue
         seen.add(tuple(chosen))
         offloads = next((c for c in chosen if c in OFFLOADING_TREATMENTS), t)
+        chunks = sorted({s for i in range(L) for s in profile.tile_sizes(i, t)}, reverse=True) or [None]
         for head in head_options:
-            bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes
-            out.append((plan_score(profile, chosen, head, recompute_margin), _need(bound, offloads, margin), chosen,
-                        head))
+            for chunk in chunks:
+                tiles = [chunk if c == t else None for c in chosen]
+                bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens,
+                                 tile_tokens=tiles).bound_bytes
+                out.append((_need(bound, offloads, margin),
+                            _Found(plan_score(profile, chosen, head, recompute_margin, tiles), chosen, head, tiles)))
     return out
 
 
@@ -327,9 +362,11 @@ def _options(profile, treatments) -> list:
     return list(available)
 
 
-def _plan(profile, chosen, head, budget) -> Plan:
+def _plan(profile, found: _Found, budget) -> Plan:
+    chosen, head = found.treatments, found.head
     draft = Plan(blocks=dict(zip(profile.block_names, chosen)), head=head.mode,
-                 chunk_tokens=head.chunk_tokens if head.mode == "chunked" else None)
+                 chunk_tokens=head.chunk_tokens if head.mode == "chunked" else None,
+                 tile_tokens=tile_tokens(profile.block_names, found.tiles))
     result = simulate(profile, draft)
     notes = {"predicted_peak_bytes": result.peak_bytes, "predicted_bound_bytes": result.bound_bytes,
              "predicted_step_s": round(result.step_s, 5),
@@ -344,35 +381,61 @@ def _plan(profile, chosen, head, budget) -> Plan:
     if result.offload_bytes:
         notes.update(offload_bytes=result.offload_bytes, moved_bytes=result.moved_bytes,
                      exposed_copy_s=round(result.exposed_copy_s, 5), bound_at=result.bound_at,
-                     host_bytes=host_bytes(profile, chosen), host_limit=profile.host_limit)
-    return Plan(blocks=draft.blocks, head=draft.head, chunk_tokens=draft.chunk_tokens, notes=notes)
+                     host_bytes=host_bytes(profile, chosen, found.tiles), host_limit=profile.host_limit)
+    return replace(draft, notes=notes)
 
 
-def plan_seconds(profile, treatments, head) -> float:
-    """The additive step time of ``treatments`` in the DP's terms (see the module doc)."""
-    return _evaluate(*per_call(profile, treatments), head)[0]
+def tile_tokens(block_names, tiles):
+    """A plan's ``tile_tokens`` for blocks chunked as ``tiles`` (a size per block, None where it is
+    not tiled): None when none is tiled, one size when every tiled block takes the same, else a
+    ``{block name: size}`` mapping of the tiled blocks."""
+    named = {name: size for name, size in zip(block_names, tiles) if size is not None}
+    sizes = set(named.values())
+    if not sizes:
+        return None
+    return sizes.pop() if len(sizes) == 1 else named
 
 
-def plan_score(profile, treatments, head, recompute_margin: float = RECOMPUTE_MARGIN) -> float:
-    """What the solver minimises for ``treatments`` and ``head``: :func:`plan_seconds` plus the
-    recompute margin (its blocks' and its head's)."""
-    return _evaluate(*per_call(profile, treatments), head, margin=recompute_margin)[2]
+def _calls(profile, treatments, tiles):
+    """``(profile, treatments, tiles)`` per block call (:func:`~remat.planning.calls.per_call`)."""
+    tiles = None if tiles is None else each_call(profile, tiles)
+    profile, treatments = per_call(profile, treatments)
+    return profile, treatments, tiles
 
 
-def plan_bound(profile, treatments, head) -> float:
-    """The peak the DP checks for ``treatments``, without its rounding (for tests and reports)."""
-    return _evaluate(*per_call(profile, treatments), head)[1]
+def plan_seconds(profile, treatments, head, tiles=None) -> float:
+    """The additive step time of ``treatments`` in the DP's terms (see the module doc); ``tiles``:
+    each block's chunk (None: the default)."""
+    profile, treatments, tiles = _calls(profile, treatments, tiles)
+    return _evaluate(profile, treatments, head, tiles=tiles)[0]
 
 
-def _evaluate(profile, treatments, head, options=None, margin=0.0):
+def plan_score(profile, treatments, head, recompute_margin: float = RECOMPUTE_MARGIN, tiles=None) -> float:
+    """What the solver minimises for ``treatments`` (chunked as ``tiles``) and ``head``:
+    :func:`plan_seconds` plus the recompute margin (its blocks' and its head's)."""
+    profile, treatments, tiles = _calls(profile, treatments, tiles)
+    return _evaluate(profile, treatments, head, margin=recompute_margin, tiles=tiles)[2]
+
+
+def plan_bound(profile, treatments, head, tiles=None) -> float:
+    """The peak the DP checks for ``treatments`` (chunked as ``tiles``), without its rounding (for
+    tests and reports)."""
+    profile, treatments, tiles = _calls(profile, treatments, tiles)
+    return _evaluate(profile, treatments, head, tiles=tiles)[1]
+
+
+def _evaluate(profile, treatments, head, options=None, margin=0.0, tiles=None):
     """(seconds, bound, score) of one plan in the DP's own terms: :class:`LiveBytes` over the DP's
-    tables; ``margin``: the recompute margin in the score.
+    tables; ``margin``: the recompute margin in the score; ``tiles``: each block's chunk (None: the
+    default).
 
     ``options``: the treatments the DP chose from (they set the engine's window); default: the plan's.
     """
     options = list(options or sorted(set(treatments), key=list(profile.treatments()).index))
     tab = Tables(profile, options, head, margin)
     index = [options.index(t) for t in treatments]
+    tiles = list(tiles) if tiles is not None else [None] * len(index)
+    variant = [tab.variant_of(profile, i, t, s) for i, (t, s) in enumerate(zip(index, tiles))]
     live = LiveBytes(profile.static_bytes, head)
     seconds, flag, peak = head_seconds(profile, head), False, live.embeddings_forward().peak
     score = seconds + head_margin(profile, head, margin)
@@ -382,12 +445,13 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0):
         prev_off = tab.off[i - 1, p] if i else 0.0
         res_f, res_b = engine_bounds(tab.window, tab.largest, prev_off, flag, tab.prefetch)
         # the DP counts no block as freeing kept bytes, and later blocks' leftovers at their largest
-        terms.append(BlockTerms(kept=max(tab.d[i, p, t], 0.0), forward=tab.fwd[i, p, t], carried=0,
-                                backward=tab.bwd[i, p, t], left=tab.left[i]))
+        z = variant[i]
+        terms.append(BlockTerms(kept=max(tab.d[i, p, t], 0.0), forward=tab.fwd[i, p, t, z], carried=0,
+                                backward=tab.bwd[i, p, t, z], left=tab.left[i]))
         peak = max(peak, live.forward(terms[i]).peak + res_f)
         backward_engine.append(res_b)
-        seconds += tab.time[i, p, t]
-        score += tab.score[i, p, t]
+        seconds += tab.time[i, p, t, z]
+        score += tab.score[i, p, t, z]
         flag = flag or prev_off > 0
     res, _ = engine_bounds(tab.window, tab.largest, tab.off[-1, index[-1]], flag, tab.prefetch)
     peak = max(peak, live.head_peak() + live.kept + res)
@@ -398,14 +462,14 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0):
 
 
 def _fastest(profile, options, head, budget, resolution, recompute_margin):
-    """(step score, treatments) of the best-scoring plan within ``budget`` for ``head``, or None."""
+    """The best-scoring plan within ``budget`` for ``head`` (a :class:`_Found`), or None."""
     found = dp(profile, options, head, MinTime(budget), budget, resolution, recompute_margin)
     if found is None:
         return None
-    score, chosen = found
-    if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens).bound_bytes > budget:
+    score, chosen, tiles = found
+    if simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens, tile_tokens=tiles).bound_bytes > budget:
         return None  # never: the DP bounds every phase from above (kept for safety)
-    return score + head_seconds(profile, head) + head_margin(profile, head, recompute_margin), chosen
+    return _Found(score + head_seconds(profile, head) + head_margin(profile, head, recompute_margin), chosen, head, tiles)
 
 
 def _smallest(profile, options, head_options, resolution, margin, exact, recompute_margin):
@@ -419,7 +483,7 @@ def _smallest(profile, options, head_options, resolution, margin, exact, recompu
     budget) differing by a few levels, with the budget nudged up by 0.2% until it accepts,
     never past the uniform plans' least.
     """
-    high = min(need for _, need, _, _ in exact)
+    high = min(need for need, _ in exact)
     plain = [t for t in options if t not in OFFLOADING_TREATMENTS]
     groups = [(plain, 0.0)] if plain else []
     if len(plain) < len(options):
@@ -433,8 +497,7 @@ def _smallest(profile, options, head_options, resolution, margin, exact, recompu
     for _ in range(200):
         found = _best(profile, options, head_options, need, resolution, margin, exact, recompute_margin)
         if found is not None:
-            _, chosen, h = found
-            return need, _plan(profile, chosen, h, need)
+            return need, _plan(profile, found, need)
         need = min(int(need * 1.002) + 1, high)
     raise AssertionError("the smallest uniform plan always fits its own bound")  # pragma: no cover
 

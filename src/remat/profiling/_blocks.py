@@ -61,8 +61,9 @@ class _Sink(torch.autograd.Function):
 
 
 def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None,
-                backend=None) -> BlockCost:
-    apply_treatment(block, block_record(treatment))
+                backend=None, tile_tokens=None) -> BlockCost:
+    """``block`` under ``treatment`` (a tiled one in chunks of ``tile_tokens``; None: the default)."""
+    apply_treatment(block, block_record(treatment, tile_tokens=tile_tokens))
     stack = contextlib.ExitStack()  # a compiled call's graphs leave dynamo's cache with it
     try:
         call = block

@@ -164,12 +164,11 @@ def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     bwd = statistics.median(s["bwd"][i] / costs[i].bwd_s for s in steps for i in range(len(costs)))
     hd = statistics.median(s["head"] for s in steps) / max(head.head_fwd_s + head.head_bwd_s, 1e-9)
     scale = lambda c: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd)  # noqa: E731
-    classes = tuple({t: scale(c) for t, c in costs_.items()} for costs_ in prof.classes)
     heads = tuple(replace(h, head_fwd_s=h.head_fwd_s * hd, head_bwd_s=h.head_bwd_s * hd) for h in prof.heads)
     note = {"plan": f"{treatment}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
             "head": round(hd, 4), "step_s": round(statistics.median(s["step"] for s in steps), 5),
             "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5)}   # forward and backward, as measured
-    scaled = replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
+    scaled = replace(prof.with_costs(lambda _, t, c: scale(c)), heads=heads, notes=dict(prof.notes, calibration=note))
     return with_residual(scaled, treatment, head, statistics.median(s["step"] for s in steps))
 
 

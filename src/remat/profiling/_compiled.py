@@ -219,10 +219,9 @@ def charged_region_checkpoints(prof: Profile, calibrated: str, full_extra: int) 
     added = prof.notes["calibration"]["kept_bytes_added_per_block"]
     charges = {t: full_extra if t == "full" else max(full_extra, added.get("keep", 0))
                for t in REGION_CHECKPOINTS if t in prof.treatments(0) and t != calibrated}
-    classes = tuple({t: replace(c, kept=c.kept + charges[t]) if t in charges else c for t, c in costs.items()}
-                    for costs in prof.classes)
+    charged = prof.with_costs(lambda _, t, c: replace(c, kept=c.kept + charges[t]) if t in charges else c)
     note = dict(prof.notes["calibration"], kept_bytes_added_per_block=dict(added, **charges))
-    return replace(prof, classes=classes, notes=dict(prof.notes, calibration=note))
+    return replace(charged, notes=dict(prof.notes, calibration=note))
 
 
 def compiled_steps(model, batch, loss_fn, named, applied, backend, static_bytes: int, scope: str = "model",
@@ -257,16 +256,15 @@ def scaled_to_step(prof: Profile, sim, treatment: str, head, steps: list, measur
     # what the whole compiled graph keeps beyond the blocks compiled alone, charged to the
     # calibrated treatment's kept bytes, per block (never subtracted: see the module doc)
     extra = max(0, measured_peak - int(sim.peak_bytes)) // max(1, blocks)
-    classes = tuple({t: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd,
-                                kept=c.kept + (extra if t == treatment else 0)) for t, c in costs_.items()}
-                    for costs_ in prof.classes)
+    scaled = prof.with_costs(lambda _, t, c: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd,
+                                                     kept=c.kept + (extra if t == treatment else 0)))
     heads = tuple(replace(h, pre_fwd_s=h.pre_fwd_s * fwd, head_fwd_s=h.head_fwd_s * fwd,
                           head_bwd_s=h.head_bwd_s * bwd, pre_bwd_s=h.pre_bwd_s * bwd) for h in prof.heads)
     note = {"plan": f"{treatment}, head {head.mode}, compiled", "forward": round(fwd, 4), "backward": round(bwd, 4),
             "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5),
             "peak_bytes": measured_peak, "predicted_peak_bytes": int(sim.peak_bytes),
             "kept_bytes_added_per_block": {treatment: extra}}
-    return replace(prof, classes=classes, heads=heads, notes=dict(prof.notes, calibration=note))
+    return replace(scaled, heads=heads, notes=dict(prof.notes, calibration=note))
 
 
 def _timed_step(model, batch, loss_fn) -> tuple:

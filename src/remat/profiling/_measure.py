@@ -4,7 +4,9 @@ How (:func:`_profile_body`): one forward without gradients (:mod:`remat.profilin
 records every block's configuration and output shape, and keeps the inputs of the first
 block of each configuration. Each configuration is then run alone per treatment
 (:mod:`remat.profiling._blocks`); the offload treatments (``DERIVED``) are not run but derived
-from their base treatment's cost, moving its offloadable bytes. The rest of the model is one
+from their base treatment's cost, moving its offloadable bytes. The tiled treatments run once more
+at each other chunk size of ``tiles`` below the step's tokens (:data:`~remat.planning.costs.TILE_CANDIDATES`:
+the body's ``tiles``), the other treatments once: a chunk changes only what tiling does. The rest of the model is one
 step per head mode and chunk option in which every block is a stub
 (:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`:
 the costs per configuration, which configuration each block has, the heads and, where a block runs
@@ -43,8 +45,8 @@ from torch.utils.checkpoint import CheckpointError
 from remat.profiling._blocks import _block_cost
 from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
-from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILED_FROM_TOKENS, ProfileBody
-from remat.planning.plans import TILED_TREATMENTS
+from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILE_CANDIDATES, TILED_FROM_TOKENS, ProfileBody
+from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
 
 
 class MissingLoss(TypeError):
@@ -52,17 +54,18 @@ class MissingLoss(TypeError):
 
 
 def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1,
-                  backend=None, scope="model"):
+                  backend=None, scope="model", tiles=TILE_CANDIDATES):
     """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
     backend name to measure compiled (see :mod:`remat.profiling._compiled`), else eager;
-    ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks."""
+    ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks;
+    ``tiles``: the chunk sizes the tiled treatments are measured at (those below the step's tokens)."""
     # each compiled measurement takes its graphs back out of dynamo's cache (profiling._compiled)
     return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats, backend, scope)
+                         repeats, backend, scope, tiles)
 
 
 def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend,
-                  scope):
+                  scope, tiles=TILE_CANDIDATES):
     started = time.perf_counter()
     capture = _capture(model, batch, loss_fn, named)
     signatures, firsts, block_class = {}, [], []
@@ -73,14 +76,15 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             firsts.append(index)
         block_class.append(signatures[sig])
     params = {id(p.untyped_storage()) for p in model.parameters()}
-    classes, skipped = [], {}
+    classes, tiled, skipped = [], [], {}
     for c, index in enumerate(firsts):
         block = named[index][1]
         args, kwargs = capture.inputs[index]
         costs = {}
         hidden = _hidden_of(args, kwargs)
+        rows = hidden.numel() // hidden.shape[-1]
         # tiled: eager only (a graph break under compile), and only where a sequence is long enough to tile
-        tiling = backend is None and hidden.numel() // hidden.shape[-1] >= TILED_FROM_TOKENS
+        tiling = backend is None and rows >= TILED_FROM_TOKENS
         for treatment in MEASURED_TREATMENTS:
             if treatment in TILED_TREATMENTS and not tiling:
                 continue
@@ -112,11 +116,24 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 skipped[f"compile:{treatment}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 warnings.warn(f"remat: {type(block).__name__} under {treatment!r} did not compile "
                               f"({type(e).__name__}: {str(e)[:200]}); planning without it", stacklevel=4)
+        sizes = {}  # the tiled treatments that ran at the default chunk, at each other size
+        for size in sorted({int(s) for s in tiles if s < rows and s != DEFAULT_TILE_TOKENS}, reverse=True):
+            for treatment in (t for t in MEASURED_TREATMENTS if t in TILED_TREATMENTS and t in costs):
+                say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment} "
+                    f"in chunks of {size} tokens")
+                sizes.setdefault(size, {})[treatment] = _block_cost(
+                    block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=costs.get("keep"),
+                    tile_tokens=size)
         for derived, base in DERIVED.items():
             if base in costs and backend is None:  # no offload under compile: see _compiled.OFFLOAD_UNDER_COMPILE
                 costs[derived] = replace(costs[base], offload_bytes=costs[base].offloadable)
+                for measured in sizes.values():
+                    if base in measured:
+                        measured[derived] = replace(measured[base], offload_bytes=measured[base].offloadable)
         grads = _grad_bytes(block, rates.granularity)
         classes.append({t: replace(cost, grad_bytes=grads) for t, cost in costs.items()})
+        tiled.append({size: {t: replace(cost, grad_bytes=grads) for t, cost in measured.items()}
+                      for size, measured in sizes.items()})
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     heads, notes = [], {}
     notes.update(skipped)
@@ -153,7 +170,7 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     repeated = len(capture.calls) != len(named)
     return ProfileBody(classes=tuple(classes), block_class=tuple(block_class), heads=tuple(heads),
                        hidden_bytes=_nbytes(hidden), notes=notes, block_names=names,
-                       block_calls=tuple(capture.calls) if repeated else ())
+                       block_calls=tuple(capture.calls) if repeated else (), tiles=tuple(tiled) if any(tiled) else ())
 
 
 def _grad_bytes(block, granularity: int) -> int:

@@ -5,10 +5,11 @@ tables, mask) and output shape. Then each *block class* (same module class, para
 shapes, attention configuration and input shape) is run once per treatment, alone, on the
 input its first block really received, forward then backward, with a meter reading live bytes at the phase
 boundaries: its forward peak, what it keeps for backward, its backward peak (recompute
-included) and what it leaves (parameter gradients, the input gradient). The rest of the
-model is measured by one more forward+backward per head mode in which every block is a
-stub (a fresh tensor of the block's output shape): embeddings, then the final norm, LM head
-and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
+included) and what it leaves (parameter gradients, the input gradient); the tiled treatments
+once more at each chunk size of ``tile_candidates`` below the step's tokens (``Profile.tiles``:
+what the solver chooses a chunk per block from). The rest of the model is measured by one
+more forward+backward per head mode in which every block is a stub (a fresh tensor of the
+block's output shape): embeddings, then the final norm, LM head and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
 or a Hugging Face model's ``.loss``. Profiling changes nothing in the model: see
 :mod:`remat.profiling.snapshot` and :func:`remat.treat.patches.suspended`.
 :mod:`remat.planning.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
@@ -92,7 +93,7 @@ from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _Kerne
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
-    CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, BlockCost,
+    CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, TILE_CANDIDATES, BlockCost,
     HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, rates_for,
 )
 from remat.planning.offload_model import EngineModel
@@ -104,7 +105,7 @@ from remat.treat.discovery import discover
 def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
-            progress=None, calibrate: bool = True, compile=False) -> Profile:
+            progress=None, calibrate: bool = True, compile=False, tile_candidates=TILE_CANDIDATES) -> Profile:
     """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
@@ -116,6 +117,11 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     The model comes back exactly as it was: remat patches (an applied plan, the chunked head)
     are taken off while profiling and put back, and parameters, gradients, buffers, training
     flags, ``requires_grad`` and the random states are restored (:mod:`remat.profiling.snapshot`).
+
+    ``tile_candidates``: the chunk sizes the tiled treatments are measured at besides the default
+    (those below the step's tokens; tiled treatments are profiled from
+    :data:`~remat.planning.costs.TILED_FROM_TOKENS` tokens a step): ``Profile.tiles``, among which
+    the solver chooses per block.
 
     ``calibrate`` (GPU only): run one real step to scale the profiled GPU seconds to
     in-step ones (see ``_calibrate``); its ratios are in ``notes["calibration"]``.
@@ -166,7 +172,7 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     if device == "cuda" and not scope and sequences * tokens >= LONG_CONTEXT_TOKENS:
         return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
                              min_offload_bytes, say, f"{sequences * tokens:,} tokens a step is long context "
-                             f"(from {LONG_CONTEXT_TOKENS:,})")
+                             f"(from {LONG_CONTEXT_TOKENS:,})", tile_candidates)
     try:
         with preserved(model) as held, patches.suspended(model):
             structure = discover(model, blocks)
@@ -174,15 +180,16 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             model.train()
             if device == "fake":
                 return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                     min_offload_bytes, say)
+                                     min_offload_bytes, say, tile_candidates)
             return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope)
+                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope, tile_candidates)
     except torch.OutOfMemoryError as error:
         if device != "cuda" or scope:
             raise
         torch.cuda.empty_cache()
         return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, f"measuring ran out of GPU memory ({str(error)[:120]})")
+                             min_offload_bytes, say, f"measuring ran out of GPU memory ({str(error)[:120]})",
+                             tile_candidates)
 
 
 LONG_CONTEXT_TOKENS = 65536
@@ -192,7 +199,7 @@ step's inner-block memory several times over (keep, full, ... in turn) and take 
 
 
 def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  why) -> Profile:
+                  why, tiles=TILE_CANDIDATES) -> Profile:
     """A GPU model's profile with fake tensors, its attention priced at the rates this GPU reaches
     for the model's attention shapes at this length (:func:`measured_attention`) and its copies at
     their measured rates: the memory exactly as a fake profile counts it, planning in the time a
@@ -207,7 +214,8 @@ def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, c
     with preserved(model) as held, patches.suspended(model):
         named = discover(model, blocks).blocks(model)
         model.train()
-        prof = _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say)
+        prof = _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
+                             tiles)
         # what the step starts from is what the GPU holds now (the user's gradients set aside)
         static = torch.cuda.memory_allocated(device) - held.held_grad_bytes + prof.optimizer_bytes
     measured = ", ".join(f"head dim {d}: {f / 1e12:.0f}/{b / 1e12:.0f}" for d, f, b in attention)
@@ -368,7 +376,8 @@ def _value_dependent_errors() -> tuple:
     return DataDependentOutputException, DynamicOutputShapeException
 
 
-def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say) -> Profile:
+def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
+                  tiles=TILE_CANDIDATES) -> Profile:
     fake_mode = ValuedFakeMode()
     fake_mode.watch(model)
     param_bytes = _storage_bytes(model.parameters())
@@ -384,7 +393,7 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
             with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded):
                 meter = _TrackerMeter(tracker)
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
-                                     say)
+                                     say, tiles=tiles)
     except _value_dependent_errors() as error:
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
@@ -410,7 +419,7 @@ def ran_for_real(reads: dict) -> str:
 
 
 def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True, held_grad_bytes=0, scope=None) -> Profile:
+                  calibrate=True, held_grad_bytes=0, scope=None, tiles=TILE_CANDIDATES) -> Profile:
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
@@ -419,7 +428,7 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     if scope == "model":  # measured as it will run once applied and compiled: the mask skipped as in eager
         mask_skip.hold(model, [name for name, _ in named])
     body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats=REPEATS, backend=backend, scope=scope)
+                         repeats=REPEATS, backend=backend, scope=scope, tiles=tiles)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
@@ -452,7 +461,7 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
                    optimizer=optimizer, optimizer_bytes=optimizer_bytes, static_bytes=static,
                    hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
                    device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step,
-                   block_calls=body.block_calls)
+                   block_calls=body.block_calls, tiles=body.tiles)
 
 
 def engine_model() -> EngineModel:

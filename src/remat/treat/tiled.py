@@ -63,6 +63,8 @@ from remat.treat.segments import autocast_as, autocast_state
 _TAG = "tiled"
 _NORM_CLASS = re.compile(r"(RMSNorm|RmsNorm|LayerNorm|Layernorm)$")
 DEFAULT_TILE_TOKENS = 8192
+"""Tokens per chunk where a record names none (the planner's own default,
+:data:`remat.planning.plans.DEFAULT_TILE_TOKENS`, is this number: a test holds them equal)."""
 
 
 def check_tile_tokens(tokens) -> None:
