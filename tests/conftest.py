@@ -94,8 +94,26 @@ SLOW = {
         "6 CPU s: the model-compile case stays fast",
     "test_patches.py::test_blocks_compiled_each_alone_share_their_graphs[mlp-True]": "4 CPU s: [full-True] stays fast",
     "test_patches.py::test_blocks_compiled_each_alone_share_their_graphs[attention-True]": "4 CPU s: as above",
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model":
+        "15 cases of ~2 CPU s: one case per model stays fast (KEEP_FAST), every spec among them",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[qwen3-attn-saved+tiled]":
+        "~2 CPU s: llama's attn-saved tiled cases stay fast",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[gpt2-attn-saved+tiled]":
+        "~2 CPU s: llama's attn-saved tiled cases stay fast",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[gemma2-attn-saved+tiled]":
+        "~2 CPU s: llama's attn-saved tiled cases stay fast",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[mixtral-attn-saved+tiled]":
+        "~2 CPU s: llama's attn-saved tiled cases stay fast",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[qwen3-attn-saved+offload+tiled]": "as above",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[gpt2-attn-saved+offload+tiled]": "as above",
+    "test_tiled.py::test_tiled_matches_the_untouched_model[gemma2-attn-saved+offload+tiled]": "as above",
 }
 KEEP_FAST = {
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[llama-attn-saved]",
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[qwen3-attn-saved+offload]",
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[gpt2-every:2:attn-saved]",
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[gemma2-attn-saved]",
+    "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[mixtral-attn-saved+offload]",
     "test_zoo.py::test_plans_on_fake_tensors[llama]",
     "test_mask_skip.py::test_families_compile_with_eagers_loss_and_gradients[llama-cache-default]",
     "test_mask_skip.py::test_families_compile_with_eagers_loss_and_gradients[llama-cache-off]",
