@@ -183,3 +183,20 @@ def test_gpu_attention_dropout_keeps_the_later_masks(spec):
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     assert ((grads[1] - grads[0]).norm() / grads[0].norm()).item() < 1e-2
+
+
+def test_eager_fsdp2_plans_attn_saved_only_where_ops_are_long():
+    """Under FSDP2 the per-op policy's host time holds the GPU back on short steps (as ``selective``'s):
+    left out below OP_POLICY_FROM_TOKENS tokens a step, planned from there on."""
+    from remat.planning.plans import ATTENTION_SAVED
+    from remat.planner import block_param_bytes
+    from remat.planning.sharding import OP_POLICY_FROM_TOKENS, shard
+    from remat.presets import build_model, load_config
+    model = build_model(load_config("llama-tiny"), device="meta", dtype=torch.bfloat16)
+    for tokens, kept in ((256, False), (OP_POLICY_FROM_TOKENS, True)):
+        profiled = remat.profile(model, torch.zeros(1, tokens, dtype=torch.long), gpu="h100", head_modes=("plain",),
+                                 tile_candidates=())
+        profiled_kinds = set(ATTENTION_SAVED) & set(profiled.treatments())
+        assert {"attn-saved", "attn-saved+offload"} <= profiled_kinds
+        sharded = shard(profiled, 2, block_param_bytes(model, profiled))
+        assert set(sharded.treatments()) & profiled_kinds == (profiled_kinds if kept else set()), tokens

@@ -62,6 +62,8 @@ TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+
 OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled", "attn-saved+offload",
                          "attn-saved+offload+tiled")
 TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
+ATTENTION_SAVED = ("attn-saved", "attn-saved+offload", "attn-saved+tiled", "attn-saved+offload+tiled")
+"""The treatments that keep only the attention kernel's output (an op-level policy, as ``selective``)."""
 HEAD_MODES = ("plain", "chunked")
 DEFAULT_TILE_TOKENS = 8192
 """Tokens per chunk of a tiled block whose plan names no size (``tile_tokens`` None, or a mapping

@@ -113,6 +113,7 @@ from typing import Optional
 from remat.planning.calls import refuse_calls
 from remat.planning.comm import Collectives
 from remat.planning.costs import Profile, dtype_bytes
+from remat.planning.plans import ATTENTION_SAVED
 
 HBM_BPS_FRACTION = 1.08
 """FSDP2's copies' bytes as this module counts them, over the ``fsdp_copy`` kernels' seconds, over the
@@ -222,7 +223,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
     host_bound = eager and profile.batch * profile.seq < OP_POLICY_FROM_TOKENS
 
     def planned(c, t, cost):  # eager selective, and attn-saved where the host bounds it, are left out
-        if (eager and t == "selective") or (host_bound and t.startswith("attn-saved")):
+        if (eager and t == "selective") or (host_bound and t in ATTENTION_SAVED):
             return None
         return sharded(cost, class_param_bytes[c])
     heads = tuple(replace(h, pre_bwd_peak=h.pre_bwd_peak + scatter_buffers) for h in profile.heads)

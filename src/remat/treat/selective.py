@@ -84,8 +84,13 @@ _LIBRARY_OPS = frozenset({"transformers::grouped_mm_fallback"}) | _LIBRARY_ATTEN
 def saved_ops() -> frozenset:
     """The aten ops whose outputs the ``selective`` policy keeps: every functional overload of each
     matmul, low-precision or sparse matmul and attention kernel the installed torch has."""
+    return _functional_overloads(_MATMULS + _LOW_PRECISION + _ATTENTION)
+
+
+def _functional_overloads(names) -> frozenset:
+    """Every functional overload of the aten ops ``names`` the installed torch has."""
     aten = torch.ops.aten
-    packets = [getattr(aten, name) for name in _MATMULS + _LOW_PRECISION + _ATTENTION if hasattr(aten, name)]
+    packets = [getattr(aten, name) for name in names if hasattr(aten, name)]
     overloads = (getattr(packet, overload) for packet in packets for overload in packet.overloads())
     return frozenset(op for op in overloads if not op._schema.is_mutable)
 
@@ -99,10 +104,7 @@ def saves(func) -> bool:
 @functools.lru_cache(maxsize=1)
 def attention_ops() -> frozenset:
     """Every functional overload of the attention kernels the installed torch has."""
-    aten = torch.ops.aten
-    packets = [getattr(aten, name) for name in _ATTENTION if hasattr(aten, name)]
-    return frozenset(getattr(packet, overload) for packet in packets for overload in packet.overloads()
-                     if not getattr(packet, overload)._schema.is_mutable)
+    return _functional_overloads(_ATTENTION)
 
 
 @functools.lru_cache(maxsize=None)
