@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 import zoo
 from remat.treat.tiled import tiled_targets
+from remat.treat.treatments import treatment_of
 
 SPECS = ("tiled", "full+tiled", "full+offload+tiled", "every:2:full+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
 MODELS = ("llama", "qwen3", "gpt2", "gemma2", "mixtral")
@@ -115,6 +116,27 @@ def test_the_mlp_intermediates_exist_one_chunk_at_a_time():
         with tiled:
             case.loss(model, zoo._clone(batch)).backward()
         assert tiled.by_width[width] == TILE * width, spec
+
+
+@pytest.mark.parametrize("spec", ["full+tiled", "attn-saved+offload+tiled"])
+@pytest.mark.parametrize("name, runs", [("llama", 2), ("gpt2", 2), ("gemma2", 3)])
+def test_the_recompute_skips_a_tiled_mlp_whose_output_nothing_saves(name, runs, spec):
+    """The MLP's chunks run in the forward and in the MLP's own backward; the block's recompute
+    runs them a third time only where something after the MLP saves its output (Gemma-2's
+    post-feedforward norm); the gradients are checked equal by the tests above."""
+    model = zoo.build(name)
+    remat.apply(model, spec, tile_tokens=TILE, offload_options=zoo.INLINE_OFFLOAD)
+    block = next(b for b in model.modules() if treatment_of(b) == spec)
+    mlp = dict(tiled_targets(block))["mlp"]
+    linear = next(m for m in mlp.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    runs_seen = []
+    forward = linear.forward
+    linear.forward = lambda *args, **kwargs: runs_seen.append(1) or forward(*args, **kwargs)
+    case = zoo.CASES[name]
+    batch = case.batch(model)
+    chunks = -(-batch["input_ids"].numel() // TILE)
+    case.loss(model, batch).backward()
+    assert len(runs_seen) == runs * chunks
 
 
 def test_a_tiled_block_saves_less_for_backward():

@@ -35,6 +35,17 @@ kept); ``full+tiled`` checkpoints the block, whose recompute then runs the tiled
 again (their forward, in chunks, saving only their inputs), and ``full+offload+tiled`` also moves
 the checkpoint's input to host memory.
 
+Skipped in the recompute: a tiled sub-module's forward inside a checkpoint's recompute only
+serves what the recompute saves after it, since its own backward recomputes its chunks from
+its input. Where nothing after it saves a tensor (Llama's MLP: only the residual add follows,
+which saves nothing), its output is never read, so the recompute saves its input and hands on
+zeros instead of running it: the MLP's forward then runs twice a step under ``full+tiled``
+(forward, and per chunk in its backward), not three times. Which calls may skip is read once per
+checkpointed call from the forward's own autograd graph (:class:`CheckpointedCall`): every node
+created after the tiled call on the way to the block's outputs must save no tensor (a
+post-MLP norm, Gemma-2's, saves the MLP's output: that MLP is run). Calls recording outputs
+for the model (MoE router logits) are always run.
+
 MoE: routing is per token, so an MoE MLP tiles like a dense one. Where transformers records its
 router logits for the auxiliary loss (forward hooks into the model's output collector), the
 chunks' records are replaced by the tiled function's own outputs, which carry the gradient
@@ -46,6 +57,7 @@ recorded output must have the tokens as its leading dimension. Eager mode only: 
 """
 from __future__ import annotations
 
+import contextvars
 import re
 import sys
 import weakref
@@ -54,7 +66,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
@@ -292,12 +305,108 @@ def _source(seen: list, record) -> tuple:
                      "'mlp' for this block instead of a tiled treatment")
 
 
+_CALL = contextvars.ContextVar("remat_checkpointed_call", default=None)
+
+
+class CheckpointedCall:
+    """A checkpointed block's function as ``checkpoint`` calls it, first in the forward, then in
+    each recompute: the tiled sub-modules that run inside it learn in the forward which of their
+    outputs the recompute never reads (see the module doc), and skip those in the recompute."""
+
+    def __init__(self, function):
+        self.function = function
+        self.forwarded = False
+        self.calls = []      # the forward's tiled calls in order: _TiledCall
+        self.position = 0    # the recompute's tiled calls so far
+
+    def __call__(self, *args):
+        token = _CALL.set(self)
+        try:
+            if self.forwarded:
+                self.position = 0
+                return self.function(*args)
+            out = self.function(*args)
+            self.forwarded = True
+            _mark_unread(self.calls, out)
+            return out
+        finally:
+            _CALL.reset(token)
+
+    def note(self, node, hidden: torch.Tensor, out: torch.Tensor, records: bool) -> None:
+        """The forward ran a tiled call (``node``: its autograd node)."""
+        self.calls.append(_TiledCall(node._sequence_nr(), tuple(hidden.shape), tuple(out.shape), out.dtype,
+                                     records))
+
+    def stand_in(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """In the recompute: zeros in place of the next tiled call's output where the forward found it
+        unread, else None (run it). A recompute that calls other shapes than the forward runs all."""
+        position, self.position = self.position, self.position + 1
+        if position >= len(self.calls):
+            return None
+        call = self.calls[position]
+        if not call.unread or call.hidden_shape != tuple(hidden.shape):
+            return None
+        with _disable_current_modes():  # not an op of the checkpoint's (torch >= 2.13 refuses ops its forward did not run)
+            return hidden.new_zeros(call.out_shape, dtype=call.out_dtype)
+
+
+class _TiledCall:
+    __slots__ = ("sequence", "hidden_shape", "out_shape", "out_dtype", "records", "unread")
+
+    def __init__(self, sequence, hidden_shape, out_shape, out_dtype, records):
+        self.sequence, self.hidden_shape, self.out_shape = sequence, hidden_shape, out_shape
+        self.out_dtype, self.records, self.unread = out_dtype, records, False
+
+
+def _mark_unread(calls: list, outputs) -> None:
+    """Mark the tiled calls whose output nothing saved reads: walking back from the block's outputs,
+    no node created after the call (autograd numbers nodes in creation order) saves a tensor."""
+    if not calls:
+        return
+    first = min(call.sequence for call in calls)
+    stack = [t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, latest = set(), -1  # latest: the newest node that saves a tensor
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < first:
+            continue  # a leaf, or made before the block's first tiled call
+        if _saves_tensors(node):
+            latest = max(latest, node._sequence_nr())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    for call in calls:
+        call.unread = not call.records and latest <= call.sequence
+
+
+_SAVES = {}  # built-in node class -> whether it saves tensors
+
+
+def _saves_tensors(node) -> bool:
+    """Whether an autograd node keeps tensors for its backward. A Python function's node is taken to
+    (its ``ctx`` may hold tensors outside ``save_for_backward``); a built-in node's class says it
+    with ``_raw_saved_*`` attributes (read by name, never unpacked: that would run the recompute)."""
+    kind = type(node)
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return True
+    if kind not in _SAVES:
+        _SAVES[kind] = any(name.startswith("_raw_saved_") for name in dir(node))
+    return _SAVES[kind]
+
+
 class _TiledFunction(torch.autograd.Function):
     """``run`` over chunks of ``tokens`` rows: saves only the input, recomputes per chunk in backward.
-    Returns the output and the recorded outputs (:class:`_Recorded`), concatenated over chunks."""
+    Returns the output and the recorded outputs (:class:`_Recorded`), concatenated over chunks;
+    in a recompute that never reads the output, zeros (:class:`CheckpointedCall`)."""
 
     @staticmethod
     def forward(ctx, run, tokens, recorded, hidden, *params):
+        call = _CALL.get()
+        stand_in = call.stand_in(hidden) if call is not None and call.forwarded else None
+        if stand_in is not None:
+            ctx.save_for_backward(hidden)  # what the recompute is for; the output is not read
+            return (stand_in,)
         rows = hidden.reshape(1, -1, hidden.shape[-1])
         ctx.run, ctx.tokens, ctx.params, ctx.recorded = run, tokens, params, recorded
         ctx.autocast = autocast_state(hidden.device.type)
@@ -311,7 +420,10 @@ class _TiledFunction(torch.autograd.Function):
                 out = piece.new_empty(1, rows.shape[1], *piece.shape[2:])
             out[:, start:start + tokens] = piece
             del piece
-        return (out.view(*hidden.shape[:-1], *out.shape[2:]), *recorded.concatenated())
+        out = out.view(*hidden.shape[:-1], *out.shape[2:])
+        if call is not None and not call.forwarded:
+            call.note(ctx, hidden, out, records=bool(recorded.hooked))
+        return (out, *recorded.concatenated())
 
     @staticmethod
     def backward(ctx, grad, *record_grads):

@@ -199,6 +199,8 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     function, args = _positional(forward, args, kwargs)
     if state.buffers and not torch.compiler.is_compiling():
         function = _buffers_once(function, state)
+    if "tiled" in state.treatment.split("+") and not torch.compiler.is_compiling():
+        function = tiled.CheckpointedCall(function)  # its recompute skips tiled outputs nothing reads
     treatment = state.around  # the tiled sub-modules carry their own patches
     if treatment == "full":
         return _checkpoint(function, args)
