@@ -9,6 +9,7 @@ on a real model profiled with fake tensors (the chunk changes the transient peak
 not what a block keeps) and by what the applied tiled modules run. A solver that always takes the
 default chunk fails ``test_a_tighter_budget_takes_a_smaller_chunk`` and the brute force.
 """
+import contextlib
 import copy
 import itertools
 import json
@@ -363,3 +364,25 @@ def test_a_planned_chunk_is_what_the_applied_blocks_run(llama):
             handle.remove()
         chunk = plan.tile_of(name)
         assert calls == [chunk, chunk, 3] * 2  # forward, then backward's recompute
+
+
+def test_a_fake_profile_runs_three_chunks_and_charges_them_all(llama, monkeypatch):
+    """On fake tensors a tiled call runs its first, one middle and its last chunk, the middle one
+    counted for every middle chunk: the same costs as running all of them (to float rounding)."""
+    from remat.profiling import profiler
+    from remat.treat.tiled import _chunk_runs
+    model, sampled = llama
+    assert [start for start, _ in _chunk_runs(TOKENS, 2048, lambda times: contextlib.nullcontext())] == [0, 2048, 14336]
+    assert len(_chunk_runs(TOKENS, 2048, None)) == 8
+    monkeypatch.setattr(profiler, "sampled_chunks", lambda repeated: contextlib.nullcontext())
+    every = remat.profile(model, torch.zeros(1, TOKENS, dtype=torch.long), head_modes=("plain",),
+                          tile_candidates=(2048, 4096))
+    for treatment in every.treatments(0):
+        for size in (8192, 4096, 2048) if "tiled" in treatment else (8192,):
+            a, b = sampled.cost(0, treatment, size), every.cost(0, treatment, size)
+            for field in a.__dataclass_fields__:
+                x, y = getattr(a, field), getattr(b, field)
+                if isinstance(x, float):
+                    assert x == pytest.approx(y, rel=1e-9), (treatment, size, field)
+                else:
+                    assert x == y, (treatment, size, field)

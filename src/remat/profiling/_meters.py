@@ -55,6 +55,17 @@ class _Tracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.seconds = 0.0
+        self.weight = 1  # how many times each op's seconds count: see repeated()
+
+    @contextlib.contextmanager
+    def repeated(self, times: int):
+        """Each op run inside counts ``times`` times in the seconds (not in memory): it stands for
+        identical runs left out (:func:`remat.treat.tiled.sampled_chunks`)."""
+        was, self.weight = self.weight, self.weight * times
+        try:
+            yield
+        finally:
+            self.weight = was
 
     def _free(self, key, size, _ref):
         if self.live.pop(key, None) is not None:
@@ -83,7 +94,7 @@ class _Tracker(TorchDispatchMode):
                 self.current += size
         self.peak = max(self.peak, self.current)
         if kernel:
-            self.seconds += _op_seconds(func, args, kwargs, out, moved, self.rates)
+            self.seconds += self.weight * _op_seconds(func, args, kwargs, out, moved, self.rates)
         return out
 
 

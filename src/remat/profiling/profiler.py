@@ -99,6 +99,7 @@ from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
 from remat.treat import mask_skip, patches
+from remat.treat.tiled import sampled_chunks
 from remat.treat.discovery import discover
 
 
@@ -390,7 +391,8 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(rates)
-            with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded):
+            with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded), \
+                    sampled_chunks(tracker.repeated):  # identical fake chunks: three run, counted for all
                 meter = _TrackerMeter(tracker)
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say, tiles=tiles)

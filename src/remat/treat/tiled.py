@@ -51,12 +51,19 @@ router logits for the auxiliary loss (forward hooks into the model's output coll
 chunks' records are replaced by the tiled function's own outputs, which carry the gradient
 (:class:`_Recorded`).
 
+Fake-tensor profiles: on fake tensors every full chunk costs alike and computes nothing, so a
+profile that says how to count repeats (:func:`sampled_chunks`) has the tiled function run its
+first chunk, one middle chunk counted for all the middle ones, and its last: the same peaks and
+roofline seconds for a fraction of the dispatched ops (a 131,072-token block in 2,048-token
+chunks runs 3 of its 64).
+
 Limits: the sub-module must take one tensor (the hidden states) and return one tensor, and a
 recorded output must have the tokens as its leading dimension. Eager mode only: under
 ``torch.compile`` the tiled call is a graph break.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import re
 import sys
@@ -306,6 +313,29 @@ def _source(seen: list, record) -> tuple:
 
 
 _CALL = contextvars.ContextVar("remat_checkpointed_call", default=None)
+_SAMPLED = contextvars.ContextVar("remat_sampled_chunks", default=None)
+
+
+@contextlib.contextmanager
+def sampled_chunks(repeated):
+    """Tiled calls inside run three chunks, the middle one under ``repeated(times)`` (a context
+    manager under which each op counts ``times`` times), for fake-tensor profiles only: the
+    chunks left out produce no values."""
+    token = _SAMPLED.set(repeated)
+    try:
+        yield
+    finally:
+        _SAMPLED.reset(token)
+
+
+def _chunk_runs(rows: int, tokens: int, repeated) -> list:
+    """``[(start, context)]``: every chunk, each counted once; with ``repeated`` (a fake profile) and
+    more than three chunks, the first, the second counted for all the middle ones, and the last."""
+    starts = list(range(0, rows, tokens))
+    if repeated is None or len(starts) <= 3:
+        return [(start, contextlib.nullcontext()) for start in starts]
+    return [(starts[0], contextlib.nullcontext()), (starts[1], repeated(len(starts) - 2)),
+            (starts[-1], contextlib.nullcontext())]
 
 
 class CheckpointedCall:
@@ -413,13 +443,15 @@ class _TiledFunction(torch.autograd.Function):
         ctx.replay = _Replay(rows.shape[1])
         ctx.save_for_backward(hidden)
         out = None
-        for start in range(0, rows.shape[1], tokens):
-            with ctx.replay.chunk(start, min(start + tokens, rows.shape[1])):
-                piece = recorded.run(run, rows[:, start:start + tokens], first=start == 0)
-            if out is None:
-                out = piece.new_empty(1, rows.shape[1], *piece.shape[2:])
-            out[:, start:start + tokens] = piece
-            del piece
+        ctx.repeated = None if recorded.hooked else _SAMPLED.get()  # records need every chunk's rows
+        for start, counted in _chunk_runs(rows.shape[1], tokens, ctx.repeated):
+            with counted:
+                with ctx.replay.chunk(start, min(start + tokens, rows.shape[1])):
+                    piece = recorded.run(run, rows[:, start:start + tokens], first=start == 0)
+                if out is None:
+                    out = piece.new_empty(1, rows.shape[1], *piece.shape[2:])
+                out[:, start:start + tokens] = piece
+                del piece
         out = out.view(*hidden.shape[:-1], *out.shape[2:])
         if call is not None and not call.forwarded:
             call.note(ctx, hidden, out, records=bool(recorded.hooked))
@@ -437,37 +469,38 @@ class _TiledFunction(torch.autograd.Function):
         grad_input = torch.empty_like(rows) if wants_input else None
         offsets = [0] * len(record_grads)  # the recorded outputs' rows consumed so far
         with torch.enable_grad(), autocast_as(ctx.autocast):
-            for start in range(0, rows.shape[1], ctx.tokens):
-                end = min(start + ctx.tokens, rows.shape[1])
-                piece = rows[:, start:end].detach().requires_grad_(wants_input)
-                found, handles = ctx.recorded.capture()
-                try:
-                    with ctx.replay.chunk(start, end):
-                        outputs = [ctx.run(piece)]
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                grad_outputs = [grad_rows[:, start:end]]
-                for index, (record, g) in enumerate(zip(found, record_grads)):
-                    if g is not None:
-                        outputs.append(record)
-                        grad_outputs.append(g[offsets[index]:offsets[index] + record.shape[0]])
-                    offsets[index] += record.shape[0]
-                inputs = ([piece] if wants_input else []) + params
-                found = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-                if wants_input:
-                    grad_input[:, start:end] = found[0]
-                    found = found[1:]
-                for index, g in enumerate(found):
-                    if g is None:
-                        continue
-                    if sums[index] is not None:
-                        sums[index].add_(g)
-                    elif grads[index] is None:
-                        grads[index] = g
-                    else:
-                        grads[index].add_(g)
-                del outputs, found, piece
+            for start, counted in _chunk_runs(rows.shape[1], ctx.tokens, ctx.repeated):
+                with counted:  # a fake profile's middle chunk counts for all the middle ones
+                    end = min(start + ctx.tokens, rows.shape[1])
+                    piece = rows[:, start:end].detach().requires_grad_(wants_input)
+                    found, handles = ctx.recorded.capture()
+                    try:
+                        with ctx.replay.chunk(start, end):
+                            outputs = [ctx.run(piece)]
+                    finally:
+                        for handle in handles:
+                            handle.remove()
+                    grad_outputs = [grad_rows[:, start:end]]
+                    for index, (record, g) in enumerate(zip(found, record_grads)):
+                        if g is not None:
+                            outputs.append(record)
+                            grad_outputs.append(g[offsets[index]:offsets[index] + record.shape[0]])
+                        offsets[index] += record.shape[0]
+                    inputs = ([piece] if wants_input else []) + params
+                    found = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+                    if wants_input:
+                        grad_input[:, start:end] = found[0]
+                        found = found[1:]
+                    for index, g in enumerate(found):
+                        if g is None:
+                            continue
+                        if sums[index] is not None:
+                            sums[index].add_(g)
+                        elif grads[index] is None:
+                            grads[index] = g
+                        else:
+                            grads[index].add_(g)
+                    del outputs, found, piece
         grads = [s.to(p.dtype) if s is not None else g for s, g, p in zip(sums, grads, params)]
         wanted = iter(grads)
         param_grads = [next(wanted) if flag else None for flag in ctx.needs_input_grad[4:]]
