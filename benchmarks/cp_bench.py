@@ -161,6 +161,11 @@ def run_row(args, seq, cp, strategy, sink) -> dict:
     ooms = [r for r in range(args.nproc) if os.path.exists(f"{marker}.{r}")]
     result = "oom" if ooms else ("timeout" if code is None else f"exit {code}")
     record = dict(base, result=result, oom_ranks=ooms, tail=tail[-1500:])
+    for rank in ooms:  # what the rank knew when it ran out: its plan, the prediction, the failing step
+        with open(f"{marker}.{rank}") as f:
+            text = f.read()
+        if text:
+            record.setdefault("oom", {})[rank] = json.loads(text)
     with open(sink, "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
@@ -264,8 +269,10 @@ def row(args) -> int:
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as error:
-        print(f"rank {rank} step {len(times) + 1}: {str(error).splitlines()[0][:400]}", flush=True)
-        open(marker, "w").close()   # the driver reads it; the other ranks end at the process group's timeout
+        said = f"step {step + 1} of {args.warmup + args.steps}: {str(error).splitlines()[0][:400]}"
+        print(f"rank {rank} {said}", flush=True)
+        with open(marker, "w") as f:   # the driver reads it; the other ranks end at the process group's timeout
+            f.write(json.dumps(dict(record, error=said, peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)))
         os._exit(3)
     loss = loss.detach().float()
     dist.all_reduce(loss)
