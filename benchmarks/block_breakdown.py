@@ -82,7 +82,7 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "block_breakdown.jsonl"), "w") as out:
-        out.write(json.dumps({"environment": environment()}) + "\n")
+        out.write(json.dumps({"environment": environment(torch.device("cuda"))}) + "\n")
         for seq in (int(s) for s in args.seqs.split(",")):
             record = measure(seq)
             print(json.dumps(record), flush=True)

@@ -38,6 +38,7 @@ import traceback
 import torch
 
 import remat
+from _optimizer import allocate_state
 from remat.planner import default_host_limit
 from remat.profiling.profiler import progress_printer
 from remat.prove.bench import environment
@@ -68,6 +69,7 @@ def build(model_name: str):
 
 def train(model, batch, steps: int) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    allocate_state(optimizer)  # so that a first step's peak holds it, as every later one does
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
@@ -146,7 +148,8 @@ def attempt(strategy: str, seq: int, args) -> dict:
                           predicted_step_s=plan.notes.get("predicted_step_s"),
                           host_bytes=plan.notes.get("host_bytes"), profiled=plan.notes.get("profiled"))
             remat.apply(model, plan)
-        record.update(train(model, batch, args.steps))
+        if not (args.plan_only and strategy == "remat"):
+            record.update(train(model, batch, args.steps))
     except torch.OutOfMemoryError:
         record["result"] = "oom"
     except Exception as error:  # noqa: BLE001  (a row records why it did not run)
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--fake", action="store_true", help="plan with fake tensors (as without a GPU)")
+    parser.add_argument("--plan-only", action="store_true", help="remat rows: plan (and time the planning), do not train")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--plot", nargs="+", metavar="JSONL",
                         help="no GPU run: plot tokens/s per length from these records into --out/longctx.png")
