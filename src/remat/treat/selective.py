@@ -43,10 +43,14 @@ before Hopper on torch < 2.9, compiled non-bf16), and torch's variable-length at
 ``flex_attention`` (a higher-order op) is not kept: it cannot train on the CPU, where this set is
 tested.
 
-Cost: every op of a selective block's forward and recompute passes through torch's caching mode
-in Python: host time (several times ``keep``'s; the in-place guard, if it ran on every forward,
-would add to it: ``benchmarks/results/issue12/host_probe.md``), and garbage that makes Python's
-collector run more often.
+Cost: every op of a selective block's forward and recompute passes through torch's selective
+checkpoint modes in Python: host time (several times ``keep``'s; the in-place guard, if it ran on
+every forward, would add to it: ``benchmarks/results/issue12/host_probe.md``). Nearly all of it is
+torch's: its Python dispatch and bookkeeping per op; the policy here answers from a table
+(:func:`_decision`). And the recompute issues every op of the block again, as ``full``'s does, so
+where the host sets the pace (small blocks, MoE routing) ``selective`` is slower than ``full``, and
+``mlp``, which re-issues the MLP's ops alone, is faster than both
+(``benchmarks/results/issue29/selective_host.md``).
 Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
 others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
 steps there.
