@@ -2,7 +2,8 @@
 
 A Qwen3-like dense LM, a Gemma-2-like LM trained at a sequence longer than its sliding window
 (window and global layers profiled apart), a Mixtral-like MoE with router logits on (the aux
-loss is in ``.loss``), a ViT classifier trained through a user ``loss_fn``, a Qwen3-Next-shaped
+loss is in ``.loss``; ``mixtral`` small and host-bound, ``mixtral_large`` with Mixtral-8x7B's
+block and GPU-bound), a ViT classifier trained through a user ``loss_fn``, a Qwen3-Next-shaped
 hybrid (linear-attention and attention layers, MoE) and the Qwen2-VL-2B-shaped preset on image +
 text batches. Each is built from its transformers config class with that class's defaults
 (``use_cache`` left on), in bf16 on the GPU, and measured in one process with one protocol:
@@ -70,6 +71,19 @@ def mixtral():
     return _causal_lm(config), _lm_batch(config.vocab_size, 4, 2048), None
 
 
+def mixtral_large():
+    """Mixtral-8x7B's block (hidden 4096, 8 experts of 14336 top-2, 32/8 heads of 128) in 4 layers,
+    6.1B parameters, so that weights and gradients (22.6 GiB) leave room for the activations of
+    2 x 4096 tokens on one GPU; router logits on, as in ``mixtral``. ``mixtral``'s step waits on its
+    host (``benchmarks/results/issue29``), this one on its GPU (about 90 TFLOP of matmuls a step):
+    ``--only mixtral_large --uniform selective,mlp`` compares the two treatments by what they recompute."""
+    from transformers import MixtralConfig
+    config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                           num_experts_per_tok=2, output_router_logits=True)
+    return _causal_lm(config), _lm_batch(config.vocab_size, 2, 4096), None
+
+
 def vit():
     from transformers import ViTConfig, ViTForImageClassification
     config = ViTConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -113,8 +127,8 @@ def qwen2_vl():
     return model, {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, None
 
 
-MODELS = {"qwen3": qwen3, "gemma2": gemma2, "mixtral": mixtral, "vit": vit, "qwen3_next": qwen3_next,
-          "qwen2_vl": qwen2_vl}
+MODELS = {"qwen3": qwen3, "gemma2": gemma2, "mixtral": mixtral, "mixtral_large": mixtral_large, "vit": vit,
+          "qwen3_next": qwen3_next, "qwen2_vl": qwen2_vl}
 
 
 def _lm_batch(vocab, batch, seq):

@@ -303,6 +303,35 @@ def test_selective_guard_watches_the_first_forward_of_each_call_structure(monkey
             bad.blocks[0](torch.randn(2, 3, 8, requires_grad=True)).sum().backward()
 
 
+@pytest.mark.parametrize("backward", [True, False])
+def test_a_selective_checkpoint_leaves_nothing_for_the_collector(backward):
+    """What a selective checkpoint holds (its policy, torch's caching modes and their storage of
+    kept outputs) goes with the step's graph, not at Python's next collection: a graph dropped
+    before its backward (a loss under grad that is never backpropagated) gives back what it kept
+    at once, and each step leaves no reference cycle of these behind."""
+    import gc
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from remat.treat import selective
+    model, make_inputs = FAMILIES["llama"]()
+    remat.apply(model, "selective")
+    model(**make_inputs()).loss.backward()  # the guarded first forward, as any step's
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage, to look at
+    try:
+        loss = model(**make_inputs()).loss
+        if backward:
+            loss.backward()
+        del loss
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, (selective._Policy, TorchDispatchMode))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []
+
+
 def test_a_forward_that_raises_leaves_no_checkpoint_state_entered():
     """Torch < 2.7 leaves a checkpoint's saved-tensor hooks and ``context_fn`` modes entered when
     the forward raises, for as long as the traceback lives (here ``info`` keeps it): remat closes

@@ -43,10 +43,14 @@ before Hopper on torch < 2.9, compiled non-bf16), and torch's variable-length at
 ``flex_attention`` (a higher-order op) is not kept: it cannot train on the CPU, where this set is
 tested.
 
-Cost: every op of a selective block's forward and recompute passes through torch's caching mode
-in Python: host time (several times ``keep``'s; the in-place guard, if it ran on every forward,
-would add to it: ``benchmarks/results/issue12/host_probe.md``), and garbage that makes Python's
-collector run more often.
+Cost: every op of a selective block's forward and recompute passes through torch's selective
+checkpoint modes in Python: host time (several times ``keep``'s; the in-place guard, if it ran on
+every forward, would add to it: ``benchmarks/results/issue12/host_probe.md``). Nearly all of it is
+torch's: its Python dispatch and bookkeeping per op; the policy here answers from a table
+(:func:`_decision`). And the recompute issues every op of the block again, as ``full``'s does, so
+where the host sets the pace (small blocks, MoE routing) ``selective`` is slower than ``full``, and
+``mlp``, which re-issues the MLP's ops alone, is faster than both
+(``benchmarks/results/issue29/selective_host.md``).
 Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
 others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
 steps there.
@@ -55,12 +59,15 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor  # already loaded by torch itself
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_MUST_SAVE, _PREFER_RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # aten ops that contract a dimension (the module docstring says why exactly these)
@@ -132,8 +139,36 @@ def _dropout_position(func):
     return names.index("dropout_p") if "dropout_p" in names else None
 
 
+# what a policy does with an op (:func:`_decision`): recompute its output, keep it, keep it unless
+# the call draws dropout (an attention kernel), or look closer, as the op writes in place
+_RECOMPUTE, _KEEP, _KEEP_UNLESS_DROPOUT, _WRITES = "recompute", "keep", "keep unless dropout", "writes"
+_DECISIONS = collections.defaultdict(dict)  # per policy (``keeps``): {id(op): (op, decision)}
+
+
+def _decision(keeps, func) -> str:
+    """What the policy ``keeps`` does with ``func``, worked out the first time the policy meets the op.
+
+    Every op of a selective forward asks this, so it is one dictionary lookup by ``id``: an op
+    overload hashes through a Python ``__hash__``, and its schema is a C++ object behind Python
+    properties. The entry holds the op itself, so no other object takes its id while the entry lives."""
+    table = _DECISIONS[keeps]
+    entry = table.get(id(func))
+    if entry is None:
+        entry = table[id(func)] = (func, _decide(keeps, func))
+    return entry[1]
+
+
+def _decide(keeps, func) -> str:
+    if keeps(func):
+        return _KEEP if _dropout_position(func) is None else _KEEP_UNLESS_DROPOUT
+    if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+        return _WRITES
+    return _RECOMPUTE
+
+
 def _keeps(keeps, func, args, kwargs) -> bool:
-    return keeps(func) and not _drops_out(func, args, kwargs)
+    decision = _decision(keeps, func)
+    return decision is _KEEP or (decision is _KEEP_UNLESS_DROPOUT and not _drops_out(func, args, kwargs))
 
 
 def _compiled_policy(keeps):
@@ -161,28 +196,38 @@ class _Policy:
 
     def __init__(self, keeps):
         self.keeps = keeps  # :func:`saves` or :func:`saves_attention`
+        self.decisions = _DECISIONS[keeps]  # what :func:`_decision` has worked out for it so far
         self.name = "selective" if keeps is saves else "attn-saved"  # the treatment, for messages
-        self.forward = self.recompute = None  # the checkpoint's two modes, set once they exist
+        # the caching mode's storage, and the recompute mode behind a weak reference: the caching
+        # mode holds this policy, and a cycle would keep the storage, kept outputs included, alive
+        # past the checkpoint's backward until Python's collector ran (older torch's recompute
+        # mode holds the policy too)
+        self.storage = None
+        self.recompute = None
         self.kept = set()  # geometries of the outputs kept so far
         self.unseen = None  # a kept op whose output the policy has not seen yet (older torch)
         self.answers = collections.deque()  # the forward's answers for in-place ops, in order
 
     def __call__(self, ctx, func, *args, **kwargs):
-        if _keeps(self.keeps, func, args, kwargs):
+        entry = self.decisions.get(id(func))  # :func:`_decision`, inlined: this runs for every op
+        decision = entry[1] if entry is not None else _decision(self.keeps, func)
+        if decision is _RECOMPUTE:
+            return _PREFER_RECOMPUTE
+        if decision is _KEEP or (decision is _KEEP_UNLESS_DROPOUT and not _drops_out(func, args, kwargs)):
             if not ctx.is_recompute:
                 self._note_output(ctx, func)
-            return CheckpointPolicy.MUST_SAVE
-        if not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
-            return CheckpointPolicy.PREFER_RECOMPUTE
+            return _MUST_SAVE
+        if decision is not _WRITES:  # an attention kernel that draws dropout
+            return _PREFER_RECOMPUTE
         if ctx.is_recompute:  # torch < 2.13 asks again while recomputing: answer as the forward did
             keep = self.answers.popleft()
         else:
             keep = self.writes_kept(func, args)
             self.answers.append(keep)
         if keep:
-            self.recompute.allow_cache_entry_mutation = True
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+            self.recompute().allow_cache_entry_mutation = True
+            return _MUST_SAVE
+        return _PREFER_RECOMPUTE
 
     def writes_kept(self, func, args) -> bool:
         """Whether ``func`` writes in place into a tensor that a kept op returned."""
@@ -192,7 +237,8 @@ class _Policy:
 
     def _note_output(self, ctx, func):
         if hasattr(ctx, "op_output"):
-            self._note(tree_flatten(ctx.op_output)[0])
+            output = ctx.op_output  # most kept ops return one tensor: no pytree walk for it
+            self._note((output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0])
         else:
             self._see_stored()
             self.unseen = func
@@ -201,7 +247,7 @@ class _Policy:
         """Note the output of the last kept op, which torch < 2.13 ran after asking the policy,
         from the caching mode's storage (one list per op there)."""
         if self.unseen is not None:
-            stored = self.forward.storage.get(self.unseen)
+            stored = self.storage.get(self.unseen)
             if isinstance(stored, list) and stored:
                 self._note(leaf.val for leaf in tree_flatten(stored[-1])[0])
             self.unseen = None
@@ -226,7 +272,7 @@ def selective_context(guard: bool = True, keeps=saves):
         return create_selective_checkpoint_contexts(_compiled_policy(keeps))
     policy = _Policy(keeps)
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    policy.forward, policy.recompute = forward, recompute
+    policy.storage, policy.recompute = forward.storage, weakref.ref(recompute)
     if not guard:
         return forward, recompute
     return _Both(forward, _KeptOutputGuard(policy)), recompute

@@ -471,22 +471,33 @@ def _empty_layer(layer):
     """A new layer object of ``layer``'s class, built from the arguments ``layer`` was built with
     (read back from its attributes of the same names), or None if one cannot be found."""
     kind = type(layer)
-    try:
-        parameters = inspect.signature(kind.__init__).parameters.values()
-    except (TypeError, ValueError):
+    parameters = _constructor_parameters(kind)
+    if parameters is None:
         return None
     arguments = {}
-    for parameter in parameters:
-        if parameter.name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        if hasattr(layer, parameter.name):
-            arguments[parameter.name] = getattr(layer, parameter.name)
-        elif parameter.default is parameter.empty:
+    for name, required in parameters:
+        if hasattr(layer, name):
+            arguments[name] = getattr(layer, name)
+        elif required:
             return None
     try:
         return kind(**arguments)
     except (TypeError, ValueError):
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _constructor_parameters(kind: type) -> Optional[tuple]:
+    """``(name, required)`` of each argument ``kind.__init__`` takes by name (None: its signature
+    cannot be read). Read once per class: each forward and recompute of a treated block rebuilds
+    every layer of the model's cache, so ``inspect.signature`` per layer and call cost host time in
+    the square of the number of layers a step."""
+    try:
+        parameters = inspect.signature(kind.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return tuple((p.name, p.default is p.empty) for p in parameters
+                 if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
 def _cache_types() -> tuple:
