@@ -307,7 +307,10 @@ def _best(profile, options, head_options, budget, resolution, margin, exact, rec
     # in the options' order where the largest offloads tie (a set's order would follow the hash seed)
     offloading = sorted(dict.fromkeys(t for t in options if t in OFFLOADING_TREATMENTS),
                         key=lambda t: largest_offload(profile, t))
+    sizes = [largest_offload(profile, t) for t in offloading]
     for k in range(len(offloading)):  # offload treatments up to the k-th largest: its window
+        if k + 1 < len(offloading) and sizes[k + 1] == sizes[k]:
+            continue  # the next run has this window too and more treatments: it finds what this one would
         runs.append((plain + offloading[:k + 1], int(budget * (1 - margin))))
     best = None
     for allowed, limit in runs:
