@@ -2,9 +2,9 @@
 
 The block is layer 0 of ``benchmarks/longctx.py``'s model (Llama-3.1-8B shape, LoRA r=16 on every
 linear layer, bf16) run alone on ``--seqs`` tokens: a forward and a backward with nothing
-recomputed, under ``torch.profiler``, after a warm-up. Each CUDA kernel is put in one kind by its
-name: ``matmul`` (cuBLAS/CUTLASS GEMMs), ``attention`` (flash / memory-efficient SDPA kernels),
-``elementwise`` (everything else: norms, RoPE, SwiGLU, LoRA's scaling and adds, casts, copies).
+recomputed, traced after a warm-up by ``_trace.trace_step``, whose categories sort the kernels:
+``gemm`` (cuBLAS/CUTLASS matmuls), ``attention`` (flash / cuDNN / memory-efficient SDPA),
+``elementwise`` and the rest (norms, RoPE, SwiGLU, LoRA's scaling and adds, casts, copies).
 This is the floor a plan cannot go under at that length: every block runs it once per step
 whatever is kept, recomputed or offloaded, so the share outside matmuls and attention is what
 fused kernels could take off it.
@@ -21,25 +21,14 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from remat.prove.bench import environment
-
-KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
-         ("matmul", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul", "splitk")))
-
-
-def kind_of(kernel: str) -> str:
-    name = kernel.lower()
-    for kind, marks in KINDS:
-        if any(mark in name for mark in marks):
-            return kind
-    return "elementwise"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _trace import trace_step  # noqa: E402  (sibling scripts of benchmarks/)
+from remat.prove.bench import environment  # noqa: E402
 
 
 def one_block(seq: int):
     """Layer 0 of longctx's model with its rotary embedding, and its inputs at ``seq`` tokens."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from longctx import build
     model, _ = build("llama-8b-lora")
     base = model.get_base_model().model
@@ -58,21 +47,12 @@ def measure(seq: int) -> dict:
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
     step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    seconds = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kind = kind_of(event.key)
-            seconds[kind] = seconds.get(kind, 0.0) + event.self_device_time_total / 1e6
-    top = sorted(((e.self_device_time_total / 1e6, e.key[:80]) for e in prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)[:12]
+    traced = trace_step(step)
+    seconds = traced["kernel_s"]
     total = sum(seconds.values())
-    return dict(seq=seq, block_fwd_bwd_s=round(total, 4), **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
-                outside_matmul_attention_share=round(seconds.get("elementwise", 0.0) / total, 3),
-                top_kernels=[(round(s, 4), name) for s, name in top])
+    return dict(seq=seq, block_fwd_bwd_s=round(total, 4), kernel_s=seconds,
+                outside_matmul_attention_share=round(1 - (seconds["gemm"] + seconds["attention"]) / total, 3),
+                top_kernels=traced["top_kernels"])
 
 
 def main():
