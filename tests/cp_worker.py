@@ -189,6 +189,79 @@ def ring_layout(run):
     run.records["ring-layout"] = record
 
 
+def ring_memory(run):
+    """What torch's ring attention holds beyond one attention call over the rank's share, measured
+    on its own code (forward and backward, gloo, the CPU flash kernels, bf16, q/k/v laid out as
+    transformers hands them to SDPA: transposed views), for both layouts and two head layouts (MHA
+    and 4:1 GQA, so that the query and the key/value terms are told apart), beside what
+    :func:`remat.planning.context.ring_buffer_bytes` charges. Forward: the most tensor bytes alive
+    at any op, less one call's; backward: the most alive right after a kernel call (its outputs
+    included: on a GPU the kernel's own work comes on top, as in one call), less one call's. The
+    tensors are counted by :class:`remat.prove.memtrack.PeakTracker`; a kernel's scratch memory is
+    not a tensor it returns, and the same in both. Rank 0's record holds every rank's."""
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward)
+    except ImportError as e:
+        run.records["ring-memory"] = dict(skipped=f"torch {torch.__version__}: {e}")
+        return
+    from remat.planning.context import ring_buffer_bytes
+    from remat.prove.memtrack import PeakTracker
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+    class AtKernel(PeakTracker):
+        """The peak, and the most bytes alive right after a call of ``kernel``."""
+
+        def __init__(self, kernel, baseline):
+            super().__init__(baseline=baseline)
+            self.kernel, self.entry, self.at_kernel = kernel, self.current, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is self.kernel:
+                self.at_kernel = max(self.at_kernel, self.current)
+            return out
+
+    def measured(kernel, inputs, call):
+        with AtKernel(kernel, inputs) as tracker:
+            result = call()
+        return result, tracker.peak - tracker.entry, tracker.at_kernel - tracker.entry
+
+    batch, seq, dim, element = 1, 64, 64, 2
+    g = torch.Generator().manual_seed(run.rank)
+
+    def hf_layout(heads):
+        return torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+
+    before = _cp_options.enable_load_balance
+    mine = {}
+    try:
+        for heads, kv_heads in ((8, 8), (8, 2)):
+            q, k, v, grad = hf_layout(heads), hf_layout(kv_heads), hf_layout(kv_heads), hf_layout(heads)
+            for balance in (True, False):
+                _cp_options.enable_load_balance = balance
+                (one, one_lse, *_), one_fwd, _ = measured(forward, [q, k, v], lambda: forward(q, k, v, 0.0, True))
+                _, _, one_bwd = measured(backward, [q, k, v, one, one_lse, grad],
+                                         lambda: backward(grad, q, k, v, one, one_lse, 0.0, True))
+                (out, lse, *_), ring_fwd, _ = measured(forward, [q, k, v], lambda: _templated_ring_attention(
+                    dist.group.WORLD, 2, forward, query=q, key=k, value=v, is_causal=True))
+                _, _, ring_bwd = measured(backward, [q, k, v, out, lse, grad], lambda: _templated_ring_attention_backward(
+                    dist.group.WORLD, 2, backward, grad, "grad_out", q, k, v, out, lse, is_causal=True, dropout_p=0.0))
+                q_bytes, kv_bytes = q.numel() * element, 2 * k.numel() * element
+                charged = ring_buffer_bytes(q_bytes, kv_bytes, run.world, element)
+                mine[f"heads {heads}/{kv_heads} balance={balance}"] = dict(
+                    q_bytes=q_bytes, kv_bytes=kv_bytes, lse_bytes=lse.numel() * 4,
+                    forward=ring_fwd - one_fwd, backward=ring_bwd - one_bwd,
+                    charged_forward=charged[0], charged_backward=charged[1])
+    finally:
+        _cp_options.enable_load_balance = before
+    everyone = [None] * run.world
+    dist.all_gather_object(everyone, mine)
+    run.records["ring-memory"] = {f"rank {r}": cases for r, cases in enumerate(everyone)}
+
+
 def fsdp2(run):
     """FSDP2 over the CP ranks (torchtitan's layout: the model sharded over every rank that splits
     the sequence). FSDP2 averages gradients over its ranks, and each rank's loss is its share of the
@@ -296,7 +369,7 @@ def readme(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--record", help="write every case's errors, SDPA calls and collectives (rank 0's) here as JSON")
-    p.add_argument("--only", default="treatments,contiguous,ring,fsdp2,misuse,readme")
+    p.add_argument("--only", default="treatments,contiguous,ring,ring-memory,fsdp2,misuse,readme")
     args = p.parse_args()
     rank, world = start()
     run = Run(rank, world)
@@ -307,6 +380,8 @@ def main():
         treatments(run, balance=False)
     if "ring" in parts:
         ring_layout(run)
+    if "ring-memory" in parts:
+        ring_memory(run)
     if "fsdp2" in parts:
         fsdp2(run)
     if "misuse" in parts:

@@ -25,11 +25,15 @@ block's cost for every treatment, as torch's ring attention runs it on a GPU
   step's backward (half a block balanced, a whole one on the contiguous last rank) but the last;
   what the compute does not hide is added to the block's forward or backward seconds, with
   :data:`LATENCY_S` per collective. The same bytes move in either layout;
-- memory: during attention's forward the gathered K/V (``world x`` a rank's) and the merge of each
-  step's output into the running one (:data:`MERGE_QUERIES`); during its backward the gathered K/V again, fp32 accumulators of the query
-  gradient and of the K/V gradients (with the hop's receive and send buffers): added to the block's
-  forward and backward peaks (transient: nothing more is kept for backward than the share's own
-  q, k, v, output and log-sum-exp, which the profile already holds);
+- memory (:func:`ring_buffer_bytes`): during attention's forward the gathered K/V (``world x`` a
+  rank's) and the merge of each step's output into the running one (:data:`MERGE_QUERIES`); during
+  its backward the gathered K/V again, fp32 accumulators of the query gradient and of the K/V
+  gradients (with the hop's receive and send buffers), the step before's kernel outputs (alive while
+  the next step's kernel runs) and the keys and values concatenated for the exchange: added to the
+  block's forward and backward peaks (transient: nothing more is kept for backward than the share's
+  own q, k, v, output and log-sum-exp, which the profile already holds). Counted from torch's code
+  and measured on it (tests/cp_worker.py runs torch's ring forward and backward on gloo, CP 2 and 4,
+  both layouts, and compares the tensors alive at each kernel with these charges);
 - recompute: a treatment whose recompute runs attention (:data:`RECOMPUTES_ATTENTION`) repeats, in
   its backward, the forward's extra compute and exchange, and its backward phase peaks at the larger
   of the forward's and the backward's transients. ``selective`` and ``attn-saved`` keep the attention
@@ -161,7 +165,28 @@ def charges(profile: Profile, world: int, attention: AttentionShape, *, bus_Bps:
     bwd_exposed = (max(0.0, gather_s - BACKWARD_FACTOR * backward_block_s / 2) + hops * max(
         0.0, hop_s - BACKWARD_FACTOR * backward_block_s * step) + hop_s + (1 + world) * LATENCY_S)
     fp32 = 4 / element
+    fwd_bytes, bwd_bytes = ring_buffer_bytes(q, kv, world, element)
     return dict(fwd_s=blocks * block_s + fwd_exposed, bwd_s=BACKWARD_FACTOR * blocks * backward_block_s + bwd_exposed,
-                fwd_bytes=int(world * kv + MERGE_QUERIES * q), bwd_bytes=int(world * kv + (q + 3 * kv) * fp32),
+                fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes,
                 compute_s=(1 + BACKWARD_FACTOR) * blocks * block_s, fwd_exposed_s=fwd_exposed,
                 bwd_exposed_s=bwd_exposed, exchange_bytes=int(2 * hops * kv + world * kv * fp32), blocks=blocks)
+
+
+def ring_buffer_bytes(q: int, kv: int, world: int, element: int) -> tuple:
+    """``(forward, backward)``: bytes torch's ring attention holds on one rank beyond what one
+    attention call over the rank's share holds (its kernel's work and outputs, in the profile),
+    where the most is held: ``q`` the bytes of the rank's queries, ``kv`` of its keys and values
+    together, ``element`` bytes an element of the model's dtype (fp32 accumulators are ``4 /
+    element`` times as large).
+
+    Forward, at the merge of a step's output into the running one: the gathered K/V (``world x
+    kv``), :data:`MERGE_QUERIES` queries, and the keys and values concatenated for the all-gather
+    (``kv``: alive there in some runs, as long as the collective holds its input). Backward, while a step's kernel runs: the gathered K/V;
+    the fp32 query-gradient accumulator and three fp32 K/V gradients (the accumulator, the hop's send
+    and its receive buffer); the step before's kernel outputs (``q + kv``), held until this step's
+    replace them; the keys and values concatenated for the exchange (``kv``). (Both were charged
+    without their concatenations, and the backward without the step before's outputs, until torch's
+    ring run on gloo showed them: ``kv`` and ``q + 2 kv`` more.) The
+    fp32 log-sum-exp-sized tensors (``1 / head_dim`` of a query each) are left out."""
+    fp32 = 4 / element
+    return int(world * kv + kv + MERGE_QUERIES * q), int(world * kv + (q + 3 * kv) * fp32 + q + 2 * kv)

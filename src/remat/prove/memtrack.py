@@ -7,8 +7,12 @@ reference, and after every op drops the ones that died. The running sum is the l
 tensor bytes; its maximum is the peak. Tensors alive before the region (parameters,
 inputs) are counted once at entry when passed as ``baseline``.
 
+A wrapper subclass (a functional collective's ``AsyncCollectiveTensor``, a ``DTensor``) owns no
+storage: it is counted by the plain tensors it wraps.
+
 Limits: it counts tensor storage bytes, not allocator rounding or fragmentation (CUDA's
-caching allocator rounds to 512 bytes and keeps blocks per stream); ops that write into
+caching allocator rounds to 512 bytes and keeps blocks per stream), nor a kernel's scratch
+memory that is never a tensor the dispatcher returns; ops that write into
 storages created outside the mode are not new allocations, which is right. It costs a
 Python call per op: use it on small models.
 """
@@ -18,7 +22,7 @@ from typing import Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -34,6 +38,10 @@ class PeakTracker(TorchDispatchMode):
         self.peak = self.current
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                self._add(getattr(tensor, name))
+            return
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._live and not self._live[ptr][0].expired():

@@ -486,18 +486,24 @@ def _empty_layer(layer):
         return None
 
 
-@functools.lru_cache(maxsize=None)
+_CONSTRUCTOR_PARAMETERS: dict = {}
+
+
 def _constructor_parameters(kind: type) -> Optional[tuple]:
     """``(name, required)`` of each argument ``kind.__init__`` takes by name (None: its signature
     cannot be read). Read once per class: each forward and recompute of a treated block rebuilds
     every layer of the model's cache, so ``inspect.signature`` per layer and call cost host time in
-    the square of the number of layers a step."""
-    try:
-        parameters = inspect.signature(kind.__init__).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    return tuple((p.name, p.default is p.empty) for p in parameters
-                 if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    the square of the number of layers a step. Kept in a plain dict, not ``functools.lru_cache``,
+    which dynamo warns of (and traces through) in every compiled model with a cache."""
+    if kind not in _CONSTRUCTOR_PARAMETERS:
+        try:
+            parameters = inspect.signature(kind.__init__).parameters.values()
+        except (TypeError, ValueError):
+            _CONSTRUCTOR_PARAMETERS[kind] = None
+        else:
+            _CONSTRUCTOR_PARAMETERS[kind] = tuple((p.name, p.default is p.empty) for p in parameters
+                                                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return _CONSTRUCTOR_PARAMETERS[kind]
 
 
 def _cache_types() -> tuple:
