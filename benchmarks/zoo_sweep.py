@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 MARK = "ZOO-CELL "
-COLUMNS = ("full", "selective", "attention", "mlp", "every:2", "offload", "full+offload", "segments:2")
+from registry_cells import SWEEP_TREATMENTS as COLUMNS  # noqa: E402 - found through the path above
 
 
 def worker(model_type: str) -> None:

@@ -11,7 +11,10 @@ steps, same batch and seeds, fp32, dropout on); :func:`run_plan_cell` plans on f
   one moved bytes: :func:`zoo.check_mechanism`);
 - ``rounding``: not bitwise equal for a reason named in ``detail`` and within :data:`ROUNDING`
   -- only the chunked head (its loss is summed a chunk at a time), so the baseline of its
-  recompute check is the same model with the chunked head alone;
+  recompute check is the same model with the chunked head alone, and the tiled treatments
+  (:data:`TILED`: their weight gradients are summed a chunk of :data:`TILE_TOKENS` tokens at a
+  time), whose mechanism check is that a tiled sub-module was called on more tokens than a chunk
+  and never ran on more (:func:`counted_tiles`);
 - ``refused``: remat raised ValueError/TypeError with a ``raise`` of its own (the innermost frame is
   in remat) before touching the model, or in the first step with one of :data:`RUNTIME_REFUSALS`,
   and its first line quotes no crash it caught (:data:`WRAPPED_CRASH`); ``detail`` is that line;
@@ -30,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 
 import registry_zoo as rz
+import torch
 import zoo
 
 ROUNDING = 1e-5
@@ -42,13 +46,22 @@ step's rounding: a model that amplifies a change of its weights (DeepSeek-V4's h
 head, a Sinkhorn normalisation) shows it there tenfold."""
 
 
+TILED = ("tiled", "full+tiled")
+"""The tiled treatments the sweep adds to :data:`zoo.TREATMENTS` (issue 28's, on every architecture)."""
+SWEEP_TREATMENTS = zoo.TREATMENTS + TILED
+"""The sweep's treatment columns, in order."""
+TILE_TOKENS = 3
+"""Tokens per chunk of the tiled cells: fewer than any model's sequence here, so every tiled call is
+cut into chunks (the default, 8,192, would run each in one)."""
+
+
 @dataclass(frozen=True)
 class Cell:
     """One cell of the sweep: a treatment with a head, or ``remat.plan``, on one model."""
 
     model: str
     column: str
-    """A treatment of :data:`zoo.TREATMENTS`, ``keep`` (the head alone) or ``plan``."""
+    """A treatment of :data:`SWEEP_TREATMENTS`, ``keep`` (the head alone) or ``plan``."""
     head: str
     """``plain`` or ``chunked``; ``plan`` cells: the head of the applied plan."""
     verdict: str
@@ -91,21 +104,64 @@ def _refusal(error: BaseException, running: bool = False) -> bool:
 _CHUNKED_OPS: dict = {}  # id(case) -> aten ops of one step with the chunked head alone
 
 
-def _verdict(spec, head, model, comparison, baseline_ops) -> tuple:
+def _verdict(spec, head, model, comparison, baseline_ops, tiles=None) -> tuple:
     zoo.check_mechanism(model, spec, comparison.ops, baseline_ops)
+    if spec in TILED:  # a call of more rows than a chunk, and no sub-module run on more than a chunk
+        assert tiles["calls"] and tiles["largest_chunk"] <= TILE_TOKENS < tiles["largest_call"], \
+            f"{spec!r} did not run its sub-modules in chunks of {TILE_TOKENS} tokens: {tiles}"
     if comparison.first_difference is None:
         return "exact", "", 0.0
     steps = ", ".join(f"{r:.1e}" for r in comparison.max_rel_by_step)
-    if head == "chunked" and comparison.max_rel_by_step[0] <= ROUNDING and comparison.max_rel <= ROUNDING_LATER:
-        return "rounding", f"chunked loss summed a chunk at a time: largest difference {steps} by step " \
+    reasons = (["chunked loss summed a chunk at a time"] if head == "chunked" else []) + (
+        [f"weight gradients summed over chunks of {TILE_TOKENS} tokens"] if spec in TILED else [])
+    if reasons and comparison.max_rel_by_step[0] <= ROUNDING and comparison.max_rel <= ROUNDING_LATER:
+        return "rounding", f"{'; '.join(reasons)}: largest difference {steps} by step " \
                            f"({comparison.worst})", comparison.max_rel
     return "FAIL", f"{comparison.first_difference}; largest relative difference {steps} by step " \
                    f"({comparison.worst})", comparison.max_rel
 
 
+def _rows(args, kwargs) -> int:
+    """Token rows of the one tensor a tiled sub-module is called with (0 if there is none)."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    return tensors[0].numel() // tensors[0].shape[-1] if tensors and tensors[0].dim() else 0
+
+
+@contextlib.contextmanager
+def counted_tiles(model):
+    """``{"calls", "largest_call", "largest_chunk"}`` over the ``with``: the tiled sub-modules'
+    calls with gradients on, the most token rows one was called with, and the most one run of the
+    sub-module's own forward was handed (one run per chunk, in forward and in backward). Each tiled
+    patch (:mod:`remat.treat.tiled`) is wrapped to count; unwrapped at the end."""
+    from remat.treat import patches
+    counts = {"calls": 0, "largest_call": 0, "largest_chunk": 0}
+    wrapped = []
+    for patch in patches.patches(model, tag="tiled"):
+        function, previous = patch.function, patch.call_previous
+
+        def call(patch, *args, _function=function, **kwargs):
+            if torch.is_grad_enabled():
+                counts["calls"] += 1
+                counts["largest_call"] = max(counts["largest_call"], _rows(args, kwargs))
+            return _function(patch, *args, **kwargs)
+
+        def chunk(*args, _previous=previous, **kwargs):
+            counts["largest_chunk"] = max(counts["largest_chunk"], _rows(args, kwargs))
+            return _previous(*args, **kwargs)
+        patch.function, patch.call_previous = call, chunk
+        wrapped.append((patch, function))
+    try:
+        yield counts
+    finally:
+        for patch, function in wrapped:
+            patch.function = function
+            del patch.call_previous  # the instance attribute: the method again
+
+
 @zoo._one_thread
 def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2) -> Cell:
-    """Apply ``spec`` (and ``head``) to a fresh copy of the case and train it beside an untouched one."""
+    """Apply ``spec`` (and ``head``) to a fresh copy of the case and train it beside an untouched one
+    (a tiled ``spec`` in chunks of :data:`TILE_TOKENS`)."""
     import remat
     start = time.perf_counter()
     model = zoo.build(the_case)
@@ -113,18 +169,19 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
     try:
         try:
             remat.apply(model, spec, head=None if head == "plain" else head, blocks=the_case.blocks,
-                        offload_options=zoo.INLINE_OFFLOAD)
+                        offload_options=zoo.INLINE_OFFLOAD, tile_tokens=TILE_TOKENS if spec in TILED else None)
         except Exception as error:  # noqa: BLE001
             if _refusal(error):
                 return Cell(the_case.name, spec, head, "refused", rz.first_line(error),
                             seconds=time.perf_counter() - start)
             raise
         zoo.check_installed(the_case, model, spec)
-        comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
+        with counted_tiles(model) as tiles:
+            comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
         baseline = comparison.reference_ops if head == "plain" or spec == "keep" else _CHUNKED_OPS.get(id(the_case))
         if spec == "keep" and head == "chunked":
             _CHUNKED_OPS[id(the_case)] = comparison.ops
-        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0)
+        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles)
     except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
         verdict = "refused" if _refusal(error, running=True) else "FAIL"
         return Cell(the_case.name, spec, head, verdict, rz.first_line(error), seconds=time.perf_counter() - start)
@@ -176,7 +233,7 @@ def run_model(model_type: str, emit=print) -> None:
         emit(Cell(model_type, "build", "plain", "not built", str(reason), seconds=time.perf_counter() - start))
         return
     emit(run_cell(the_case, "keep", "chunked"))
-    for spec in zoo.TREATMENTS:
+    for spec in SWEEP_TREATMENTS:
         for head in ("plain", "chunked"):
             emit(run_cell(the_case, spec, head))
     emit(run_plan_cell(the_case))

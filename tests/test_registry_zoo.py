@@ -80,6 +80,26 @@ def test_treatment_exact_and_chunked_head_within_rounding(model_type):
         assert chunked.verdict in ("exact", "rounding", "refused"), chunked
 
 
+@pytest.mark.parametrize("model_type", sorted(FAST))
+def test_tiled_within_rounding_and_run_in_chunks(model_type):
+    """``full+tiled`` in chunks of 3 tokens: within fp32 rounding of the untouched model (its weight
+    gradients are summed over chunks), every tiled sub-module run a chunk at a time (the cell's
+    mechanism check), or refused in one line where a block has nothing token-wise (a CNN's stages)."""
+    cell = cells.run_cell(_case(model_type), "full+tiled", "plain")
+    if FAST[model_type] == "image_classification":
+        assert cell.verdict == "refused" and "token-wise" in cell.detail, cell
+    else:
+        assert cell.verdict in ("exact", "rounding") and cell.max_rel <= cells.ROUNDING, cell
+
+
+def test_a_tiled_cell_fails_when_nothing_is_cut_into_chunks(monkeypatch):
+    """The mechanism check can fail: with chunks as long as the sequence, the tiled sub-modules run
+    whole and the cell is a FAIL, although its gradients are right."""
+    monkeypatch.setattr(cells, "TILE_TOKENS", 10_000)
+    cell = cells.run_cell(_case("deepseek_v3"), "tiled", "plain")
+    assert cell.verdict == "FAIL" and "did not run its sub-modules in chunks" in cell.detail, cell
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_vl"])
 def test_smallest_plan_applies_and_trains(model_type):
     cell = cells.run_plan_cell(_case(model_type))
