@@ -348,3 +348,26 @@ def test_batchnorm_statistics_update_once_under_recompute(spec, recwarn):
     assert int(model[1][0].norm.num_batches_tracked) == 1
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_batchnorm_statistics_that_a_first_forward_left_unchanged_update_once_later():
+    """A first batch whose mean is exactly 0 leaves BatchNorm's running mean bitwise as it was (only
+    its batch count moves): the running mean must still be restored around every later recompute.
+    (EfficientNet's depthwise norms on an AMD EPYC CPU: a second step's running mean differed by 1%.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Sequential(*[_ResidualConv(4) for _ in range(2)]))
+    with torch.no_grad():
+        for block in model[1]:
+            block.conv.bias.zero_()   # a batch of zeros: the conv's outputs exactly 0, their mean too
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full", blocks="1")
+    batches = [torch.zeros(2, 4, 3, 3), torch.randn(2, 4, 3, 3)]
+    for net in (model, reference):
+        for step, x in enumerate(batches):
+            torch.manual_seed(step)
+            net.zero_grad()
+            net(x.requires_grad_()).square().mean().backward()
+    assert not torch.equal(model[1][0].norm.running_mean, torch.zeros(4))   # the second batch moved it
+    assert torch.equal(model[1][0].norm.running_mean, reference[1][0].norm.running_mean)
+    for (name, b), (_, ref) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(b, ref), name

@@ -214,6 +214,44 @@ def test_a_sub_module_that_mixes_tokens_is_refused_before_the_model_is_touched()
     assert _untouched(model)
 
 
+class _ResidualMLP(nn.Module):
+    """BLOOM's shape of MLP: it adds the residual itself, ``forward(hidden_states, residual)``."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.up = nn.Linear(width, width)
+
+    def forward(self, hidden_states, residual):
+        return residual + self.up(hidden_states)
+
+
+class _TokenRoutedMLP(nn.Module):
+    """DeepSeek-V4's shape of MoE: routed by the token ids its block passes, ``None`` otherwise."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.up = nn.Linear(width, width)
+
+    def forward(self, hidden_states, input_ids=None):
+        return self.up(hidden_states) * input_ids.reshape(*hidden_states.shape[:-1], 1)
+
+
+class _PassingBlock(_Block):
+    def forward(self, x, ids=None):
+        return x + self.mlp(self.norm(x), ids if ids is not None else x)
+
+
+@pytest.mark.parametrize("mlp, why", [(_ResidualMLP, r"\(_ResidualMLP\) needs more than the hidden states: "
+                                                     r"forward\(hidden_states, residual\)"),
+                                      (_TokenRoutedMLP, r"\(_TokenRoutedMLP\) cannot run on hidden states alone "
+                                                        r"\(.*raised AttributeError.*forward\(hidden_states, input_ids=...\)")])
+def test_a_sub_module_that_needs_more_than_the_hidden_states_is_refused_before_the_model_is_touched(mlp, why):
+    model = nn.Sequential(_PassingBlock(mlp()), _PassingBlock(mlp()))
+    with pytest.raises(ValueError, match=why):
+        remat.apply(model, "full+tiled")
+    assert _untouched(model)
+
+
 def test_a_block_without_token_wise_sub_modules_is_refused():
     model = zoo.build("resnet_bn")
     with pytest.raises(ValueError, match="needs a token-wise sub-module"):

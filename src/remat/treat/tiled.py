@@ -14,7 +14,8 @@ How: each tiled sub-module's ``forward`` (the block's MLPs and its norms; throug
   only its input;
 - backward: recomputes each chunk with grad and asks autograd for the chunk's input gradient and
   its parameters' gradients (``torch.autograd.grad``), accumulating the weight gradients in fp32
-  where a parameter is not fp32, and returns them as the function's own input gradients.
+  where a parameter is fp16 or bf16 (in its own dtype otherwise: fp64 stays fp64), and returns them
+  as the function's own input gradients.
 
 The parameter gradients go back through the outer graph, so autograd's ``AccumulateGrad`` runs
 once per parameter per step, as without tiling: DDP's and FSDP2's gradient hooks, LoRA's frozen
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import re
 import sys
 import weakref
@@ -114,19 +116,43 @@ def check_tiling(block: nn.Module) -> None:
                          f"{type(block).__name__}, and it has none (children: {children}); use 'full' "
                          "or 'full+offload' for this block")
     for name, target in targets:
-        if _mixes_tokens(target):
+        needs = _needs_more_than_hidden(target)
+        if needs:
+            raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) {needs}: a tiled sub-module "
+                             "is run on chunks of the hidden states alone. Use 'full', 'mlp' or 'full+offload' "
+                             "for this block.")
+        if _mixes_tokens(target) is True:
             raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) is not token-wise: run on "
                              "the tokens in two chunks it gives other outputs than on all of them at once "
                              "(it mixes tokens, or an MoE's routing depends on how many tokens it sees), so it "
                              "cannot be tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
 
 
-_PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens
+_PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens, or why it cannot be probed
 
 
-def _mixes_tokens(module: nn.Module) -> bool:
+def _needs_more_than_hidden(module: nn.Module) -> Optional[str]:
+    """Why ``module`` cannot run on the hidden states alone, or None: its ``forward`` names another
+    required argument (BLOOM's MLP adds the residual, ``forward(hidden_states, residual)``), or it
+    raises on a probe of hidden states (:func:`_mixes_tokens`'s: DeepSeek-V4's hash-routed MoE reads
+    the ``input_ids`` its block passes). An optional argument the block passes after all is refused at
+    the call (:func:`_tiled_forward`)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    named = ", ".join(p.name + ("" if p.default is p.empty else "=...") for p in parameters
+                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty for p in parameters[1:]):
+        return f"needs more than the hidden states: forward({named})"
+    probed = _mixes_tokens(module)
+    return f"{probed}; forward({named})" if isinstance(probed, str) else None
+
+
+def _mixes_tokens(module: nn.Module):
     """Whether ``module`` gives other rows for 8 tokens run at once than run as 3 + 5 (checked once
-    per module, on random inputs of its feature size, with its RNG, buffers and grads left alone).
+    per module, on random inputs of its feature size, with its RNG, buffers and grads left alone);
+    a string saying so where the probe raises (:func:`_needs_more_than_hidden` refuses it).
     Modules on the meta device or with fake parameters, or whose feature size cannot be read, are
     taken as token-wise."""
     if module in _PROBED:
@@ -141,15 +167,21 @@ def _mixes_tokens(module: nn.Module) -> bool:
         generator = torch.Generator(device=param.device).manual_seed(0)
         probe = torch.randn(1, 8, features, generator=generator, device=param.device).to(param.dtype)
         whole_replay, split_replay = _Replay(8), _Replay(8)
-        with whole_replay.chunk(0, 8):
-            whole = module(probe)
-        split_replay.drawn = whole_replay.drawn  # the chunks get the same dropout masks
-        parts = []
-        for start, end in ((0, 3), (3, 8)):
-            with split_replay.chunk(start, end):
-                parts.append(module(probe[:, start:end]))
-        for buffer, value in buffers:
-            buffer.copy_(value)
+        try:
+            with whole_replay.chunk(0, 8):
+                whole = module(probe)
+            split_replay.drawn = whole_replay.drawn  # the chunks get the same dropout masks
+            parts = []
+            for start, end in ((0, 3), (3, 8)):
+                with split_replay.chunk(start, end):
+                    parts.append(module(probe[:, start:end]))
+        except Exception as error:  # noqa: BLE001 - the model's own code: any error means "not on hidden states alone"
+            _PROBED[module] = (f"cannot run on hidden states alone (8 random tokens of {features} features raised "
+                               f"{type(error).__name__} in its forward)")
+            return _PROBED[module]
+        finally:
+            for buffer, value in buffers:
+                buffer.copy_(value)
     if not all(isinstance(t, torch.Tensor) for t in [whole, *parts]):
         mixes = False  # refused at its first call, with the reason
     else:
@@ -464,7 +496,9 @@ class _TiledFunction(torch.autograd.Function):
         grad_rows = grad.reshape(1, rows.shape[1], -1)
         wants_input = ctx.needs_input_grad[3]
         params = [p for p, wanted in zip(ctx.params, ctx.needs_input_grad[4:]) if wanted]
-        sums = [torch.zeros_like(p, dtype=torch.float32) if p.dtype != torch.float32 else None for p in params]
+        # fp16/bf16 weights sum their chunks' gradients in fp32; fp32 and fp64 in their own dtype
+        sums = [torch.zeros_like(p, dtype=torch.float32) if p.dtype in (torch.float16, torch.bfloat16) else None
+                for p in params]
         grads = [None] * len(params)
         grad_input = torch.empty_like(rows) if wants_input else None
         offsets = [0] * len(record_grads)  # the recorded outputs' rows consumed so far

@@ -309,7 +309,8 @@ def _buffers_once(function, state: TreatmentState):
     quantisation ranges, buffers assigned anew and read by its output; RecurrentGemma's recurrent
     state, a plain attribute the next call starts from) is learned at the block's first forward,
     from each slot's tensor, version and value (fake tensors, which hold no values: tensor and
-    version); from then on only those are copied, before each forward, for its recompute. The
+    version; a module's buffers count together, where any of them was written); from then on only
+    those are copied, before each forward, for its recompute. The
     recompute runs on copies in the slots, then the forward's own values are put back. Under
     ``torch.compile`` this is left to the graph."""
     calls, saved = [0], []
@@ -325,8 +326,13 @@ def _buffers_once(function, state: TreatmentState):
                 before = [_snapshot(holder.get(name)) for _, name, holder in watched]
             out = function(*flat, **kwargs)
             with _disable_current_modes():
-                changed = [i for i, ((_, name, holder), old) in enumerate(zip(watched, before))
-                           if _written(holder.get(name), *old)]
+                changed = {i for i, ((_, name, holder), old) in enumerate(zip(watched, before))
+                           if _written(holder.get(name), *old)}
+            # a module's buffers go together: BatchNorm's running mean can come out of a first forward
+            # bitwise unchanged (a batch whose mean is exactly 0) while its batch count moves
+            owners = {id(watched[i][0]) for i in changed if watched[i][2] is watched[i][0]._buffers}
+            changed = sorted(changed | {i for i, (module, _, holder) in enumerate(watched)
+                                        if holder is module._buffers and id(module) in owners})
             if state.written is None:
                 state.written = tuple(watched[i] for i in changed)
             saved.extend((watched[i], before[i][2]) for i in changed)
