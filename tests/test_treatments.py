@@ -271,6 +271,25 @@ class _AddsToKeptScores(torch.nn.Module):
         return scores.softmax(-1)
 
 
+def test_a_fake_tensor_profile_leaves_out_selective_where_the_guard_refuses_it():
+    """On fake tensors (``remat plan`` without a GPU) the guard refuses what it refuses on real ones:
+    a block that adds in place to a kept matmul output has no ``selective`` (nor a plan with it),
+    a block beside it that does not keeps it. (Flaubert's and XLM's attention blocks: a plan of
+    ``selective`` that ``remat.plan`` returned was refused at its first step.)"""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_AddsToKeptScores(), torch.nn.Sequential(torch.nn.Linear(8, 8))])
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](x))
+
+    prof = remat.profile(Net(), torch.randn(2, 3, 8), loss_fn=lambda m, x: m(x).square().mean(), device="fake",
+                         gpu="h100", blocks="blocks")
+    assert "selective" not in prof.treatments(0) and "selective" in prof.treatments(1)
+
+
 def test_selective_guard_watches_the_first_forward_of_each_call_structure(monkeypatch):
     """The in-place guard's per-op dispatch runs on a block's first forward of each call structure
     (arguments, keywords, which are None) and is skipped after one passes; a forward it refused

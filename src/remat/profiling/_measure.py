@@ -93,8 +93,8 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             try:
                 costs[treatment] = _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats,
                                                keep=costs.get("keep"), backend=backend)
-            except ValueError:  # e.g. no attention sub-module to checkpoint: not available here
-                continue
+            except ValueError:  # e.g. no attention sub-module to checkpoint, or selective's in-place
+                continue        # guard (fake tensors included): not available here
             except CheckpointError as e:  # a recompute that did not repeat its forward: left out, said
                 if treatment == "keep":
                     raise
@@ -102,9 +102,9 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                                       f"repeat its forward ({str(e).splitlines()[0][:200]})")
                 continue
             except RuntimeError as e:
-                # selective on a block that writes in place into a kept output: on fake tensors the
-                # guard sees no storages and torch's own check stops the recompute; refused, as
-                # remat.apply refuses it on real ones
+                # selective on a block that writes in place into a kept output where the guard did
+                # not stop it: torch's own check stops the recompute; refused, as remat.apply
+                # refuses it on real tensors
                 if treatment != "selective" or "selective activation checkpoint" not in str(e):
                     raise
                 skipped["selective"] = ("selective not available: the block writes in place into a kept "

@@ -362,11 +362,14 @@ def _geometry(tensor):
 
 
 def _storage_key(value):
-    """The data pointer of a real tensor's storage; None for non-tensors and for fake or
-    meta tensors (the planner's profiles), which hold no memory to alias."""
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or isinstance(value, FakeTensor):
+    """What identifies a tensor's storage: a real tensor's data pointer; a fake tensor's storage
+    object (the planner's profiles: every alias of a fake tensor shares it, as the storage a real
+    one points into, so the guard refuses on fake tensors what it refuses on real ones, and the
+    planner leaves the treatment out); None for non-tensors and meta tensors."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" and not isinstance(value, FakeTensor):
         return None
     try:
-        return value.untyped_storage().data_ptr()
+        storage = value.untyped_storage()
+        return ("fake", storage._cdata) if isinstance(value, FakeTensor) else storage.data_ptr()
     except RuntimeError:  # a wrapper subclass without storage of its own (a collective's pending result)
         return None
