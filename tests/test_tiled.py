@@ -237,19 +237,57 @@ class _TokenRoutedMLP(nn.Module):
 
 
 class _PassingBlock(_Block):
-    def forward(self, x, ids=None):
-        return x + self.mlp(self.norm(x), ids if ids is not None else x)
+    def forward(self, x):
+        out = self.mlp(self.norm(x), x) if isinstance(self.mlp, _ResidualMLP) else self.mlp(self.norm(x))
+        return x + (out[0] if isinstance(out, tuple) else out)
 
 
-@pytest.mark.parametrize("mlp, why", [(_ResidualMLP, r"\(_ResidualMLP\) needs more than the hidden states: "
-                                                     r"forward\(hidden_states, residual\)"),
-                                      (_TokenRoutedMLP, r"\(_TokenRoutedMLP\) cannot run on hidden states alone "
-                                                        r"\(.*raised AttributeError.*forward\(hidden_states, input_ids=...\)")])
+class _RouterLogitsMLP(nn.Module):
+    """GPT-OSS's shape of MoE: experts as 3-D parameters, and the router's scores returned beside the output."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.hidden_size = width
+        self.experts = nn.Parameter(torch.randn(2, width, width))
+
+    def forward(self, hidden_states):
+        return hidden_states @ self.experts[0], hidden_states.sum(-1)
+
+
+@pytest.mark.parametrize("mlp, why", [
+    (_ResidualMLP, r"\(_ResidualMLP\) needs more than the hidden states \(forward\(hidden_states, residual\)\)"),
+    (_TokenRoutedMLP, r"\(_TokenRoutedMLP\) cannot run on the hidden states alone \(forward\(hidden_states, "
+                      r"input_ids=...\): 8 random tokens of 16 features raised AttributeError"),
+    (_RouterLogitsMLP, r"\(_RouterLogitsMLP\) returns tuple, not one tensor")])
 def test_a_sub_module_that_needs_more_than_the_hidden_states_is_refused_before_the_model_is_touched(mlp, why):
     model = nn.Sequential(_PassingBlock(mlp()), _PassingBlock(mlp()))
     with pytest.raises(ValueError, match=why):
         remat.apply(model, "full+tiled")
     assert _untouched(model)
+
+
+class _AddsIntoMLPOutput(_Block):
+    """Falcon's shape of block: the attention's output added in place into the MLP's."""
+
+    def forward(self, x):
+        out = self.mlp(self.norm(x))
+        out += x
+        return out
+
+
+def test_the_tiled_output_takes_in_place_writes():
+    """The tiled function's output is a tensor of its own (not a view made inside the function, which
+    autograd refuses to write into): a block that adds into it in place trains as untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_AddsIntoMLPOutput(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
+                            for _ in range(2)])
+    reference = copy.deepcopy(model)
+    remat.apply(model, "tiled", tile_tokens=3)
+    x = torch.randn(2, 7, 16)
+    for net in (model, reference):
+        net(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert _relative(p.grad, q.grad) < 1e-6, name
 
 
 def test_a_block_without_token_wise_sub_modules_is_refused():

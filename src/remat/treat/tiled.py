@@ -118,9 +118,8 @@ def check_tiling(block: nn.Module) -> None:
     for name, target in targets:
         needs = _needs_more_than_hidden(target)
         if needs:
-            raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) {needs}: a tiled sub-module "
-                             "is run on chunks of the hidden states alone. Use 'full', 'mlp' or 'full+offload' "
-                             "for this block.")
+            raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) {needs}, so it cannot be "
+                             "tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
         if _mixes_tokens(target) is True:
             raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) is not token-wise: run on "
                              "the tokens in two chunks it gives other outputs than on all of them at once "
@@ -144,9 +143,9 @@ def _needs_more_than_hidden(module: nn.Module) -> Optional[str]:
     named = ", ".join(p.name + ("" if p.default is p.empty else "=...") for p in parameters
                       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
     if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty for p in parameters[1:]):
-        return f"needs more than the hidden states: forward({named})"
+        return f"needs more than the hidden states (forward({named})), and a tiled sub-module runs on chunks of them"
     probed = _mixes_tokens(module)
-    return f"{probed}; forward({named})" if isinstance(probed, str) else None
+    return probed.replace("{forward}", f"forward({named})") if isinstance(probed, str) else None
 
 
 def _mixes_tokens(module: nn.Module):
@@ -176,14 +175,16 @@ def _mixes_tokens(module: nn.Module):
                 with split_replay.chunk(start, end):
                     parts.append(module(probe[:, start:end]))
         except Exception as error:  # noqa: BLE001 - the model's own code: any error means "not on hidden states alone"
-            _PROBED[module] = (f"cannot run on hidden states alone (8 random tokens of {features} features raised "
-                               f"{type(error).__name__} in its forward)")
+            _PROBED[module] = (f"cannot run on the hidden states alone ({{forward}}: 8 random tokens of {features} "
+                               f"features raised {type(error).__name__} in it), and a tiled sub-module runs on "
+                               "chunks of them")
             return _PROBED[module]
         finally:
             for buffer, value in buffers:
                 buffer.copy_(value)
     if not all(isinstance(t, torch.Tensor) for t in [whole, *parts]):
-        mixes = False  # refused at its first call, with the reason
+        mixes = (f"returns {type(whole).__name__}, not one tensor (an MoE returning its router logits?): its "
+                 "chunks' outputs cannot be joined")
     else:
         tolerance = 1e-2 if param.dtype in (torch.float16, torch.bfloat16) else 1e-5
         mixes = not torch.allclose(torch.cat(parts, dim=1).float(), whole.float(), rtol=tolerance, atol=tolerance)
@@ -193,7 +194,8 @@ def _mixes_tokens(module: nn.Module):
 
 def _features(module: nn.Module):
     """The input feature size of a norm or an MLP: a norm's weight length, else the first linear
-    layer's input size (``nn.Linear.in_features``; GPT-2's ``Conv1D`` keeps it as ``weight.shape[0]``)."""
+    layer's input size (``nn.Linear.in_features``; GPT-2's ``Conv1D`` keeps it as ``weight.shape[0]``),
+    else a ``hidden_size``/``hidden_dim`` the module or a sub-module keeps."""
     if isinstance(module, nn.LayerNorm) or _NORM_CLASS.search(type(module).__name__):
         weight = getattr(module, "weight", None)
         shape = getattr(module, "normalized_shape", None)
@@ -203,6 +205,11 @@ def _features(module: nn.Module):
             return child.in_features
         if type(child).__name__ == "Conv1D" and getattr(child, "weight", None) is not None:
             return child.weight.shape[0]
+    for child in module.modules():  # experts kept as 3-D parameters (GPT-OSS): the width they were built for
+        for name in ("hidden_size", "hidden_dim"):
+            width = getattr(child, name, None)
+            if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+                return width
     return None
 
 
@@ -480,11 +487,11 @@ class _TiledFunction(torch.autograd.Function):
             with counted:
                 with ctx.replay.chunk(start, min(start + tokens, rows.shape[1])):
                     piece = recorded.run(run, rows[:, start:start + tokens], first=start == 0)
-                if out is None:
-                    out = piece.new_empty(1, rows.shape[1], *piece.shape[2:])
-                out[:, start:start + tokens] = piece
+                if out is None:  # made in the output's own shape: a view would refuse in-place
+                    # writes after the function (Falcon adds the attention output into its MLP's)
+                    out = piece.new_empty(*hidden.shape[:-1], *piece.shape[2:])
+                out.view(1, rows.shape[1], *piece.shape[2:])[:, start:start + tokens] = piece
                 del piece
-        out = out.view(*hidden.shape[:-1], *out.shape[2:])
         if call is not None and not call.forwarded:
             call.note(ctx, hidden, out, records=bool(recorded.hooked))
         return (out, *recorded.concatenated())
