@@ -254,12 +254,24 @@ class _RouterLogitsMLP(nn.Module):
         return hidden_states @ self.experts[0], hidden_states.sum(-1)
 
 
+class _ConvMLP(nn.Module):
+    """SwiftFormer's shape of MLP: 1x1 convolutions over ``[batch, channels, height, width]``."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.fc = nn.Conv2d(width, width, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
 @pytest.mark.parametrize("mlp, why", [
+    (_ConvMLP, r"\(_ConvMLP\) has no linear layer or hidden size to read its width from"),
     (_ResidualMLP, r"\(_ResidualMLP\) needs more than the hidden states \(forward\(hidden_states, residual\)\)"),
     (_TokenRoutedMLP, r"\(_TokenRoutedMLP\) cannot run on the hidden states alone \(forward\(hidden_states, "
                       r"input_ids=...\): 8 random tokens of 16 features raised AttributeError"),
     (_RouterLogitsMLP, r"\(_RouterLogitsMLP\) returns tuple, not one tensor")])
-def test_a_sub_module_that_needs_more_than_the_hidden_states_is_refused_before_the_model_is_touched(mlp, why):
+def test_a_sub_module_that_cannot_run_on_chunks_of_rows_is_refused_before_the_model_is_touched(mlp, why):
     model = nn.Sequential(_PassingBlock(mlp()), _PassingBlock(mlp()))
     with pytest.raises(ValueError, match=why):
         remat.apply(model, "full+tiled")

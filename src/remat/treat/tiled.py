@@ -151,15 +151,19 @@ def _needs_more_than_hidden(module: nn.Module) -> Optional[str]:
 def _mixes_tokens(module: nn.Module):
     """Whether ``module`` gives other rows for 8 tokens run at once than run as 3 + 5 (checked once
     per module, on random inputs of its feature size, with its RNG, buffers and grads left alone);
-    a string saying so where the probe raises (:func:`_needs_more_than_hidden` refuses it).
-    Modules on the meta device or with fake parameters, or whose feature size cannot be read, are
-    taken as token-wise."""
+    a string saying why not where it cannot be probed (it raises, returns no tensor, or its width
+    cannot be read: :func:`_needs_more_than_hidden` refuses it). Modules on the meta device or with
+    fake parameters are taken as token-wise (nothing runs there; the real model is probed when the
+    plan is applied)."""
     if module in _PROBED:
         return _PROBED[module]
     param = next(module.parameters(), None)
     features = _features(module)
-    if param is None or features is None or param.device.type == "meta" or isinstance(param, FakeTensor):
+    if param is None or param.device.type == "meta" or isinstance(param, FakeTensor):
         return False  # nothing to run it on (a fake-tensor profile: the real model is probed when applied)
+    if features is None:  # a convolutional MLP on [batch, channels, height, width] (SwiftFormer's) among them
+        return ("has no linear layer or hidden size to read its width from, so remat cannot check that it "
+                "runs on [..., tokens, features] rows one at a time ({forward})")
     devices = [param.device.index or 0] if param.device.type == "cuda" else []
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     with torch.random.fork_rng(devices=devices), torch.no_grad():
