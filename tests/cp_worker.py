@@ -144,21 +144,31 @@ def treatments(run, balance=True):
         run.mechanism(case, spec)
 
 
-def ring_layout(run):
-    """torch's ring attention (the code its ``context_parallel`` dispatches SDPA to on NCCL) run
-    directly on gloo with the CPU flash kernels, on q/k/v cut by remat's layouts, torch's
-    load-balancing flag set as :func:`remat.parallel.context_parallel` sets it: forward and backward
-    equal one process's within ``REL``; the flag the other way round must be far off."""
+def _torch_ring(run, case):
+    """``(options, ring forward, ring backward, CPU flash kernel, its backward)``: torch's ring attention
+    and what it runs on the CPU; None, with the case recorded as skipped, where this torch lacks them."""
     try:
         from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
         from torch.distributed.tensor.experimental._context_parallel._attention import (
             _templated_ring_attention_backward)
     except ImportError as e:
-        run.records["ring-layout"] = dict(skipped=f"torch {torch.__version__}: {e}")
+        run.records[case] = dict(skipped=f"torch {torch.__version__}: {e}")
+        return None
+    return (_cp_options, _templated_ring_attention, _templated_ring_attention_backward,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def ring_layout(run):
+    """torch's ring attention (the code its ``context_parallel`` dispatches SDPA to on NCCL) run
+    directly on gloo with the CPU flash kernels, on q/k/v cut by remat's layouts, torch's
+    load-balancing flag set as :func:`remat.parallel.context_parallel` sets it: forward and backward
+    equal one process's within ``REL``; the flag the other way round must be far off."""
+    ring = _torch_ring(run, "ring-layout")
+    if ring is None:
         return
+    _cp_options, _templated_ring_attention, _templated_ring_attention_backward, forward, backward = ring
     import torch.nn.functional as F
-    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     g = torch.Generator().manual_seed(1)
     q, k, v, grad = (torch.randn(2, 4, SEQ, 8, generator=g) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -199,17 +209,12 @@ def ring_memory(run):
     included: on a GPU the kernel's own work comes on top, as in one call), less one call's. The
     tensors are counted by :class:`remat.prove.memtrack.PeakTracker`; a kernel's scratch memory is
     not a tensor it returns, and the same in both. Rank 0's record holds every rank's."""
-    try:
-        from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
-        from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention_backward)
-    except ImportError as e:
-        run.records["ring-memory"] = dict(skipped=f"torch {torch.__version__}: {e}")
+    ring = _torch_ring(run, "ring-memory")
+    if ring is None:
         return
+    _cp_options, _templated_ring_attention, _templated_ring_attention_backward, forward, backward = ring
     from remat.planning.context import ring_buffer_bytes
     from remat.prove.memtrack import PeakTracker
-    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
     class AtKernel(PeakTracker):
         """The peak, and the most bytes alive right after a call of ``kernel``."""
