@@ -22,7 +22,7 @@ model type, refusals and failures as footnotes, the not-built models grouped by 
 types again and replaces only their records (after a fix, without the whole sweep). A
 correctness table, not a benchmark: the seconds say where the sweep's time went, nothing is
 compared on them. Limits: a hung model is stopped only at its timeout, and a sweep at two
-workers takes about an hour on two cores.
+workers takes about half an hour on two cores (29 min on 2026-12-01).
 """
 from __future__ import annotations
 
