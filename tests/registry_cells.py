@@ -114,7 +114,6 @@ float64 model (as HF's ``logits.float()`` does), so its cells must come within :
 float64, where the model no longer amplifies that rounding. Models that amplify their weights'
 rounding through BatchNorm over conv stages (CvT) or many pooled layers (Funnel) exceed the fp32
 bounds on some CPUs (an AMD EPYC here; an earlier sweep's CPU did not)."""
-_CASE: list = []   # the case run_cell is on, for _in_float64
 _FLOAT64: dict = {}  # id(case) -> the case in float64
 
 
@@ -132,10 +131,10 @@ def _float64_case(case: zoo.Case) -> zoo.Case:
     return _FLOAT64[id(case)]
 
 
-def _in_float64(spec, head, steps: int = 2):
+def _in_float64(the_case, spec, head, steps: int = 2):
     """The largest relative difference of the cell run in float64, or None where it cannot run so."""
     import remat
-    case = _float64_case(_CASE[-1])
+    case = _float64_case(the_case)
     try:
         model = zoo.build(case)
         reference = copy.deepcopy(model)
@@ -146,7 +145,10 @@ def _in_float64(spec, head, steps: int = 2):
         return None
 
 
-def _verdict(spec, head, model, comparison, baseline_ops, tiles=None) -> tuple:
+def _verdict(spec, head, model, comparison, baseline_ops, tiles=None, the_case=None) -> tuple:
+    """``(verdict, detail, largest difference)`` of a cell; ``the_case``: run it again in float64 where
+    fp32 rounding is exceeded for a reason that sums in another order (None: the plan cells, whose
+    plan is not a spec to apply again)."""
     zoo.check_mechanism(model, spec, comparison.ops, baseline_ops)
     if spec in TILED:  # a call of more rows than a chunk, and no sub-module run on more than a chunk
         assert tiles["calls"] and tiles["largest_chunk"] <= TILE_TOKENS < tiles["largest_call"], \
@@ -159,8 +161,8 @@ def _verdict(spec, head, model, comparison, baseline_ops, tiles=None) -> tuple:
     if reasons and comparison.max_rel_by_step[0] <= ROUNDING and comparison.max_rel <= ROUNDING_LATER:
         return "rounding", f"{'; '.join(reasons)}: largest difference {steps} by step " \
                            f"({comparison.worst})", comparison.max_rel
-    if reasons:
-        in_float64 = _in_float64(spec, head)
+    if reasons and the_case is not None:
+        in_float64 = _in_float64(the_case, spec, head)
         # the chunked head computes its loss in fp32 also for a float64 model, as HF's .float() does
         bound = ROUNDING if head == "chunked" else FLOAT64_ROUNDING
         if in_float64 is not None and in_float64 <= bound:
@@ -213,7 +215,6 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
     (a tiled ``spec`` in chunks of :data:`TILE_TOKENS`)."""
     import remat
     start = time.perf_counter()
-    _CASE[:] = [the_case]
     model = zoo.build(the_case)
     reference = copy.deepcopy(model)
     try:
@@ -231,7 +232,7 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
         baseline = comparison.reference_ops if head == "plain" or spec == "keep" else _CHUNKED_OPS.get(id(the_case))
         if spec == "keep" and head == "chunked":
             _CHUNKED_OPS[id(the_case)] = comparison.ops
-        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles)
+        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles, the_case)
     except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
         verdict = "refused" if _refusal(error, running=True) else "FAIL"
         return Cell(the_case.name, spec, head, verdict, rz.first_line(error), seconds=time.perf_counter() - start)

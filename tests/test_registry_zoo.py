@@ -100,6 +100,18 @@ def test_a_tiled_cell_fails_when_nothing_is_cut_into_chunks(monkeypatch):
     assert cell.verdict == "FAIL" and "did not run its sub-modules in chunks" in cell.detail, cell
 
 
+def test_a_cell_beyond_fp32_rounding_is_judged_in_float64(monkeypatch):
+    """With the fp32 bounds at 0, a tiled cell is run again in float64 and called rounding there (its
+    differences fall to ~1e-15); with the float64 bound at 0 as well, the same cell is a FAIL."""
+    case = _case("electra")
+    monkeypatch.setattr(cells, "ROUNDING", 0.0)
+    monkeypatch.setattr(cells, "ROUNDING_LATER", 0.0)
+    cell = cells.run_cell(case, "tiled", "plain")
+    assert cell.verdict == "rounding" and "in float64" in cell.detail, cell
+    monkeypatch.setattr(cells, "FLOAT64_ROUNDING", 0.0)
+    assert cells.run_cell(case, "tiled", "plain").verdict == "FAIL"
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_vl"])
 def test_smallest_plan_applies_and_trains(model_type):
     cell = cells.run_plan_cell(_case(model_type))
