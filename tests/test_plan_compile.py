@@ -307,38 +307,46 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
         return x.sin()
     users = torch.compile(users_function, backend=lambda gm, inputs: users_graphs.append(gm) or gm.forward)
     users(torch.ones(3))
+    before = _live_compiled_code()  # the user's, and whatever tests before this one left compiled
     body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"), ("plain", "chunked"),
                                   (1024,), 0, said.append, repeats=3, backend="aot_eager")
     assert body.notes["compile"] is True and "saved_tensors_hooks" in body.notes["offload"]
     assert len(body.classes) == 1
     treatments = set(body.classes[0])
-    assert treatments == {"keep", "full", "selective", "attention", "mlp"}
+    measured = ("keep", "full", "selective", "attention", "mlp", "attn-saved")
+    assert treatments == set(measured)
     assert not treatments & set(OFFLOADING_TREATMENTS)
-    # one compile per treatment of the one block class, none recompiled by the runs; each one graph,
-    # except that torch 2.6's dynamo breaks the graph around a checkpointed part of a block
-    # (attention, mlp: 3 graphs, measured with torch 2.6.0; 1 with torch 2.13)
+    # one compile per treatment of the one block class, none recompiled by the runs; each one graph
+    # (selective and attn-saved too: their checkpoint's context_fn is a constant to dynamo), except
+    # that torch 2.6's dynamo breaks the graph around a checkpointed part of a block (attention,
+    # mlp: 3 graphs, measured with torch 2.6.0; 1 with torch 2.13)
     torch_version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     region = 3 if torch_version < (2, 7) else 1
-    expected = [region if t in ("attention", "mlp") else 1 for t in ("keep", "full", "selective", "attention", "mlp")]
-    assert len(compiled) == 5 and [c.graphs for c in compiled] == expected, [c.graphs for c in compiled]
-    assert len(chained) == 5 and all(c is not b for c, (_, b) in zip(chained, named * 5))  # the compiled call
-    assert sum("compiling it" in s for s in said) == 5 and any("compiled" in s for s in said if "head" in s)
+    expected = [region if t in ("attention", "mlp") else 1 for t in measured]
+    assert len(compiled) == 6 and [c.graphs for c in compiled] == expected, [c.graphs for c in compiled]
+    assert len(chained) == 6 and all(c is not b for c, (_, b) in zip(chained, named * 6))  # the compiled call
+    assert sum("compiling it" in s for s in said) == 6 and any("compiled" in s for s in said if "head" in s)
     # saved bytes come from the compiled block's own saved tensors: full keeps its input, and less
     keep, full = body.classes[0]["keep"], body.classes[0]["full"]
     assert full.saves_input and 0 < full.offloadable < keep.offloadable
     assert {h.mode for h in body.heads} == {"plain", "chunked"}
     # the profile's cache entries are gone: the user's own compile starts with an empty cache, and
     # what the user had compiled before stays compiled
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch._dynamo import convert_frame
-    live = {code.co_name for code in (r() for r in convert_frame.input_codes.seen) if code is not None
-            for e in _debug_get_cache_entry_list(code) if e.code is not None}
-    assert live == {"users_function"}, live
+    live = _live_compiled_code()
+    assert live == before and "users_function" in live, (live, before)
     users(torch.ones(3))
     assert len(users_graphs) == 1
     # and the model is untouched: no stub, no treatment, not compiled
     assert model.__dict__.get("_compiled_call_impl") is None
     assert all("forward" not in block.__dict__ for _, block in named)
+
+
+def _live_compiled_code() -> set:
+    """The names of the code objects dynamo holds compiled graphs for, in this process."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo import convert_frame
+    return {code.co_name for code in (r() for r in convert_frame.input_codes.seen) if code is not None
+            for e in _debug_get_cache_entry_list(code) if e.code is not None}
 
 
 def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatch):
@@ -598,3 +606,21 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
     assert slower.notes["calibration"]["residual_s"] == pytest.approx(0.25, abs=1e-5)
     faster = with_residual(prof, "keep", head, keep - 0.001)
     assert faster.step_overhead_s == 0.0 and faster.notes["calibration"]["residual_s"] < 0
+
+
+def test_op_policy_blocks_compile_without_breaking_the_graph_at_their_checkpoint():
+    """``selective`` and ``attn-saved`` hand torch's checkpoint a ``context_fn`` that dynamo reads as a
+    constant, so under ``model.compile()`` their blocks break the graph no more than ``full``'s (an
+    ``lru_cache``-wrapped policy made every such checkpoint a graph break and the block ran eager)."""
+    import torch._dynamo
+    ids = torch.randint(0, 128, (2, 16))
+
+    def breaks(spec):
+        model = remat.apply(_tiny().train(), spec)
+        return torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+    try:
+        breaks("full")  # the first explain of a process also counts dynamo's own first questions
+        full = breaks("full")
+        assert breaks("selective") == full and breaks("attn-saved") == full
+    finally:
+        torch._dynamo.reset()  # explain's graphs stay cached: other tests here count what is cached

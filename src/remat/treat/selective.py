@@ -102,7 +102,10 @@ def _functional_overloads(names) -> frozenset:
     return frozenset(op for op in overloads if not op._schema.is_mutable)
 
 
-@functools.lru_cache(maxsize=None)  # asked for every op of a selective block's forward and recompute
+# saves and saves_attention are plain functions, asked once per op (:func:`_decision` caches the
+# answer): the treatment hands one to torch's checkpoint inside a ``functools.partial``, which dynamo
+# must read as a constant, and an ``lru_cache`` wrapper it cannot (the checkpoint then breaks the
+# graph and the block runs eager under ``model.compile()``)
 def saves(func) -> bool:
     """Whether ``selective`` keeps the output of ``func`` (an op overload or a higher-order op)."""
     return func in saved_ops() or func.name() in _LIBRARY_OPS
@@ -114,7 +117,6 @@ def attention_ops() -> frozenset:
     return _functional_overloads(_ATTENTION)
 
 
-@functools.lru_cache(maxsize=None)
 def saves_attention(func) -> bool:
     """Whether ``attn-saved`` keeps the output of ``func``: attention kernels only."""
     return func in attention_ops() or func.name() in _LIBRARY_ATTENTION
