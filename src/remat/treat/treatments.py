@@ -428,6 +428,8 @@ def _own_cache(forward, args: tuple, kwargs: dict):
         _warn_cache_once()
     # only the caches: a segment must not keep its later blocks' inputs through this closure
     given = {**{i: args[i] for i in slots}, **{k: kwargs[k] for k in keys}}
+    for cache in given.values():
+        _read_layer_classes(cache)
 
     def with_new_caches(*call_args, **call_kwargs):
         call_args = tuple(_empty_like_cache(given[i]) if i in slots else v for i, v in enumerate(call_args))
@@ -471,6 +473,18 @@ def _empty_like_cache(cache):
         fresh.layers = empty_layers
         fresh.layer_class_to_replicate = None
     return fresh
+
+
+def _read_layer_classes(cache) -> None:
+    """Read the constructors of ``cache``'s layer classes here, outside the checkpoint: the first
+    read fills a module dict, and under ``torch.compile`` a dict written inside a checkpoint's body
+    is a side effect dynamo refuses there (it breaks the graph at that checkpoint, and the block
+    runs eager), so the body that builds the empty caches must only read it."""
+    for part in (getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)):
+        if part is not None:
+            _read_layer_classes(part)
+    for layer in getattr(cache, "layers", None) or ():
+        _constructor_parameters(type(layer))
 
 
 def _empty_layer(layer):
