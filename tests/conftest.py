@@ -107,8 +107,6 @@ SLOW = {
     "test_tiled.py::test_tiled_matches_the_untouched_model[qwen3-attn-saved+offload+tiled]": "as above",
     "test_tiled.py::test_tiled_matches_the_untouched_model[gpt2-attn-saved+offload+tiled]": "as above",
     "test_tiled.py::test_tiled_matches_the_untouched_model[gemma2-attn-saved+offload+tiled]": "as above",
-    "test_planner.py::test_one_dp_both_objectives_against_brute_force[True-0.05]":
-        "28 s: the margin stays fast in [False-0.05], the offload windows in [True-0.0]",
 }
 KEEP_FAST = {
     "test_attn_saved.py::test_attn_saved_matches_the_untouched_model[llama-attn-saved]",

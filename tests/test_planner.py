@@ -340,15 +340,16 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload, margin):
     the peak it returns the least bound up to its rounding (``scale / resolution`` per block);
     minimising the score within a budget (the time, plus ``margin`` of a block's keep time for
     each other treatment), the best-scoring plan whose bound fits, up to the same slack."""
-    from remat.planning.dp import MinPeak, MinTime, dp, head_margin, head_seconds
+    from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
     from remat.planning.solver import _evaluate
     prof = bench3
     options = [t for t in prof.treatments(0) if offload or t not in OFFLOADING_TREATMENTS]
     blocks = len(prof.block_names)
     resolution = 2000
     for head in prof.heads:
+        tables = Tables(prof, options, head, margin)
         scored = [(score, bound, list(c)) for c in itertools.product(options, repeat=blocks)
-                  for _, bound, score in [_evaluate(prof, list(c), head, options, margin)]]
+                  for _, bound, score in [_evaluate(prof, list(c), head, options, margin, tables=tables)]]
         least = min(b for _, b, _ in scored)
         scale = max(b for _, b, _ in scored)
         peak, chosen, _ = dp(prof, options, head, MinPeak(), scale, resolution, margin)

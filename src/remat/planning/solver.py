@@ -427,15 +427,17 @@ def plan_bound(profile, treatments, head, tiles=None) -> float:
     return _evaluate(profile, treatments, head, tiles=tiles)[1]
 
 
-def _evaluate(profile, treatments, head, options=None, margin=0.0, tiles=None):
+def _evaluate(profile, treatments, head, options=None, margin=0.0, tiles=None, tables=None):
     """(seconds, bound, score) of one plan in the DP's own terms: :class:`LiveBytes` over the DP's
     tables; ``margin``: the recompute margin in the score; ``tiles``: each block's chunk (None: the
     default).
 
     ``options``: the treatments the DP chose from (they set the engine's window); default: the plan's.
+    ``tables``: those options' :class:`Tables` (with this head and margin), built once by a caller
+    that evaluates many plans over the same options.
     """
     options = list(options or sorted(set(treatments), key=list(profile.treatments()).index))
-    tab = Tables(profile, options, head, margin)
+    tab = tables if tables is not None else Tables(profile, options, head, margin)
     index = [options.index(t) for t in treatments]
     tiles = list(tiles) if tiles is not None else [None] * len(index)
     variant = [tab.variant_of(profile, i, t, s) for i, (t, s) in enumerate(zip(index, tiles))]
