@@ -53,7 +53,7 @@ import itertools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -426,22 +426,32 @@ def _own_cache(forward, args: tuple, kwargs: dict):
         return forward, args, kwargs
     if not torch.compiler.is_compiling():
         _warn_cache_once()
-    # only the caches: a segment must not keep its later blocks' inputs through this closure
-    given = {**{i: args[i] for i in slots}, **{k: kwargs[k] for k in keys}}
-    for cache in given.values():
-        _read_layer_classes(cache)
+    # the layouts, read here, outside the checkpoint: the body that builds the empty caches only
+    # builds (see _cache_layout); and only the caches' layouts: a segment must not keep its later
+    # blocks' inputs, nor the caller's cache, through this closure
+    layouts = {**{i: _cache_layout(args[i]) for i in slots}, **{k: _cache_layout(kwargs[k]) for k in keys}}
 
     def with_new_caches(*call_args, **call_kwargs):
-        call_args = tuple(_empty_like_cache(given[i]) if i in slots else v for i, v in enumerate(call_args))
-        call_kwargs.update({k: _empty_like_cache(given[k]) for k in keys})
+        call_args = tuple(_build_empty(layouts[i]) if i in slots else v for i, v in enumerate(call_args))
+        call_kwargs.update({k: _build_empty(layouts[k]) for k in keys})
         return forward(*call_args, **call_kwargs)
     args = tuple(None if i in slots else v for i, v in enumerate(args))
     kwargs = {k: (None if k in keys else v) for k, v in kwargs.items()}
     return with_new_caches, args, kwargs
 
 
-def _empty_like_cache(cache):
-    """A new, empty cache laid out as ``cache`` is, or None where none can be built.
+class _CacheLayout(NamedTuple):
+    """What :func:`_build_empty` needs to build a new, empty cache laid out as one given: its class,
+    the layouts of an encoder-decoder cache's two parts (None for others), and each layer's class and
+    constructor arguments (None: the cache fills its layers lazily)."""
+    kind: type
+    parts: Optional[tuple]
+    layers: Optional[tuple]
+
+
+def _cache_layout(cache) -> Optional[_CacheLayout]:
+    """How to build a new, empty cache laid out as ``cache`` is; None where a layer's constructor
+    arguments cannot be read back.
 
     The layout matters: hybrid models (Jamba, Bamba, Falcon-H1, LFM2, Zamba2, Qwen3-Next) build
     ``DynamicCache(config=...)``, one layer object per layer type (a linear-attention layer for
@@ -450,48 +460,50 @@ def _empty_like_cache(cache):
     mixer's ``get_conv_state`` fails. So each layer is rebuilt empty as its own class, from the
     constructor arguments it keeps as attributes of the same name (``sliding_window``,
     ``number_of_states``, ``max_cache_len``). An encoder-decoder cache is rebuilt from its two
-    parts. None (the block then runs without a cache, as with ``use_cache=False``) where the
-    class cannot be built without arguments: transformers 4.x's hybrid caches, which its models
-    never build in a training forward anyway."""
+    parts.
+
+    Read once per call of the block, before its checkpoint; the forward and each recompute then
+    build from it. Reading fills a module dict on a class's first read, and under
+    ``torch.compile`` a dict written inside a checkpoint's body is a side effect dynamo refuses
+    there: it broke the graph at every checkpoint, and the block ran eager."""
     parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
     if all(part is not None for part in parts):
-        empty = [_empty_like_cache(part) for part in parts]
-        try:
-            return type(cache)(*empty) if None not in empty else None
-        except (TypeError, ValueError):
-            return None
+        part_layouts = tuple(_cache_layout(part) for part in parts)
+        return None if None in part_layouts else _CacheLayout(type(cache), part_layouts, None)
+    layers = getattr(cache, "layers", None)
+    if not (isinstance(layers, list) and layers and getattr(cache, "layer_class_to_replicate", None) is None):
+        return _CacheLayout(type(cache), None, None)
+    # transformers >= 5: built from a config, every layer of its own kind
+    arguments = [_layer_arguments(layer) for layer in layers]
+    if None in arguments:
+        return None
+    return _CacheLayout(type(cache), None, tuple((type(layer), a) for layer, a in zip(layers, arguments)))
+
+
+def _build_empty(layout: Optional[_CacheLayout]):
+    """A new, empty cache built from :func:`_cache_layout`'s ``layout``, or None where none can be
+    built (the block then runs without a cache, as with ``use_cache=False``): a layout that could not
+    be read, or a class that cannot be built without arguments (transformers 4.x's hybrid caches,
+    which its models never build in a training forward anyway)."""
+    if layout is None:
+        return None
     try:
-        fresh = type(cache)()
+        if layout.parts is not None:
+            empty = [_build_empty(part) for part in layout.parts]
+            return layout.kind(*empty) if None not in empty else None
+        fresh = layout.kind()
+        if layout.layers is not None:
+            fresh.layers = [kind(**arguments) for kind, arguments in layout.layers]
+            fresh.layer_class_to_replicate = None
+        return fresh
     except (TypeError, ValueError):
         return None
-    layers = getattr(cache, "layers", None)
-    laid_out = isinstance(layers, list) and layers and getattr(cache, "layer_class_to_replicate", None) is None
-    if laid_out:  # transformers >= 5: built from a config, every layer of its own kind
-        empty_layers = [_empty_layer(layer) for layer in layers]
-        if None in empty_layers:
-            return None
-        fresh.layers = empty_layers
-        fresh.layer_class_to_replicate = None
-    return fresh
 
 
-def _read_layer_classes(cache) -> None:
-    """Read the constructors of ``cache``'s layer classes here, outside the checkpoint: the first
-    read fills a module dict, and under ``torch.compile`` a dict written inside a checkpoint's body
-    is a side effect dynamo refuses there (it breaks the graph at that checkpoint, and the block
-    runs eager), so the body that builds the empty caches must only read it."""
-    for part in (getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)):
-        if part is not None:
-            _read_layer_classes(part)
-    for layer in getattr(cache, "layers", None) or ():
-        _constructor_parameters(type(layer))
-
-
-def _empty_layer(layer):
-    """A new layer object of ``layer``'s class, built from the arguments ``layer`` was built with
-    (read back from its attributes of the same names), or None if one cannot be found."""
-    kind = type(layer)
-    parameters = _constructor_parameters(kind)
+def _layer_arguments(layer) -> Optional[dict]:
+    """The arguments ``layer`` was built with, read back from its attributes of the same names, or
+    None if a required one cannot be found."""
+    parameters = _constructor_parameters(type(layer))
     if parameters is None:
         return None
     arguments = {}
@@ -500,10 +512,7 @@ def _empty_layer(layer):
             arguments[name] = getattr(layer, name)
         elif required:
             return None
-    try:
-        return kind(**arguments)
-    except (TypeError, ValueError):
-        return None
+    return arguments
 
 
 _CONSTRUCTOR_PARAMETERS: dict = {}
