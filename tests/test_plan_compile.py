@@ -617,17 +617,26 @@ def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpo
     ``selective`` and ``attn-saved`` handed torch's checkpoint an ``lru_cache``-wrapped policy, which
     dynamo cannot read as a constant; every checkpoint with a cache wrote the first read of a cache
     layer's constructor into a module dict inside its body, a side effect dynamo refuses there. The
-    block then ran eager."""
+    block then ran eager: so each block's checkpoint must also be in a captured graph, which a
+    treatment that did nothing would not put there either."""
     import torch._dynamo
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
     from remat.treat import treatments
     ids = torch.randint(0, 128, (2, 16))
 
-    def breaks(spec):
+    def compiled(spec):
+        """(graph breaks, checkpoints traced into the graphs) of one compiled step."""
         monkeypatch.setattr(treatments, "_CONSTRUCTOR_PARAMETERS", {})  # as in a new process
         torch._dynamo.reset()
         model = remat.apply(_tiny(cache=True).train(), spec)
-        return torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        checkpoints = sum(isinstance(node.target, TagActivationCheckpoint)
+                          for graph in explained.graphs for node in graph.graph.nodes)
+        return explained.graph_break_count, checkpoints
     try:
-        assert breaks(spec) == breaks("keep")
+        untouched, treated = compiled("keep"), compiled(spec)
+        assert treated[0] == untouched[0], (untouched, treated)
+        # every block's checkpoint is in a graph: one that broke the graph, or did nothing, is not
+        assert untouched[1] == 0 and treated[1] == 2, (untouched, treated)   # _tiny's 2 layers
     finally:
         torch._dynamo.reset()  # explain's graphs stay cached: other tests here count what is cached
