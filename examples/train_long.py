@@ -74,6 +74,9 @@ def main(argv=None):
     me = start(args)
     try:
         failure = _train(args, me)
+        # every rank done with its collectives before any leaves: gloo aborted a rank that destroyed its group
+        # while the other still had a send in flight ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if failure and me.rank == 0:
