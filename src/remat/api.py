@@ -13,6 +13,11 @@ materialised mask, inside this model's forward only, where the installed version
 ``mask_skip=False`` leaves it out); ``remove`` gives that back too, and so does the model's
 finalizer for a model deleted without it.
 
+On a GPU, ``apply`` also switches the caching allocator to expandable segments while the model holds
+the plan (:mod:`remat.treat.allocator`: a plan's budget is a card's, and fixed-size segments
+fragment past it), and ``remove`` puts the setting back; ``expandable_segments=False`` leaves the
+allocator alone.
+
 Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
 plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
 made fresh at each apply.
@@ -40,6 +45,7 @@ import torch.nn as nn
 
 from remat.planning.plans import Plan, resolve
 from remat.planning.records import block_records
+from remat.treat import allocator as _allocator
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
@@ -53,7 +59,7 @@ _BATCH_TAG = "batch-check"
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
           tile_tokens: Union[int, Mapping[str, int], None] = None, offload_options: Optional[dict] = None,
-          strict: bool = True, mask_skip: bool = True) -> nn.Module:
+          strict: bool = True, mask_skip: bool = True, expandable_segments: Optional[bool] = None) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
@@ -72,6 +78,12 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where
     eager mode skips it (:mod:`remat.treat.mask_skip`: only inside this model's forward, only where
     the installed torch and transformers need it); False leaves transformers' functions alone.
+    ``expandable_segments``: None (default) switches PyTorch's caching allocator to expandable segments
+    while the model holds the plan, where the model is on a GPU (or on ``meta`` with a GPU present)
+    and nothing opts out (``REMAT_EXPANDABLE_SEGMENTS=0``, ``expandable_segments:False`` in
+    ``PYTORCH_CUDA_ALLOC_CONF``); a plan that was made counting on them warns where they cannot be
+    had. True: the same, and a warning whenever they cannot be had; False: the allocator is left as
+    it is (:mod:`remat.treat.allocator`).
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
@@ -126,7 +138,29 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         _mask_skip.hold(model, structure.block_names)
     else:
         _mask_skip.release(model)
+    _hold_allocator(model, plan, expandable_segments)
     return model
+
+
+def _hold_allocator(model: nn.Module, plan: Plan, wanted: Optional[bool]) -> None:
+    """Expandable segments for a model on a GPU while it holds ``plan`` (see :func:`apply`)."""
+    if wanted is False or not _trains_on_gpu(model):
+        _allocator.release(model)
+        return
+    why = _allocator.hold(model)
+    counted = str(plan.notes.get("allocator", "")).startswith("expandable")
+    if why is not None and (wanted or counted):
+        warnings.warn(f"remat: the caching allocator's expandable segments stay off ({why}); "
+                      + ("this plan was made counting on them, so the memory the allocator reserves can exceed its "
+                         "budget by its fragmentation: plan again in this environment, which keeps a share of the "
+                         "budget for it" if counted else "reserved memory can exceed the plan's peak by the "
+                         "allocator's fragmentation"), UserWarning, stacklevel=3)
+
+
+def _trains_on_gpu(model: nn.Module) -> bool:
+    """A model with parameters on a GPU, or on ``meta`` (materialised later, FSDP2's way) where one is present."""
+    devices = {p.device.type for p in model.parameters()}
+    return "cuda" in devices or (devices == {"meta"} and torch.cuda.is_available())
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -136,6 +170,7 @@ def remove(model: nn.Module) -> nn.Module:
     _check_module(model, "remove", "remat.remove(model)")
     patches.remove(model)
     _mask_skip.release(model)
+    _allocator.release(model)
     return model
 
 

@@ -24,6 +24,17 @@ plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and ``rem
 check against how the model runs. Compiled plans need the model on a GPU
 (fake tensors cannot run compiled code: ValueError) and never offload (see
 :data:`remat.profiling.OFFLOAD_UNDER_COMPILE`).
+
+The budget is a card: a plan for ``budget`` runs in a process whose allocator may reserve no more.
+The caching allocator reserves more than the peak it hands out, so a plan's predicted peak
+(what ``torch.cuda.max_memory_allocated`` measures) is kept within the budget less
+:func:`allocator_reserve`: a small share of it where :func:`remat.apply` can switch on expandable
+segments (:mod:`remat.treat.allocator`), a share of the step's activation bytes where it cannot;
+``notes["expected_reserved_bytes"]`` says what the allocator is expected to reserve. Planning on the
+GPU measures inside the budget (:func:`remat.profiling.allocator_cap`): a measurement that needs
+more than the budget is one no plan within it can use, and is left out or made with fake tensors,
+and the calibration and verifying steps run plans that fit it. A budget larger than the card is
+planned for the card, and said.
 """
 from __future__ import annotations
 
@@ -41,12 +52,22 @@ from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
 from remat.planning.sharding import shard
 from remat.planning.solver import solve
-from remat.profiling import compile_scope, profile_scope
+from remat.profiling import allocator_cap, card_bytes, compile_scope, profile_scope
 from remat.profiling.profiler import block_param_bytes
 from remat.profiling.profiler import model_loss
 from remat.profiling.profiler import profile as _profile
 from remat.units import parse_budget
 
+
+RESERVE_SHARE = 0.005
+"""What a plan leaves of its budget for the caching allocator where expandable segments are on:
+reserved memory exceeds the allocated peak by page rounding and the blocks cached on other streams
+(a 14 GiB llama-1b plan reserved 19 MiB over its peak; benchmarks/results/issue38)."""
+FRAGMENTATION_SHARE = 0.25
+"""Where expandable segments cannot be had (:func:`remat.treat.allocator.expandable_possible`), the
+share of the budget above static memory a plan leaves for the allocator's fragmentation: fixed-size
+segments reserved 35% over the activation bytes of an 8B 131k-token plan uncapped, 14% over a
+14 GiB llama-1b plan's, and a cap 10% over the former ran out of memory (benchmarks/results/issue38)."""
 
 COMPILE_MARGIN = 0.03
 """A compiled plan is solved for its budget less this fraction of the budget above static memory:
@@ -121,6 +142,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     the ``NoPlanFits`` names the host as the limit.
     """
     budget_bytes = parse_budget(budget)
+    _check_model_argument(model)
+    on_gpu = _measured_on_gpu(model, device)
+    budget_bytes = within_card(budget_bytes, model if on_gpu else None, gpu)
     if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
         raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
     if cp_world != 1:
@@ -144,8 +168,9 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         made = {None: False, "model": True}.get(profile_scope(profiled.notes), profile_scope(profiled.notes))
         raise ValueError(f"profiled was made with compile={made!r}, but compile={compile!r} was asked: profile "
                          f"again with remat.profile(..., compile={compile!r})")
-    prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
-                                blocks=blocks, progress=progress, compile=compile)
+    with _within_budget(model, budget_bytes, on_gpu and profiled is None):
+        prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
+                                    blocks=blocks, progress=progress, compile=compile)
     # the host that trains: this one when the profile was measured here on its GPU, else unknown
     # unless given (a plan made on a laptop for an H100 box must not take the laptop's memory)
     host = parse_budget(host_memory) if host_memory is not None else (
@@ -164,8 +189,65 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         return _noted(solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads),
                       f"not measured: planned for one of {max(fsdp_world, ddp_world, cp_world)} ranks, which one "
                       "GPU alone does not run")
-    return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
-                    blocks=blocks, progress=progress)
+    with _within_budget(model, budget_bytes, on_gpu):
+        return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
+                        blocks=blocks, progress=progress)
+
+
+def _check_model_argument(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                        "call remat.plan(model, batch, budget) with the model object")
+
+
+def _measured_on_gpu(model: nn.Module, device: Optional[str]) -> bool:
+    """Whether :func:`plan` measures ``model`` on its GPU (not with fake tensors)."""
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type == "cuda" and device != "fake"
+
+
+def _within_budget(model: nn.Module, budget_bytes: int, on_gpu: bool):
+    """Planning's own allocations capped at the budget on the model's GPU (a no-op off it)."""
+    import contextlib
+    if not on_gpu:
+        return contextlib.nullcontext()
+    return allocator_cap(next(model.parameters()).device, budget_bytes)
+
+
+def within_card(budget_bytes: int, model: Optional[nn.Module] = None, gpu: Optional[str] = None) -> int:
+    """``budget_bytes``, or the card's memory where the budget is larger (warned): the memory this process
+    may hold on ``model``'s GPU (a model measured there), else the card ``gpu`` names (a plan made with
+    fake tensors for it); a budget is kept as given where neither is known."""
+    from remat.planning.costs import CARD_BYTES
+    from remat.units import format_size
+    if model is not None:
+        card, what = card_bytes(next(model.parameters()).device), "this process can hold on this GPU"
+    else:
+        key = next((k for k in CARD_BYTES if gpu and k in str(gpu).lower()), None)
+        if key is None:
+            return budget_bytes
+        card, what = CARD_BYTES[key], f"an {key.upper()} holds"
+    if budget_bytes <= card:
+        return budget_bytes
+    warnings.warn(f"remat: the budget {format_size(budget_bytes)} is more than {what} ({format_size(card)}); "
+                  f"planning for {format_size(card)}", UserWarning, stacklevel=3)
+    return card
+
+
+def allocator_reserve(prof: Profile, budget_bytes: int) -> tuple:
+    """``(bytes, how)``: what a plan of ``prof`` leaves of ``budget_bytes`` for the caching allocator's
+    reserve above its allocated peak, and a sentence on why (see the module doc): :data:`RESERVE_SHARE`
+    of the budget with expandable segments, :data:`FRAGMENTATION_SHARE` of the budget above static
+    memory without them; nothing for a plan that runs on a CPU."""
+    from remat.treat.allocator import expandable_possible
+    if prof.rates.name == "cpu":
+        return 0, "a CPU has no caching allocator to reserve for"
+    why = expandable_possible()
+    if why is None:
+        return int(RESERVE_SHARE * budget_bytes), "expandable segments (remat.apply switches them on)"
+    share = int(FRAGMENTATION_SHARE * max(0, budget_bytes - prof.static_bytes))
+    return share, f"fixed-size segments ({why}): {FRAGMENTATION_SHARE:.0%} of the budget above static memory kept " \
+                  "for their fragmentation"
 
 
 def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None, held_back: int = 0) -> Plan:
@@ -175,12 +257,36 @@ def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=N
     stays the budget asked, ``notes["compile_margin_bytes"]`` says how much was kept back, and the
     plan is marked ``notes["compile"]``. For callers that hold a profile already (``remat plan``,
     the FSDP bench). Raises :class:`remat.NoPlanFits`."""
-    margin = int(COMPILE_MARGIN * max(0, budget_bytes - prof.static_bytes)) if prof.notes.get("compile") else 0
-    margin += held_back
-    chosen = solve(prof, budget_bytes - margin, treatments=treatments, heads=heads)
+    from remat.planning.solver import NoPlanFits
+    from remat.units import format_size
+    compiled = int(COMPILE_MARGIN * max(0, budget_bytes - prof.static_bytes)) if prof.notes.get("compile") else 0
+    margin = compiled + held_back
+    reserve, how = allocator_reserve(prof, budget_bytes)
+    try:
+        chosen = solve(prof, budget_bytes - margin - reserve, treatments=treatments, heads=heads)
+    except NoPlanFits as e:
+        if not reserve or e.smallest_peak is None or e.host_limited:
+            raise
+        # the budget a user must give: the smallest peak plus what the allocator reserves on top of it
+        if how.startswith("expandable"):
+            need = int((e.smallest_peak + margin) / (1 - RESERVE_SHARE)) + 1
+        else:
+            need = int((e.smallest_peak + margin - FRAGMENTATION_SHARE * prof.static_bytes)
+                       / (1 - FRAGMENTATION_SHARE)) + 1
+        summary = f"{e.plan.summary()}: predicted peak {format_size(e.plan.notes['predicted_peak_bytes'])}, set in " \
+            f"{e.plan.notes.get('peak_at')}" if e.plan is not None else "no plan"
+        raise NoPlanFits(f"no plan fits {format_size(budget_bytes)} with {format_size(reserve)} of it kept for the "
+                         f"caching allocator ({how}): the smallest budget that fits is {format_size(need)} "
+                         f"({summary}). Raise the budget to at least {format_size(need)}, "
+                         "shorten the batch or sequence, or free static memory (static alone is "
+                         f"{format_size(prof.static_bytes)}).", need, e.plan) from None
+    notes = dict(chosen.notes, budget_bytes=budget_bytes)
     if margin:
-        chosen = replace(chosen, notes=dict(chosen.notes, budget_bytes=budget_bytes, compile_margin_bytes=margin))
-    return _marked(chosen, prof)
+        notes["compile_margin_bytes"] = margin
+    if reserve:
+        notes.update(allocator=how, allocator_reserve_bytes=reserve,
+                     expected_reserved_bytes=int(chosen.notes["predicted_peak_bytes"] + reserve))
+    return _marked(replace(chosen, notes=notes), prof)
 
 
 VERIFY_TRIES = 3

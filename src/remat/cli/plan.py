@@ -78,8 +78,11 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--gpu", default="h100", help="rates to plan for: h100, h200, a100 (default h100)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="model dtype")
-    parser.add_argument("--optimizer", default="none", choices=("none", "adamw", "adamw8bit"),
-                        help="optimizer state to count (default none: forward+backward, as remat bench)")
+    parser.add_argument("--optimizer", default="none",
+                        choices=("none", "adamw", "adamw-fused", "adamw-forloop", "adamw8bit"),
+                        help="optimizer state and step to count: adamw is torch.optim.AdamW's default (foreach), "
+                             "adamw-fused AdamW(fused=True), the Trainer's default (default none: forward+backward, "
+                             "as remat bench)")
     parser.add_argument("--no-offload", action="store_true", help="plan without offload treatments")
     parser.add_argument("--host-memory", default=None, metavar="SIZE",
                         help="pinned host memory offloaded tensors may take on the machine that trains, e.g. "

@@ -392,7 +392,11 @@ def _tensors(kwargs, args=()) -> dict:
 
 
 def _optimizer_state(args) -> str:
+    """The planner's name for the optimizer ``args.optim`` makes (``adamw_torch_fused``, the Trainer's
+    default on torch >= 2.8: ``adamw-fused``, whose step allocates no temporaries)."""
     name = str(getattr(args, "optim", "") or "").lower()
     if "adam" not in name:
         return "none"
-    return "adamw8bit" if "8bit" in name else "adamw"
+    if "8bit" in name:
+        return "adamw8bit"
+    return "adamw-fused" if "fused" in name else "adamw"

@@ -32,24 +32,32 @@ DERIVED = {"offload": "keep", "full+offload": "full", "full+offload+tiled": "ful
 TILED_FROM_TOKENS = 16384
 """Tiled treatments are profiled from this many tokens a step on: below it one chunk of the
 default size holds most of the sequence, and tiling saves nothing ``mlp`` does not."""
-OPTIMIZER_STATES = {"none": (0, None), "adamw": (2, None), "adamw8bit": (2, 1)}
+OPTIMIZER_STATES = {"none": (0, None), "adamw": (2, None), "adamw-fused": (2, None), "adamw-forloop": (2, None),
+                    "adamw8bit": (2, 1)}
 """Per trainable parameter: the optimizer's state tensors and the bytes of one element of each
 (None: the parameter's own, as ``torch.optim.AdamW``'s ``zeros_like`` states are: 8 bytes a
-parameter in fp32, 4 in bf16; bitsandbytes' 8-bit states are 1 byte whatever the parameter)."""
-OPTIMIZER_PASSES = {"none": (0, 0), "adamw": (20, 0), "adamw8bit": (3, 4)}
+parameter in fp32, 4 in bf16; bitsandbytes' 8-bit states are 1 byte whatever the parameter).
+The optimizers: ``adamw`` is ``torch.optim.AdamW()`` as it runs on a GPU by default (the foreach
+implementation), ``adamw-fused`` ``AdamW(fused=True)`` (the Hugging Face Trainer's default
+``adamw_torch_fused`` on torch >= 2.8), ``adamw-forloop`` ``AdamW(foreach=False)``, ``adamw8bit``
+bitsandbytes' ``AdamW8bit``."""
+OPTIMIZER_PASSES = {"none": (0, 0), "adamw": (20, 0), "adamw-fused": (7, 0), "adamw-forloop": (20, 0),
+                    "adamw8bit": (3, 4)}
 """Bytes an optimizer step reads and writes per trainable parameter: ``(times the parameter's element
-size, plus bytes)``. ``adamw``: ``torch.optim.AdamW``'s default on a GPU, the foreach
-implementation (``_multi_tensor_adam``, decoupled weight decay), one pass over whole tensors per
-``_foreach`` op: ``mul_`` of the parameters (read, write), ``lerp_`` of the first moment (3),
-``mul_`` (2) and ``addcmul_`` (3) of the second, ``sqrt`` into a temporary (2), ``div_`` (2) and
-``add_`` (2) of it, ``addcdiv_`` into the parameters (4): 20 element sizes (states, gradients and
-the temporary in the parameter's dtype). ``adamw8bit``: bitsandbytes' one fused kernel: the
-parameter and its gradient read, the parameter written, two 1-byte states read and written."""
+size, plus bytes)``. ``adamw`` and ``adamw-forloop``: ``torch.optim.AdamW``'s passes (decoupled
+weight decay), one over whole tensors per op: ``mul_`` of the parameters (read, write), ``lerp_``
+of the first moment (3), ``mul_`` (2) and ``addcmul_`` (3) of the second, ``sqrt`` into a
+temporary (2), ``div_`` (2) and ``add_`` (2) of it, ``addcdiv_`` into the parameters (4): 20
+element sizes (states, gradients and the temporary in the parameter's dtype). ``adamw-fused``: one
+kernel reads the parameter, its gradient and both states and writes the parameter and the states
+(7). ``adamw8bit``: bitsandbytes' one fused kernel: the parameter and its gradient read, the
+parameter written, two 1-byte states read and written."""
 OPTIMIZER_HBM_FRACTION = 0.8
 """The fraction of the datasheet HBM bandwidth an optimizer step's elementwise passes run at (not
 fitted; the foreach kernels are bandwidth bound over large tensors)."""
-OPTIMIZER_LAUNCHES = {"none": 0, "adamw": 8, "adamw8bit": 1}
-"""Kernel launches per parameter group of an optimizer step (the foreach ops above)."""
+OPTIMIZER_LAUNCHES = {"none": 0, "adamw": 8, "adamw-fused": 1, "adamw-forloop": 8, "adamw8bit": 1}
+"""Kernel launches per parameter group of an optimizer step (the foreach ops above; the for-loop
+variant launches them once per parameter, which :func:`optimizer_step_seconds` is not told)."""
 OPTIMIZER_LAUNCH_S = 20e-6
 """Seconds per launch of an optimizer's kernels (a foreach op splits its tensor list into a few
 launches), charged once per op: tens of microseconds against a step of tenths of seconds."""
@@ -88,6 +96,9 @@ GPUS = {
     "cpu": dict(bf16_tflops=1.0, fp32_tflops=1.0, hbm_GBps=20.0, d2h_GBps=20.0, h2d_GBps=20.0,
                 duplex_GBps=20.0, bus_GBps=5.0),
 }
+CARD_BYTES = {"h100": int(79.2 * 2**30), "h200": int(139.8 * 2**30), "a100": int(79.2 * 2**30)}
+"""What ``torch.cuda.get_device_properties(0).total_memory`` reads on each card (an 80 GB H100 and A100;
+the A100 also comes with 40 GB): the most a plan made with fake tensors for that card can use."""
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                "half": 2, "fp16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -98,6 +109,34 @@ def optimizer_state_bytes(optimizer: str, params) -> int:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     states, element = OPTIMIZER_STATES[optimizer]
     return sum(states * numel * (element or size) for numel, size in params)
+
+
+def optimizer_temp_bytes(optimizer: str, params) -> int:
+    """Bytes ``optimizer``'s step allocates above the parameters, their gradients and its states, at
+    its peak, for ``params``: ``(numel, element_size)`` of each trainable parameter in the order the
+    optimizer holds them.
+
+    ``adamw`` (foreach): ``torch._foreach_sqrt`` of the second moments makes a temporary as large as
+    the parameters of one (device, dtype) group, and the next group's is allocated before the last
+    one's is released, so the peak is the largest sum of two consecutive groups (groups taken by
+    element size, in order of first appearance). ``adamw-forloop``: ``exp_avg_sq.sqrt() / c`` makes
+    two temporaries of one parameter's size while the previous parameter's result is still bound:
+    the largest ``2 x size + previous size``. ``adamw-fused`` and ``adamw8bit`` update each tensor in
+    one kernel: none (measured: benchmarks/results/issue38, tests/test_card.py).
+
+    Raises ValueError for an optimizer not in :data:`OPTIMIZER_STATES`."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if optimizer == "adamw":
+        groups = {}
+        for numel, size in params:
+            groups[size] = groups.get(size, 0) + numel * size
+        sizes = list(groups.values())
+        return max([a + b for a, b in zip(sizes, sizes[1:])] + sizes + [0])
+    if optimizer == "adamw-forloop":
+        sizes = [numel * size for numel, size in params]
+        return max((2 * b + a for a, b in zip([0] + sizes, sizes)), default=0)
+    return 0
 
 
 def optimizer_step_bytes(optimizer: str, params) -> int:
@@ -279,6 +318,9 @@ class Profile:
     """The optimizer whose state is counted: a key of :data:`OPTIMIZER_STATES`."""
     optimizer_bytes: int
     """Bytes of its state."""
+    optimizer_temp_bytes: int = 0
+    """Bytes its step allocates above parameters, gradients and states (:func:`optimizer_temp_bytes`):
+    the step's last phase, whose peak can be the step's."""
     static_bytes: int
     """Allocated before a step: parameters, buffers, optimizer state and anything else alive."""
     hidden_bytes: int

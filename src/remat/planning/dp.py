@@ -142,8 +142,10 @@ class Tables:
             self.after[i] = running
             running += self.left[i]
         live = LiveBytes(profile.static_bytes, head)
-        # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward
-        self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak)
+        # the phases whose bytes no treatment changes beyond ``left``: embeddings forward and backward,
+        # the optimizer's step
+        self.ends = max(live.embeddings_forward().peak, live.static + running + head.pre_bwd_peak,
+                        live.static + running + head.pre_bwd_end + profile.optimizer_temp_bytes)
 
     def variant_of(self, profile, index: int, option: int, tile_tokens) -> int:
         """The variant of block ``index``'s option ``option`` that prices a chunk of ``tile_tokens``

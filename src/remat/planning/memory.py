@@ -9,7 +9,9 @@ input gradient, less the input they free):
 - the head's forward and backward: ``static + K_n + `` the head's own numbers (measured in a
   step whose blocks keep nothing, so they are absolute there);
 - backward of block ``i``: ``static + head_bwd_end + K_i + L_i + backward_i``;
-- the embeddings' backward: ``static + L_{-1} + pre_bwd_peak``.
+- the embeddings' backward: ``static + L_{-1} + pre_bwd_peak``;
+- the optimizer's step: ``static + L_{-1} + pre_bwd_end + `` its temporaries (every gradient is
+  alive; the states are in ``static``).
 
 :func:`block_terms` gives a block's parts (``kept``, ``forward``, ``carried``, ``backward``,
 ``left``) from its :class:`~remat.planning.costs.BlockCost` and the block before it (whose output
@@ -88,13 +90,16 @@ class LiveBytes:
     """The live set along one plan, phase by phase, from :class:`BlockTerms` (see the module doc).
 
     Call :meth:`forward` for each block in order, then :meth:`head_forward`,
-    :meth:`head_backward`, :meth:`backward` for each block in reverse, then :meth:`embeddings`.
-    ``static``: bytes allocated before the step; ``head``: the HeadCost of the head mode.
+    :meth:`head_backward`, :meth:`backward` for each block in reverse, then :meth:`embeddings`
+    and :meth:`optimizer_step`. ``static``: bytes allocated before the step; ``head``: the
+    HeadCost of the head mode; ``step_temp``: what the optimizer's step allocates above the
+    parameters, gradients and states (``Profile.optimizer_temp_bytes``).
     """
 
-    def __init__(self, static: int, head):
+    def __init__(self, static: int, head, step_temp: int = 0):
         self.static = static
         self.head = head
+        self.step_temp = step_temp
         self.kept = 0          # K: added by the blocks whose forward ran
         self.before = []       # K_i per block
         self.left = 0          # L: left by the blocks whose backward ran
@@ -136,6 +141,11 @@ class LiveBytes:
     def embeddings(self) -> Bytes:
         base = self.static + self.left
         return Bytes(base, base + self.head.pre_bwd_peak, base + self.head.pre_bwd_end)
+
+    def optimizer_step(self) -> Bytes:
+        """The optimizer's step, after the backward: what the step left, plus its temporaries."""
+        base = self.static + self.left + self.head.pre_bwd_end
+        return Bytes(base, base + self.step_temp, base)
 
 
 def plan_terms(profile, costs, offloaded: Optional[list] = None) -> list:

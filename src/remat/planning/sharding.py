@@ -251,7 +251,7 @@ def shard(profile: Profile, world: int, class_param_bytes: tuple, *, reshard_aft
         notes["selective"] = EAGER_SELECTIVE_UNDER_FSDP2
     # each rank steps the optimizer over its own shard
     return replace(profile.with_costs(planned), static_bytes=int(static), heads=heads, comm=comm, notes=notes,
-                   optimizer_s=profile.optimizer_s / world)
+                   optimizer_s=profile.optimizer_s / world, optimizer_temp_bytes=-(-profile.optimizer_temp_bytes // world))
 
 
 class Link:

@@ -65,8 +65,10 @@ earlier than its compute; the window is checked at the block's end, the engine c
 every saved tensor); as the host is taken to run ahead, the expected peak is usually the
 bound. When the window makes the host wait at every block, the GPU's queue drains and launch
 latency shows; that is not charged, so such plans run slower than predicted. The optimizer's step
-(``profile.optimizer_s``, 0 without an optimizer) ends the step, after the last collective; its
-temporaries are not in the peak; data loading is not in the step. Collectives: concurrent gathers and reductions share the link;
+(``profile.optimizer_s``, 0 without an optimizer) ends the step, after the last collective, as
+its own phase whose bytes are what the backward left plus the step's temporaries
+(``profile.optimizer_temp_bytes``: AdamW's foreach ``sqrt`` of every second moment); data loading
+is not in the step. Collectives: concurrent gathers and reductions share the link;
 a phase's contention is taken from the link time overlapping it before it is stretched.
 Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
 simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
@@ -225,6 +227,7 @@ def _walk(profile, treatments, costs, h, tiles) -> Simulation:
     for i in reversed(range(len(costs))):
         walk.block_backward(i)
     walk.embeddings_backward()
+    walk.optimizer_step()
     return walk.result()
 
 
@@ -243,7 +246,7 @@ class _Walk:
         self.window = self.engine.window(self.off)
         self.overhead = engine_overhead(self.engine, self.off)
         self.terms = plan_terms(profile, costs, self.off)
-        self.live = LiveBytes(profile.static_bytes, h)
+        self.live = LiveBytes(profile.static_bytes, h, profile.optimizer_temp_bytes)
         self.static = profile.static_bytes
         self.timeline = []
         self.clock = {"host": 0.0, "gpu": 0.0}  # the host moves only when it waits for the engine's window
@@ -416,11 +419,19 @@ class _Walk:
             start, _, _ = self.run(over)
             self.phase("backward: gradients copied out of the buckets", Bytes(end, end, end), start, over=over)
 
+    def optimizer_step(self):
+        """The optimizer's step, once the backward and its collectives are done (none: no phase)."""
+        profile = self.profile
+        if profile.optimizer == "none" and not profile.optimizer_s:
+            return
+        start, _, _ = self.run(profile.optimizer_s)
+        self.phase(f"optimizer step ({profile.optimizer})", self.live.optimizer_step(), start)
+
     def result(self) -> Simulation:
         comm, link, h, profile = self.comm, self.link, self.h, self.profile
         top = max(self.timeline, key=lambda p: p.peak_bytes)
         worst = max(self.timeline, key=lambda p: p.bound_bytes)
-        step = self.clock["gpu"] + profile.step_overhead_s + profile.optimizer_s  # the optimizer steps once the link is idle
+        step = self.clock["gpu"] + profile.step_overhead_s  # the optimizer's phase ran once the link was idle
         return Simulation(peak_bytes=top.peak_bytes, step_s=step, tokens_per_s=profile.tokens / step if step else 0.0,
                           peak_at=top.name, static_bytes=self.static, head=h.mode, chunk_tokens=h.chunk_tokens,
                           timeline=tuple(self.timeline), offload_bytes=sum(self.off), exposed_copy_s=self.exposed,

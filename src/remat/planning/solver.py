@@ -441,7 +441,7 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0, tiles=None, t
     index = [options.index(t) for t in treatments]
     tiles = list(tiles) if tiles is not None else [None] * len(index)
     variant = [tab.variant_of(profile, i, t, s) for i, (t, s) in enumerate(zip(index, tiles))]
-    live = LiveBytes(profile.static_bytes, head)
+    live = LiveBytes(profile.static_bytes, head, profile.optimizer_temp_bytes)
     seconds, flag, peak = head_seconds(profile, head), False, live.embeddings_forward().peak
     score = seconds + head_margin(profile, head, margin)
     terms, backward_engine = [], []
@@ -462,7 +462,7 @@ def _evaluate(profile, treatments, head, options=None, margin=0.0, tiles=None, t
     peak = max(peak, live.head_peak() + live.kept + res)
     for i in reversed(range(len(index))):
         peak = max(peak, live.backward(i, terms[i]).peak + backward_engine[i])
-    peak = max(peak, live.embeddings().peak)
+    peak = max(peak, live.embeddings().peak, live.optimizer_step().peak)
     return float(seconds), float(peak), float(score)
 
 

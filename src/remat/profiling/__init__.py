@@ -7,8 +7,8 @@ The private modules (fake tensors, meters, captures, compiled profiles, the meas
 step) are this package's own; what the planner and the doctor use of them is named here:
 how a plan names its compile scope (:func:`compile_scope`, :func:`profile_scope`, why offload is
 never planned compiled: :data:`OFFLOAD_UNDER_COMPILE`), a compiled plan measured on one real step
-(:func:`measure_compiled`, :func:`room_to_measure`), and the mask a padded batch carries
-(:func:`padded_mask`).
+(:func:`measure_compiled`, :func:`room_to_measure`), the mask a padded batch carries
+(:func:`padded_mask`), and the memory a measurement may take (:func:`allocator_cap`, :func:`card_bytes`).
 
 Imports run downward: this package uses the head, the treatments, offload and planning, and
 never imports the API, the planner or anything above them (the function that applies a plan is
@@ -16,7 +16,8 @@ handed to :func:`measure_compiled` by its caller).
 """
 from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE, compile_scope, profile_scope
 from remat.profiling._fake import padded_mask
+from remat.profiling._room import allocator_cap, card_bytes
 from remat.profiling._verify import measure_compiled, room_to_measure
 
-__all__ = ["OFFLOAD_UNDER_COMPILE", "compile_scope", "measure_compiled", "padded_mask", "profile_scope",
-           "room_to_measure"]
+__all__ = ["OFFLOAD_UNDER_COMPILE", "allocator_cap", "card_bytes", "compile_scope", "measure_compiled", "padded_mask",
+           "profile_scope", "room_to_measure"]

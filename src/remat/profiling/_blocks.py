@@ -40,6 +40,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from remat.profiling._capture import _hidden_of, _nbytes, _tensor_attributes_restored, _with_hidden
 from remat.profiling._meters import _chain, _gc_paused
+from remat.profiling._room import available_bytes
 from remat.planning.costs import BlockCost
 from remat.planning.offload_model import pinned_bytes
 from remat.planning.records import block_record
@@ -88,8 +89,8 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
             input_saved = keep.saves_input
         if repeats > 1:  # on a GPU: bytes from a warm run, seconds from chains
             marks = meter.finish(_block_run(block, args, kwargs, meter, params, track=False, call=call)[0])
-            # as many forwards in a row as half the free memory holds, up to repeats + 1
-            free, _ = torch.cuda.mem_get_info()
+            # as many forwards in a row as half the memory the allocator can still give holds, up to repeats + 1
+            free = available_bytes(torch.cuda.current_device())
             count = int(max(1, min(repeats + 1, 0.5 * free // max(marks[0][1], marks[2][1], 1))))
             fwd_s, bwd_s = _block_seconds(block, args, kwargs, count, call=call, rounds=ROUNDS)
         else:

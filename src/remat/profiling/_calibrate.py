@@ -4,9 +4,11 @@ in-step calibration.
 How: :func:`_copy_rates` times pinned host copies each way and keeps the fastest of a
 few. :func:`bus_rate` times a few all-gathers on a live NCCL process group (a collective:
 every rank calls it) for FSDP2's time model (:func:`remat.planning.sharding.shard`'s ``bus_Bps``). :func:`_calibrate` runs real training steps with the fastest uniform plan that
-fits in free memory, CUDA events at every block's forward and backward and around the
-head (:func:`_staged_step`), and scales the profile's seconds by the median ratio of
-in-step to profiled time (forward, backward, head).
+fits in the memory this process can still take (:mod:`remat.profiling._room`: under
+``remat.plan``'s cap, the budget), or else the fastest plan without offload the solver finds for
+that room, CUDA events at every block's forward and backward and around the head
+(:func:`_staged_step`), and scales the profile's seconds by the median ratio of in-step to profiled
+time (forward, backward, head).
 
 Why: a block runs up to several percent slower inside a whole step than alone, even back to
 back (clocks, power under sustained load); without the calibration every step is under-predicted.
@@ -18,8 +20,8 @@ time exceeds the time its GPU kernels are busy, and that difference belongs in t
 (The measurements: docs/history.md.)
 
 Limits: one ratio per phase for all treatments, so recompute-heavy treatments come out a
-few percent high; skipped (noted in ``notes["calibration"]``) when no uniform plan fits
-or a block's output needs no gradient. Needs CUDA; never runs on a fake profile.
+few percent high; skipped (noted in ``notes["calibration"]``) when no plan without offload fits
+the room or a block's output needs no gradient. Needs CUDA; never runs on a fake profile.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from remat.profiling._capture import _hidden_of
+from remat.profiling._room import available_bytes
 from remat.planning.costs import MEASURED_TREATMENTS, Profile
 from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment, remove_treatment
@@ -103,29 +106,59 @@ compiled plan measured before it is returned (:mod:`remat.profiling._verify`).""
 
 
 def step_room(device) -> float:
-    """Bytes a real step on ``device`` may peak at: what is allocated now plus :data:`FREE_SHARE` of the free memory."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return torch.cuda.memory_allocated(device) + FREE_SHARE * free
+    """Bytes a real step on ``device`` may peak at: what is allocated now plus :data:`FREE_SHARE` of
+    what the allocator can still hand out (the process's memory limit counted, :mod:`remat.profiling._room`)."""
+    return torch.cuda.memory_allocated(device) + FREE_SHARE * available_bytes(device)
+
+
+def without_optimizer(prof: Profile) -> Profile:
+    """``prof`` as a step without the optimizer runs it (a calibration or verifying step: forward and
+    backward): no optimizer state in static memory, no optimizer phase."""
+    return replace(prof, static_bytes=prof.static_bytes - prof.optimizer_bytes, optimizer="none", optimizer_bytes=0,
+                   optimizer_temp_bytes=0, optimizer_s=0.0)
 
 
 def calibration_plan(model, prof: Profile):
     """``(simulation, treatment, head)`` of the uniform plan a calibration step runs: the fastest
-    one without offload whose bound fits in :func:`step_room`; None if none fits."""
+    one without offload whose bound (a step without the optimizer) fits in :func:`step_room`;
+    None if none fits."""
     from remat.planning.simulator import simulate
     room = step_room(next(model.parameters()).device)
+    bare = without_optimizer(prof)
     options = [t for t in MEASURED_TREATMENTS if t in prof.treatments(0)]
-    fits = [(simulate(prof, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
+    fits = [(simulate(bare, t, head=h.mode, chunk_tokens=h.chunk_tokens), t, h) for t in options for h in prof.heads]
     fits = [f for f in fits if f[0].bound_bytes <= room]
     return min(fits, key=lambda f: f[0].step_s) if fits else None
 
 
+def fitting_plan(model, prof: Profile):
+    """``(simulation, treatments, head)`` of the fastest plan without offload the solver finds within
+    :func:`step_room` for a step without the optimizer (one treatment per block), where no uniform
+    plan fits; None if no plan does."""
+    from remat.planning.plans import OFFLOADING_TREATMENTS
+    from remat.planning.simulator import simulate
+    from remat.planning.solver import NoPlanFits, solve
+    bare = without_optimizer(prof)
+    options = [t for t in prof.treatments() if t not in OFFLOADING_TREATMENTS]
+    try:
+        found = solve(bare, int(step_room(next(model.parameters()).device)), treatments=options)
+    except (NoPlanFits, ValueError):
+        return None
+    treatments = [found.blocks.get(name, "keep") for name in prof.block_names]
+    head = next(h for h in prof.heads if h.mode == found.head and (h.chunk_tokens == found.chunk_tokens
+                                                                   or h.mode == "plain"))
+    sim = simulate(bare, treatments, head=head.mode, chunk_tokens=head.chunk_tokens, tile_tokens=found.tile_tokens)
+    return sim, treatments, head
+
+
 @contextlib.contextmanager
-def uniform_applied(model, named, treatment: str, head):
-    """Inside the block, every block of ``named`` treated with ``treatment`` and the model's head in
-    ``head``'s mode; afterwards both taken off and the gradients cleared."""
-    record = block_record(treatment)
-    for _, block in named:
-        apply_treatment(block, record)
+def uniform_applied(model, named, treatment, head):
+    """Inside the block, every block of ``named`` treated with ``treatment`` (one name, or a list of one
+    per block) and the model's head in ``head``'s mode; afterwards both taken off and the gradients
+    cleared."""
+    treatments = [treatment] * len(named) if isinstance(treatment, str) else list(treatment)
+    for (_, block), name in zip(named, treatments):
+        apply_treatment(block, block_record(name))
     if head.mode == "chunked":
         from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=head.chunk_tokens)
@@ -151,30 +184,34 @@ def _calibrate(model, batch, loss_fn, named, prof, say) -> Profile:
     for all treatments: recompute-heavy ones come out a few percent high. Skipped (noted) when
     no uniform plan fits.
     """
-    chosen = calibration_plan(model, prof)
+    chosen = calibration_plan(model, prof) or fitting_plan(model, prof)
     if chosen is None:
-        return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
+        return replace(prof, notes=dict(prof.notes, calibration="skipped: no plan without offload fits the memory "
+                                                                 "a real step may take here"))
     sim, treatment, head = chosen
-    say(f"calibrating on one step: {treatment}, head {head.mode}")
-    with uniform_applied(model, named, treatment, head):
+    treatments = [treatment] * len(named) if isinstance(treatment, str) else list(treatment)
+    label = treatment if isinstance(treatment, str) else ", ".join(
+        f"{treatments.count(t)}x {t}" for t in dict.fromkeys(treatments))
+    say(f"calibrating on one step: {label}, head {head.mode}")
+    with uniform_applied(model, named, treatments, head):
         _staged_step(model, batch, loss_fn, named)  # warm-up
         steps = [_staged_step(model, batch, loss_fn, named) for _ in range(2)]
-    costs = [prof.cost(i, treatment) for i in range(len(named))]
+    costs = [prof.cost(i, t) for i, t in enumerate(treatments)]
     fwd = statistics.median(s["fwd"][i] / costs[i].fwd_s for s in steps for i in range(len(costs)))
     bwd = statistics.median(s["bwd"][i] / costs[i].bwd_s for s in steps for i in range(len(costs)))
     hd = statistics.median(s["head"] for s in steps) / max(head.head_fwd_s + head.head_bwd_s, 1e-9)
     scale = lambda c: replace(c, fwd_s=c.fwd_s * fwd, bwd_s=c.bwd_s * bwd)  # noqa: E731
     heads = tuple(replace(h, head_fwd_s=h.head_fwd_s * hd, head_bwd_s=h.head_bwd_s * hd) for h in prof.heads)
-    note = {"plan": f"{treatment}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
+    note = {"plan": f"{label}, head {head.mode}", "forward": round(fwd, 4), "backward": round(bwd, 4),
             "head": round(hd, 4), "step_s": round(statistics.median(s["step"] for s in steps), 5),
-            "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5)}   # forward and backward, as measured
+            "predicted_step_s": round(sim.step_s, 5)}   # forward and backward, as measured
     scaled = replace(prof.with_costs(lambda _, t, c: scale(c)), heads=heads, notes=dict(prof.notes, calibration=note))
-    return with_residual(scaled, treatment, head, statistics.median(s["step"] for s in steps))
+    return with_residual(scaled, treatments, head, statistics.median(s["step"] for s in steps))
 
 
-def with_residual(prof: Profile, treatment: str, head, step_s: float) -> Profile:
-    """``prof`` with ``step_overhead_s`` set to what the measured step (``step_s``, uniform
-    ``treatment`` with ``head``) took beyond the scaled parts' prediction, when it took more; noted
+def with_residual(prof: Profile, treatment, head, step_s: float) -> Profile:
+    """``prof`` with ``step_overhead_s`` set to what the measured step (``step_s``, ``treatment`` with
+    ``head``: one treatment, or one per block) took beyond the scaled parts' prediction, when it took more; noted
     as ``residual_s`` (a negative one too, not applied: the parts already over-explain the step)."""
     from remat.planning.simulator import simulate
     # the measured step is forward and backward: the optimizer's step the prediction ends with is not in it

@@ -182,7 +182,8 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     the smallest predicted peak) does the same for the region checkpoints
     (:data:`REGION_CHECKPOINTS`, :func:`charged_region_checkpoints`) -- memory only. ``scope``
     ``blocks``: the steps compile each block alone, the rest eager (:func:`compiled_blocks`)."""
-    from remat.profiling._calibrate import calibration_plan, uniform_applied
+    from remat.profiling._calibrate import calibration_plan, uniform_applied, without_optimizer
+    bare = without_optimizer(prof)   # the compiled steps run forward and backward, no optimizer
     chosen = calibration_plan(model, prof)
     if chosen is None:
         return replace(prof, notes=dict(prof.notes, calibration="skipped: no uniform plan fits in free memory"))
@@ -190,18 +191,18 @@ def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend
     say(f"calibrating on a compiled step: {treatment}, head {head.mode} "
         f"({'compiling the whole model' if scope == 'model' else 'compiling each block'})")
     steps, peak = compiled_steps(model, batch, loss_fn, named, uniform_applied(model, named, treatment, head), backend,
-                                 prof.static_bytes, scope)
+                                 bare.static_bytes, scope)
     prof = scaled_to_step(prof, sim, treatment, head, steps, peak)
     if treatment == "full" or "full" not in prof.treatments(0):
         return prof
     from remat.planning.simulator import simulate
     # the head whose own peak is smallest, so the blocks' kept bytes set the step's peak (with the
     # plain head's backward peak on top, a full plan's excess does not show)
-    head = min(prof.heads, key=lambda h: simulate(prof, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
-    sim = simulate(prof, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
+    head = min(prof.heads, key=lambda h: simulate(bare, "full", head=h.mode, chunk_tokens=h.chunk_tokens).peak_bytes)
+    sim = simulate(bare, "full", head=head.mode, chunk_tokens=head.chunk_tokens)
     say(f"calibrating memory on a compiled step: full, head {head.mode}")
     _, peak = compiled_steps(model, batch, loss_fn, named, uniform_applied(model, named, "full", head), backend,
-                             prof.static_bytes, scope)
+                             bare.static_bytes, scope)
     extra = max(0, peak - int(sim.peak_bytes)) // max(1, len(prof.block_class))
     prof = charged_region_checkpoints(prof, treatment, extra)
     note = dict(prof.notes["calibration"], full_step={"peak_bytes": peak, "predicted_peak_bytes": int(sim.peak_bytes)})
@@ -245,8 +246,8 @@ def compiled_steps(model, batch, loss_fn, named, applied, backend, static_bytes:
 
 def scaled_to_step(prof: Profile, sim, treatment: str, head, steps: list, measured_peak: int) -> Profile:
     """``prof`` scaled to a measured compiled step of the uniform ``treatment`` plan with ``head``
-    (``sim``: its prediction from ``prof``; ``steps``: (forward s, backward s, wall s) each;
-    ``measured_peak``: the step's peak, static included). See :func:`calibrate_compiled`."""
+    (``sim``: its prediction for a step without the optimizer; ``steps``: (forward s, backward s, wall s)
+    each; ``measured_peak``: the step's peak, static included). See :func:`calibrate_compiled`."""
     blocks = len(prof.block_class)
     costs = [prof.cost(i, treatment) for i in range(blocks)]
     fwd_pred = head.pre_fwd_s + head.head_fwd_s + sum(c.fwd_s for c in costs)
@@ -261,7 +262,7 @@ def scaled_to_step(prof: Profile, sim, treatment: str, head, steps: list, measur
     heads = tuple(replace(h, pre_fwd_s=h.pre_fwd_s * fwd, head_fwd_s=h.head_fwd_s * fwd,
                           head_bwd_s=h.head_bwd_s * bwd, pre_bwd_s=h.pre_bwd_s * bwd) for h in prof.heads)
     note = {"plan": f"{treatment}, head {head.mode}, compiled", "forward": round(fwd, 4), "backward": round(bwd, 4),
-            "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s - prof.optimizer_s, 5),
+            "step_s": round(statistics.median(s[2] for s in steps), 5), "predicted_step_s": round(sim.step_s, 5),
             "peak_bytes": measured_peak, "predicted_peak_bytes": int(sim.peak_bytes),
             "kept_bytes_added_per_block": {treatment: extra}}
     return replace(scaled, heads=heads, notes=dict(prof.notes, calibration=note))

@@ -61,8 +61,8 @@ in :data:`remat.profiling._capture.CONFIG_ATTRIBUTES` is not seen); offload cost
 bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
 ``full+offload``) of at least ``min_offload_bytes``, excluding parameters; optimizer state is
 counted as bytes per parameter, its step's time as the bytes its kernels read and write over HBM
-bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), and its step's temporaries are not
-modelled.
+bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), its step's temporaries by the
+optimizer's implementation (:func:`~remat.planning.costs.optimizer_temp_bytes`).
 
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
 ``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
@@ -94,7 +94,8 @@ from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, TILE_CANDIDATES, BlockCost,
-    HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, rates_for,
+    HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, optimizer_temp_bytes,
+    rates_for,
 )
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
@@ -457,10 +458,12 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
             static) -> Profile:
     sequences, tokens = _batch_shape(batch)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    step = optimizer_step_seconds(optimizer, optimizer_step_bytes(optimizer, trainable_shapes(model)), rates)
+    shapes = trainable_shapes(model)
+    step = optimizer_step_seconds(optimizer, optimizer_step_bytes(optimizer, shapes), rates)
     return Profile(model=type(model).__name__, block_names=body.block_names, block_class=body.block_class,
                    classes=body.classes, heads=body.heads, param_bytes=param_bytes, buffer_bytes=buffer_bytes,
                    optimizer=optimizer, optimizer_bytes=optimizer_bytes, static_bytes=static,
+                   optimizer_temp_bytes=optimizer_temp_bytes(optimizer, shapes),
                    hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
                    device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step,
                    block_calls=body.block_calls, tiles=body.tiles)
