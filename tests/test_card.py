@@ -122,7 +122,7 @@ def test_a_plan_for_a_card_keeps_the_allocators_reserve_out_of_its_budget(gpu_pr
     assert plan.notes["allocator_reserve_bytes"] == reserve
     assert plan.notes["allocator"].startswith("expandable segments")
     assert plan.notes["predicted_peak_bytes"] <= budget - reserve
-    assert plan.notes["expected_reserved_bytes"] == plan.notes["predicted_peak_bytes"] + reserve <= budget
+    assert plan.notes["card_bytes"] == plan.notes["predicted_peak_bytes"] + reserve <= budget
     assert plan.notes["budget_bytes"] == budget
 
 
@@ -147,7 +147,7 @@ def test_the_budget_no_plan_fits_names_one_that_does(gpu_profile, monkeypatch, e
         solve_profiled(gpu_profile, int(smallest * 0.9))
     need = caught.value.smallest_peak
     plan = solve_profiled(gpu_profile, need)   # the budget the error names is one that plans
-    assert plan.notes["expected_reserved_bytes"] <= need
+    assert plan.notes["card_bytes"] <= need
 
 
 def test_a_cpu_plan_keeps_nothing_back():

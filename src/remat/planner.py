@@ -30,8 +30,8 @@ The caching allocator reserves more than the peak it hands out, so a plan's pred
 (what ``torch.cuda.max_memory_allocated`` measures) is kept within the budget less
 :func:`allocator_reserve`: a small share of it where :func:`remat.apply` can switch on expandable
 segments (:mod:`remat.treat.allocator`), a share of the step's activation bytes where it cannot;
-``notes["expected_reserved_bytes"]`` says what the allocator is expected to reserve. Planning on the
-GPU measures inside the budget (:func:`remat.profiling.allocator_cap`): a measurement that needs
+``notes["card_bytes"]`` is the smallest card the plan is made for (its peak plus that reserve).
+Planning on the GPU measures inside the budget (:func:`remat.profiling.allocator_cap`): a measurement that needs
 more than the budget is one no plan within it can use, and is left out or made with fake tensors,
 and the calibration and verifying steps run plans that fit it. A budget larger than the card is
 planned for the card, and said.
@@ -285,7 +285,7 @@ def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=N
         notes["compile_margin_bytes"] = margin
     if reserve:
         notes.update(allocator=how, allocator_reserve_bytes=reserve,
-                     expected_reserved_bytes=int(chosen.notes["predicted_peak_bytes"] + reserve))
+                     card_bytes=int(chosen.notes["predicted_peak_bytes"] + reserve))
     return _marked(replace(chosen, notes=notes), prof)
 
 

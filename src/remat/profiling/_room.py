@@ -12,8 +12,9 @@ a measurement sized from it ran out of memory (the in-step calibration, a block'
 forwards). Inside :func:`allocator_cap` the allocator raises ``OutOfMemoryError`` where the budget
 ends, as a card of that size would, after freeing its cache and retrying.
 
-Limits: torch before 2.8 has no ``get_per_process_memory_fraction``: the limit in force is then
-taken as the whole card (one this process set earlier is not seen, and is restored as 1.0).
+Limits: a torch without ``torch.cuda.memory.get_per_process_memory_fraction`` cannot say what limit
+is in force: it is taken as the whole card, and :func:`allocator_cap` sets no cap (it could not put a
+limit the user set back as it was).
 """
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ import contextlib
 import torch
 
 
+def _fraction_getter():
+    return getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
+
+
 def memory_fraction(device) -> float:
     """The share of ``device``'s memory this process's allocator may reserve (1.0 where unknown)."""
-    getter = getattr(torch.cuda.memory, "get_per_process_memory_fraction", None)
+    getter = _fraction_getter()
     return float(getter(device)) if getter is not None else 1.0
 
 
@@ -45,7 +50,10 @@ def available_bytes(device) -> int:
 def allocator_cap(device, limit_bytes: int):
     """Inside the block, the caching allocator holds at most ``limit_bytes`` on ``device`` (never more
     than the limit already in force); afterwards the limit is as it was. The cache is emptied first:
-    blocks cached from before count against the cap."""
+    blocks cached from before count against the cap. No cap where this torch cannot read the limit."""
+    if _fraction_getter() is None:
+        yield
+        return
     total = torch.cuda.get_device_properties(device).total_memory
     before = memory_fraction(device)
     torch.cuda.empty_cache()
