@@ -172,10 +172,11 @@ def test_a_compiled_plan_measured_over_its_budget_is_solved_again_with_the_exces
     """The first plan peaks over the budget on its compiled step: the next is solved with what it
     went over by plus the slack held back, and that one, measured under the budget, is returned
     with both measurements in its notes."""
-    from remat.planner import COMPILE_MARGIN, VERIFY_SLACK, solve_profiled, verified
+    from remat.planner import COMPILE_MARGIN, RESERVE_SHARE, VERIFY_SLACK, solve_profiled, verified
     model, ids, prof, _ = _compiled_fake()
-    keep_peak = remat.simulate(prof, "keep").peak_bytes  # a budget keep just fits in, after the margin
-    budget = prof.static_bytes + int((keep_peak - prof.static_bytes) / (1 - COMPILE_MARGIN)) + 64
+    keep_peak = remat.simulate(prof, "keep").peak_bytes  # a budget keep just fits in, after the margins
+    # the solver's budget: budget - COMPILE_MARGIN x (budget - static) - RESERVE_SHARE x budget
+    budget = int((keep_peak - COMPILE_MARGIN * prof.static_bytes) / (1 - COMPILE_MARGIN - RESERVE_SHARE)) + 64
     first = solve_profiled(prof, budget)
     over_by = budget - first.notes["predicted_peak_bytes"] + 4096  # 4 KiB over the budget
     measure, seen = _measuring([over_by, 0])
@@ -184,7 +185,7 @@ def test_a_compiled_plan_measured_over_its_budget_is_solved_again_with_the_exces
     held = 4096 + int(VERIFY_SLACK * (budget - prof.static_bytes))
     margin = int(COMPILE_MARGIN * (budget - prof.static_bytes))
     assert chosen.notes["compile_margin_bytes"] == margin + held and chosen.notes["budget_bytes"] == budget
-    assert chosen.notes["predicted_peak_bytes"] <= budget - margin - held
+    assert chosen.notes["predicted_peak_bytes"] <= budget - margin - held - int(RESERVE_SHARE * budget)
     assert chosen.summary() == solve_profiled(prof, budget, held_back=held).summary() != first.summary()
     note = chosen.notes["verified"]
     assert note["peak_bytes"] == chosen.notes["predicted_peak_bytes"] and note["step_s"] == 0.5

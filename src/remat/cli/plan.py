@@ -483,6 +483,10 @@ def run(args) -> int:
     print(f"static     {format_size(prof.static_bytes)}")
     for line in explain(prof, sim, budget):
         print(line)
+    if plan.notes.get("allocator_reserve_bytes"):
+        print(f"card       runs on a card of {format_size(plan.notes['card_bytes'])} or more: the peak plus "
+              f"{format_size(plan.notes['allocator_reserve_bytes'])} kept for the caching allocator "
+              f"({plan.notes['allocator']})")
     if plan.notes.get("host_bytes"):
         limit = plan.notes.get("host_limit")
         print(f"host       {format_size(plan.notes['host_bytes'])} of pinned host memory for the offloaded tensors "
