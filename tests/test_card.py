@@ -250,3 +250,22 @@ def test_a_plan_counting_on_expandable_segments_warns_where_they_cannot_be_had(m
     with pytest.warns(UserWarning, match="this plan was made counting on them"):
         remat.apply(model, plan)
     remat.remove(model)
+
+
+def test_a_head_that_does_not_fit_is_left_out_with_a_note_not_a_warning(monkeypatch):
+    """On a GPU, planning inside the budget can run out of memory measuring the plain head's logits;
+    that head cannot be part of a plan within the budget: it is left out and noted, not warned. (No
+    CPU run runs out of memory, so the measurement is replaced here: a private name, the only way.)"""
+    import remat.profiling._measure as measure
+    real = measure._head_cost
+
+    def head_cost(model, batch, loss_fn, named, capture, mode, *args, **kwargs):
+        if mode == "plain":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB")
+        return real(model, batch, loss_fn, named, capture, mode, *args, **kwargs)
+    monkeypatch.setattr(measure, "_head_cost", head_cost)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prof = profile(tiny(), torch.zeros(2, 32, dtype=torch.long), gpu="h100")
+    assert {h.mode for h in prof.heads} == {"chunked"}
+    assert "needs more GPU memory than planning may take" in prof.notes["plain"]

@@ -155,6 +155,11 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                                         backend if scope == "model" else None))
             except MissingLoss:
                 raise
+            except torch.OutOfMemoryError as e:  # more than the GPU gives planning (remat.plan: the budget)
+                notes[mode] = (f"{mode} head not profiled: its step needs more GPU memory than planning may take "
+                               f"here, so no plan within it can use it ({str(e).splitlines()[0][:160]})")
+                _release_after_oom()
+                break
             except Exception as e:  # the head may refuse this model: say so, plan without it
                 notes[mode] = f"{mode} head not profiled: {type(e).__name__}: {str(e)[:300]}"
                 warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: "
@@ -171,6 +176,14 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     return ProfileBody(classes=tuple(classes), block_class=tuple(block_class), heads=tuple(heads),
                        hidden_bytes=_nbytes(hidden), notes=notes, block_names=names,
                        block_calls=tuple(capture.calls) if repeated else (), tiles=tuple(tiled) if any(tiled) else ())
+
+
+def _release_after_oom() -> None:
+    """The memory a step stopped by an out-of-memory error held (its frames' tensors): freed now."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _grad_bytes(block, granularity: int) -> int:
