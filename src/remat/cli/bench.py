@@ -180,7 +180,9 @@ def run(args) -> int:
                 more = [s for s in more if s.name.split("@")[0] + "@auto" in auto_wanted]
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
                                  strategy_list=more, **run_options)
-            bench.relate_all(records)
+    bench.relate_all(records)
+    with open(jsonl, "w") as f:  # written row by row as they ran; now with each row's ceiling
+        f.writelines(json.dumps(record) + "\n" for record in records)
     table = report.markdown(records, title="remat bench")
     if device == "cpu":
         table += (f"\nCPU step times: the median and spread of {args.steps} timed steps after {args.warmup} warm-up "

@@ -3,18 +3,24 @@
 Every strategy gets a freshly built model with the same seed (same weights) and the same
 batch, and is measured with one protocol, the one the anchors in DESIGN.md use: a step is
 ``zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
-``loss.backward()`` (the outputs are dropped before backward, as the HF Trainer does; no
-optimizer step), ``warmup`` steps, then the peak over ``steps`` timed steps
-(``torch.cuda.max_memory_allocated`` after a reset; :class:`~remat.prove.memtrack.PeakTracker`
-on the CPU) and the median step time with its spread. Each record carries the planner's
-prediction beside the measurement and whether the loss equals eager's.
+``loss.backward()`` (the outputs are dropped before backward, as the HF Trainer does) and, with
+``optimizer="adamw"``, ``torch.optim.AdamW``'s step; ``warmup`` steps, then the peaks over
+``steps`` timed steps (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` after a
+reset; :class:`~remat.prove.memtrack.PeakTracker` on the CPU) and the median step time with its
+spread. Each record carries the planner's prediction beside the measurement, whether the first
+loss (the untrained weights') equals eager's, and its fraction of the ceiling (the fastest
+no-recompute row: :func:`relate_ceilings`).
 
-A strategy that does not apply is recorded with a reason (``skipped``); an out-of-memory
-is a result (``oom``), not a crash; the next strategy starts from freed memory.
+On an emulated card (:mod:`remat.prove.card`) every row, planning included, runs with the
+allocator capped at the card, except the rows named uncapped (ceilings that need more). A
+strategy that does not apply is recorded with a reason (``skipped``); an out-of-memory is a
+result (``oom``, with the phase it happened in and the peaks it reached), not a crash; the next
+strategy starts from freed memory (the failed row's model is dropped with its traceback).
 
-The rows are :mod:`remat.prove.strategies`: the stock strategies (anchors), remat's uniform
-specs and plans, eager and compiled. Compiled rows run last (a compile takes most of a
-minute); each starts from the default ``activation_memory_budget`` and takes the graphs it compiled
+The rows are :mod:`remat.prove.strategies`: the stock strategies (anchors), the stacks users run
+(:mod:`remat.prove.stacks`; a row's ``around`` scope is entered before its model is built),
+remat's uniform specs and plans, eager and compiled. Compiled rows run last (a compile takes most
+of a minute); each starts from the default ``activation_memory_budget`` and takes the graphs it compiled
 back out of dynamo's cache (:mod:`remat.treat.dynamo_cache`), so no row inherits another's
 compiler state and the process's other compiled graphs stay. A compiled row's record says whether
 remat's attention-mask skip (:mod:`remat.treat.mask_skip`) was in force.

@@ -51,13 +51,9 @@ class Card:
         return self.bytes / self.gpu_bytes
 
     def describe(self) -> str:
-        written = f"{self.text} = " if self.text and self.text.replace(" ", "") != _short(self.bytes) else ""
-        return f"card {written}{format_size(self.bytes)} (a cap of {self.fraction:.4f} of this GPU's " \
-               f"{format_size(self.gpu_bytes)})"
-
-
-def _short(n: int) -> str:
-    return format_size(n).replace(" ", "")
+        written = f"--card {self.text}; " if self.text else ""
+        return (f"card {format_size(self.bytes)} ({written}a cap of {self.fraction:.4f} of this GPU's "
+                f"{format_size(self.gpu_bytes)})")
 
 
 def parse_card(size, device="cuda") -> Optional[Card]:
@@ -130,11 +126,6 @@ def _set(fraction: float, card: Card) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, float(fraction)), card.device)
     except (RuntimeError, ValueError, TypeError) as error:
         raise RuntimeError(f"the {card.describe()} cannot be set on this GPU: {type(error).__name__}: {error}") from error
-
-
-def reset_peaks(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
 
 
 def peaks(cuda: bool) -> dict:
