@@ -172,7 +172,9 @@ def test_adamw_steps_after_each_backward_and_the_first_loss_is_the_untrained_one
     assert not torch.equal(kept[-1].state_dict()["model.norm.weight"], before["model.norm.weight"])
     assert torch.equal(kept[0].state_dict()["model.norm.weight"], before["model.norm.weight"])
     assert stepped["peak_bytes"] > plain["peak_bytes"]  # two AdamW states per parameter
-    with pytest.raises(ValueError, match="optimizer must be one of none, adamw"):
+    fused = bench.measure(build, row, _batch(), warmup=1, steps=1, optimizer="adamw-forloop")
+    assert fused["loss"] == plain["loss"] and fused["optimizer"] == "adamw-forloop"
+    with pytest.raises(ValueError, match="optimizer must be one of none, adamw, adamw-fused"):
         bench.measure(build, row, _batch(), optimizer="sgd")
 
 

@@ -4,7 +4,10 @@ The measuring is :mod:`remat.prove.bench`; this module picks defaults for the de
 (the DESIGN.md bench model on a GPU), checks every option before any model is built (budgets
 with :func:`remat.units.parse_budget`, counts >= 1, ``--only`` and ``--anchors`` names, each
 ``--uniform`` spec), and writes the records, a markdown table and a plot into ``--out``.
-Progress goes to stderr, the table to stdout.
+Progress goes to stderr, the table to stdout. ``--card`` is parsed and checked against the GPU
+(:func:`remat.prove.card.parse_card`) and ``--uncapped`` against the rows chosen before anything
+is measured; a budget above the card is said on stderr (its plan may run out of memory there) and
+measured all the same.
 
 Without a GPU and without options that ask for the measuring bench, ``remat bench`` (``make
 demo``) shows what a CPU proves instead (:mod:`remat.prove.demo`): bitwise-equal gradients per
@@ -78,9 +81,10 @@ def add_arguments(parser) -> None:
                              "and cce (cut-cross-entropy), refused if they do not import; the stacks users run, "
                              "liger_hf, liger_keep, liger_remat, compile_hf, unsloth, or 'stacks' for all of them, "
                              "skipped with the reason where they cannot run")
-    parser.add_argument("--optimizer", choices=("none", "adamw"), default="none",
-                        help="none: forward and backward (default); adamw: torch.optim.AdamW stepped after each "
-                             "backward, and remat's plans made for it")
+    parser.add_argument("--optimizer", choices=("none", "adamw", "adamw-fused", "adamw-forloop"), default="none",
+                        help="none: forward and backward (default); adamw: torch.optim.AdamW (foreach, torch's "
+                             "default on a GPU) stepped after each backward, and remat's plans made for it; "
+                             "adamw-fused: AdamW(fused=True), the HF Trainer's default; adamw-forloop: foreach=False")
     parser.add_argument("--card", help="emulate a card of this size on the GPU (e.g. 79.2GiB, 15.5GiB, 80GB): every row's "
                                        "allocator capped at it; refused without a CUDA GPU or above the GPU's size")
     parser.add_argument("--uncapped", default="",

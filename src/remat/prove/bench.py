@@ -70,15 +70,20 @@ def timed_steps(step: Callable, steps: int, *, cuda: bool = True):
     return times, result
 
 
-OPTIMIZERS = ("none", "adamw")
+OPTIMIZERS = {"none": None, "adamw": {}, "adamw-fused": {"fused": True}, "adamw-forloop": {"foreach": False}}
+"""The bench's optimizers, by the names remat's planner takes (``remat.plan(optimizer=)``): the
+``torch.optim.AdamW`` options of each. ``adamw`` is torch's default on a GPU (foreach: a step's
+temporaries as large as a group of parameters), ``adamw-fused`` the Hugging Face Trainer's
+default (``adamw_torch_fused``), ``adamw-forloop`` ``foreach=False``."""
 
 
 def measure(build: Callable, strategy: Strategy, batch: dict, *, warmup=2, steps=5, optimizer: str = "none",
             model_type: str = "") -> dict:
     """Build a model, prepare it as ``strategy`` says, and measure peak bytes and step times.
 
-    ``optimizer``: "none" (forward and backward) or "adamw" (``torch.optim.AdamW`` over the trainable
-    parameters, stepped after each backward; its state exists from the first warm-up step on).
+    ``optimizer``: "none" (forward and backward) or a name in :data:`OPTIMIZERS` (``torch.optim.AdamW``
+    over the trainable parameters, stepped after each backward; its state exists from the first
+    warm-up step on).
     ``model_type``: the config's, handed to ``strategy.around`` (a Liger row's patch). An
     out-of-memory is a result: ``status`` "oom", ``phase`` (build, prepare: planning included,
     warmup or steps) and the peaks reached when it was raised."""
@@ -140,8 +145,9 @@ def _measure_row(build, strategy, batch, record, warmup, steps, optimizer, cuda,
             record.update(plan=plan.summary(), **{k: plan.notes[k] for k in
                                                  ("predicted_peak_bytes", "predicted_step_s", "peak_at", "verified")
                                                  if k in plan.notes})
-        if optimizer == "adamw":
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        if OPTIMIZERS[optimizer] is not None:
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                                    **OPTIMIZERS[optimizer])
         losses = []
 
         def one_step():

@@ -218,7 +218,7 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
     :data:`remat.prove.stacks.STACKS` (ValueError for others); one that cannot run is recorded as
     skipped when measured. ``compile_backend``: ``torch.compile``'s backend for every compiled row
     (default inductor; ``aot_eager`` keeps CPU tests fast). ``optimizer``: what remat's plans are
-    made for ("none" or "adamw", as the bench steps: :func:`remat.prove.bench.measure`)."""
+    made for (a name of :data:`remat.prove.bench.OPTIMIZERS`, as the bench steps)."""
     for name in fused_anchors:
         why = fused_loss_unavailable(name)
         if why:
