@@ -103,8 +103,9 @@ def test_remat_compile_row_plans_for_compile_applies_and_compiles(monkeypatch):
                                           anchors=False, uniform=()) if s.name.startswith("remat+compile@")]
     record = bench.measure(_tiny_build, row, _tiny_batch(), warmup=1, steps=1)
     assert record["status"] == "ok", record
-    assert profiled == [{"compile": True, "gpu": "cpu"}]
-    assert seen == {"compile": True, "budget": 64 * MiB, "kwargs": {"gpu": "cpu", "profiled": "the profile"}}
+    assert profiled == [{"compile": True, "gpu": "cpu", "optimizer": "none"}]
+    assert seen == {"compile": True, "budget": 64 * MiB,
+                    "kwargs": {"gpu": "cpu", "profiled": "the profile", "optimizer": "none"}}
     assert compiled == [{"backend": "eager"}]
     assert record["compiled"] and record["strategy"] == "remat+compile@64MiB"
     assert record["predicted_peak_bytes"] == 3 * MiB and record["predicted_step_s"] == 0.01

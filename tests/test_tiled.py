@@ -174,6 +174,58 @@ def test_plans_and_specs_carry_tiling(tmp_path):
         remat.Plan.load(str(path))
 
 
+def _compile_tiny():
+    """The tiny llama at its config's defaults (``use_cache`` on), 2 layers, as the compile tests build it."""
+    from remat.presets import build_model, load_config
+    config = load_config("llama-tiny")
+    config.num_hidden_layers = 2
+    config.use_cache = True
+    torch.manual_seed(0)
+    return build_model(config, device="cpu", dtype=torch.float32).train()
+
+
+def _checkpoint_regions(graph_module) -> int:
+    """Checkpoint regions traced into ``graph_module`` and the sub-graphs it holds (a block's own
+    checkpoint holds its tiled sub-modules' chunk checkpoints)."""
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    found = sum(isinstance(node.target, TagActivationCheckpoint) for node in graph_module.graph.nodes)
+    return found + sum(_checkpoint_regions(child) for child in graph_module.children()
+                       if isinstance(child, torch.fx.GraphModule))
+
+
+@pytest.mark.parametrize("spec, block_checkpoints", [
+    pytest.param("tiled", 0, marks=pytest.mark.slow(reason="a second compile of the same loop, 8 s of CPU")),
+    ("full+tiled", 2)])
+def test_tiled_blocks_compile_without_graph_breaks(spec, block_checkpoints):
+    """Under ``model.compile()`` a tiled block breaks the graph no more than an untouched one (it
+    broke it at each of its 3 tiled sub-modules when the chunk loop was compiler-disabled), every
+    chunk of every tiled sub-module is a checkpoint region in the captured graph (a treatment that
+    did nothing puts none there), and the compiled step (aot_eager: dynamo, then AOT autograd's
+    partition of the checkpoint regions) gives the untouched model's loss and gradients."""
+    import torch._dynamo
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    chunks = -(-ids.numel() // TILE)                       # 32 tokens in chunks of 5: 7
+    reference = _compile_tiny()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    try:
+        torch._dynamo.reset()
+        untouched = torch._dynamo.explain(_compile_tiny())(input_ids=ids, labels=ids).graph_break_count
+        model = remat.apply(_compile_tiny(), spec, tile_tokens=TILE)
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        assert explained.graph_break_count == untouched, [str(b.reason)[:200] for b in explained.break_reasons]
+        regions = sum(_checkpoint_regions(graph) for graph in explained.graphs)
+        assert regions == 2 * 3 * chunks + block_checkpoints   # 2 layers x (2 norms + the MLP) x chunks
+        torch._dynamo.reset()
+        model.compile(backend="aot_eager")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert _relative(loss.detach(), reference(input_ids=ids, labels=ids).loss.detach()) < 1e-6
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert _relative(p.grad, q.grad) < 1e-6, name
+    finally:
+        torch._dynamo.reset()
+
+
 def _untouched(model):
     return not any("_remat_patches" in m.__dict__ for m in model.modules())
 

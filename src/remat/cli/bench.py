@@ -4,7 +4,10 @@ The measuring is :mod:`remat.prove.bench`; this module picks defaults for the de
 (the DESIGN.md bench model on a GPU), checks every option before any model is built (budgets
 with :func:`remat.units.parse_budget`, counts >= 1, ``--only`` and ``--anchors`` names, each
 ``--uniform`` spec), and writes the records, a markdown table and a plot into ``--out``.
-Progress goes to stderr, the table to stdout.
+Progress goes to stderr, the table to stdout. ``--card`` is parsed and checked against the GPU
+(:func:`remat.prove.card.parse_card`) and ``--uncapped`` against the rows chosen before anything
+is measured; a budget above the card is said on stderr (its plan may run out of memory there) and
+measured all the same.
 
 Without a GPU and without options that ask for the measuring bench, ``remat bench`` (``make
 demo``) shows what a CPU proves instead (:mod:`remat.prove.demo`): bitwise-equal gradients per
@@ -20,8 +23,8 @@ import re
 import sys
 
 HELP = ("measure remat's plans beside the stock strategies (eager, HF checkpointing, every-2, "
-        "op-level SAC, save_on_cpu, HF every-N/offload, torch.compile budgets, fused losses) on one "
-        "model and batch")
+        "op-level SAC, save_on_cpu, HF every-N/offload, torch.compile budgets, fused losses, the Liger / "
+        "compile / Unsloth stacks) on one model and batch, optionally on an emulated card")
 EXAMPLES = """examples:
   remat bench                 # on a GPU, the bench model; without one, what a CPU proves (under a minute)
   remat bench --model llama-1b --batch 4 --seq 4096 --budgets 10,16,25,32,45GiB --out results/  # GPU
@@ -29,6 +32,8 @@ EXAMPLES = """examples:
   remat bench --only eager,hf_full,remat:full,remat:selective
   remat bench --compile --anchors liger,cce --out results/   # GPU: remat+compile@ plans, fused-loss anchors
   remat bench --only eager,remat:full --json > records.jsonl   # records on stdout, nothing else
+  remat bench --optimizer adamw --budgets 14GiB --card 15.5GiB --uncapped eager,liger_keep \
+      --anchors stacks --out results/   # GPU: the stacks users run, every row on a 15.5 GiB card
 
 Writes bench.jsonl (one JSON record per strategy), bench.md (a table) and bench.png (peak GiB
 on x, tokens/s on y) into --out. An out-of-memory is recorded as 'oom', not a crash.
@@ -37,6 +42,15 @@ llama-1b's frontier on an H100 (labelled as predictions); --device cpu times the
 --compile adds torch.compile at activation_memory_budget 1.0/0.5/0.2 and, at every budget, a
 remat+compile@<budget> row: remat.plan(model, batch, budget, compile=True), applied, then
 model.compile(). benchmarks/frontier.py runs the whole bench N times in fresh processes.
+--card SIZE caps what the allocator may reserve at SIZE for every row (remat's, the anchors',
+planning included; torch.cuda.set_per_process_memory_fraction), so a row runs out of memory
+where a card of that size would: 79.2GiB is an H100 80GB as CUDA sees it (80GB is 74.5 GiB).
+Each record has the allocated and the reserved peak; --uncapped names rows run on the whole GPU
+(the ceilings, which need more than the card). --anchors stacks adds the stacks users run
+(liger_hf, liger_keep, liger_remat@<budget>, compile_hf, unsloth); a row whose package does not
+import is recorded as skipped, with the reason. Every row records its fraction of the ceiling:
+the fastest no-recompute row (liger_keep or eager; compiled rows: compile_1 or
+compile_1+mask_skip).
 """
 
 GPU_DEFAULTS = dict(model="llama-1b", batch=4, seq=4096, budgets="10,16,25,32,45GiB")
@@ -63,8 +77,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-backend", help="torch.compile backend of the compiled rows (default "
                                                   "inductor; aot_eager for a quick check of the wiring)")
     parser.add_argument("--anchors", default="",
-                        help="comma-separated fused-loss anchors on a keep model: liger (liger-kernel), "
-                             "cce (cut-cross-entropy); refused if they do not import")
+                        help="comma-separated extra rows: fused-loss anchors on a keep model, liger (liger-kernel) "
+                             "and cce (cut-cross-entropy), refused if they do not import; the stacks users run, "
+                             "liger_hf, liger_keep, liger_remat, compile_hf, unsloth, or 'stacks' for all of them, "
+                             "skipped with the reason where they cannot run")
+    parser.add_argument("--optimizer", choices=("none", "adamw", "adamw-fused", "adamw-forloop"), default="none",
+                        help="none: forward and backward (default); adamw: torch.optim.AdamW (foreach, torch's "
+                             "default on a GPU) stepped after each backward, and remat's plans made for it; "
+                             "adamw-fused: AdamW(fused=True), the HF Trainer's default; adamw-forloop: foreach=False")
+    parser.add_argument("--card", help="emulate a card of this size on the GPU (e.g. 79.2GiB, 15.5GiB, 80GB): every row's "
+                                       "allocator capped at it; refused without a CUDA GPU or above the GPU's size")
+    parser.add_argument("--uncapped", default="",
+                        help="with --card: comma-separated rows run on the whole GPU (ceilings that do not fit the card)")
     parser.add_argument("--json", action="store_true",
                         help="print the records as JSON lines on stdout (and nothing else)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
@@ -77,13 +101,15 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from remat.prove import bench, demo, report, strategies
+    from remat.prove import bench, demo, report, stacks, strategies
     from remat.prove.anchors import FUSED_LOSSES
-    from remat.units import parse_budget
+    from remat.prove.card import parse_card
+    from remat.units import format_size, parse_budget
 
     _check_counts(args)
     _check_specs(args)
-    if demo.is_requested(args, defaults=dict(uniform=DEFAULT_UNIFORM, steps=5, warmup=2)):
+    if demo.is_requested(args, defaults=dict(uniform=DEFAULT_UNIFORM, steps=5, warmup=2, optimizer="none",
+                                             card=None, uncapped="")):
         return _demo(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -103,13 +129,21 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     plan_rates = None if device == "cuda" else "cpu"  # on a GPU the planner measures it
 
-    fused = [a.strip() for a in args.anchors.split(",") if a.strip()]
-    unknown = [a for a in fused if a not in FUSED_LOSSES]
+    named = stacks.expand(a.strip() for a in args.anchors.split(",") if a.strip())
+    fused = [a for a in named if a in FUSED_LOSSES]
+    stack_rows = [a for a in named if a in stacks.STACKS]
+    unknown = [a for a in named if a not in fused and a not in stack_rows]
     if unknown:
-        raise ValueError(f"--anchors names unknown anchors {unknown}; known: {', '.join(FUSED_LOSSES)}")
-    options = dict(compile_plans=args.compile, compile_backend=args.compile_backend, gpu=plan_rates)
+        raise ValueError(f"--anchors names unknown anchors {unknown}; known: "
+                         f"{', '.join([*FUSED_LOSSES, *stacks.STACKS, 'stacks'])}")
+    card = parse_card(args.card, device) if args.card else None
+    uncapped = [n.strip() for n in args.uncapped.split(",") if n.strip()]
+    if uncapped and card is None:
+        raise ValueError(f"--uncapped {args.uncapped} lifts --card's cap from some rows, and no --card was given")
+    options = dict(compile_plans=args.compile, compile_backend=args.compile_backend, gpu=plan_rates,
+                   optimizer=args.optimizer)
     chosen = listed = strategies.strategies(budgets, uniform=uniform, compile_budgets=compile_budgets,
-                                            fused_anchors=fused, **options)
+                                            fused_anchors=fused, stack_rows=stack_rows, **options)
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in listed if s.name in wanted]
@@ -118,14 +152,25 @@ def run(args) -> int:
         if unknown:
             raise ValueError(f"--only names unknown strategies {sorted(unknown)}; known: "
                              f"{', '.join(s.name for s in listed)}")
+    unknown = set(uncapped) - {s.name for s in chosen}
+    if unknown:
+        raise ValueError(f"--uncapped names rows this run does not measure {sorted(unknown)}; measured: "
+                         f"{', '.join(s.name for s in chosen)}")
+    for budget in budgets if card is not None else ():
+        if budget > card.bytes:
+            print(f"remat bench: the budget {format_size(budget)} is more than the card's {format_size(card.bytes)}: "
+                  "its plans may run out of memory on the card", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "bench.jsonl")
     if os.path.exists(jsonl):
         os.replace(jsonl, jsonl + ".previous")  # keep the last run's records, never append to them
     print(f"remat bench: {model}, batch {batch} x {seq}, {str(dtype).replace('torch.', '')} on "
-          f"{gpu or device}; {len(chosen)} strategies", file=sys.stderr)
+          f"{gpu or device}{', ' + card.describe() if card else ''}; optimizer {args.optimizer}; "
+          f"{len(chosen)} strategies", file=sys.stderr)
+    run_options = dict(warmup=args.warmup, steps=args.steps, out_jsonl=jsonl, progress=sys.stderr,
+                       optimizer=args.optimizer, card=card, uncapped_rows=uncapped)
     records = bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype, strategy_list=chosen,
-                        warmup=args.warmup, steps=args.steps, out_jsonl=jsonl, progress=sys.stderr)
+                        **run_options)
     auto_wanted = {"remat@auto", "remat+compile@auto"} & set((args.only or "").split(","))
     if budgets_arg == "auto" and (not args.only or auto_wanted):
         eager = next((r for r in records if r["strategy"] == "eager" and r.get("status") == "ok"), None)
@@ -138,9 +183,10 @@ def run(args) -> int:
             if args.only:
                 more = [s for s in more if s.name.split("@")[0] + "@auto" in auto_wanted]
             records += bench.run(model, batch_size=batch, seq=seq, device=device, dtype=dtype,
-                                 strategy_list=more, warmup=args.warmup, steps=args.steps, out_jsonl=jsonl,
-                                 progress=sys.stderr)
-            bench.relate_all(records)
+                                 strategy_list=more, **run_options)
+    bench.relate_all(records)
+    with open(jsonl, "w") as f:  # written row by row as they ran; now with each row's ceiling
+        f.writelines(json.dumps(record) + "\n" for record in records)
     table = report.markdown(records, title="remat bench")
     if device == "cpu":
         table += (f"\nCPU step times: the median and spread of {args.steps} timed steps after {args.warmup} warm-up "

@@ -2,8 +2,10 @@
 
 The plot puts peak GiB on x and tokens/s on y, so "up and to the left" is better:
 anchors are grey circles, remat's eager rows blue squares, remat+compile rows orange
-diamonds, budgets are dashed vertical lines, and eager's throughput is a dotted horizontal line. Everything is labelled, so the
-picture reads without the table. matplotlib is optional: without it only the table is
+diamonds, budgets are dashed vertical lines, and eager's throughput is a dotted horizontal line.
+Where the records have a reserved peak (CUDA), a hollow marker on the same line shows it beside the
+allocated one; an emulated card is a red vertical line, and a row that ran out of memory on it a red
+cross at the bottom, named. Everything is labelled, so the picture reads without the table. matplotlib is optional: without it only the table is
 written, and the command says so.
 """
 from __future__ import annotations
@@ -16,33 +18,48 @@ GiB = 2 ** 30
 
 
 def markdown(records: list, title: str = "") -> str:
+    """The records as a markdown table: allocated and reserved peaks side by side, each row's card
+    (where the run emulated one), its ratio to eager and to its ceiling, and "oom" where the card
+    ran out (with the phase and the peaks reached)."""
     lines = [f"## {title}", ""] if title else []
     first = records[0] if records else {}
     if first:
         lines.append(f"{first.get('model')} batch {first.get('batch')} x {first.get('seq')} "
                      f"{first.get('dtype')}, {first.get('gpu') or first.get('device')}, torch "
                      f"{first.get('torch')}, transformers {first.get('transformers')}, remat "
-                     f"{first.get('remat')}, {first.get('date')}")
+                     f"{first.get('remat')}, {first.get('date')}" + _setting(records))
         lines.append("")
-    lines.append("| strategy | budget | peak | predicted peak | tokens/s (spread) | vs eager | "
-                 "predicted step s | loss = eager | notes |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    carded = any("card_bytes" in r for r in records)
+    lines.append("| strategy |" + (" card |" if carded else "") + " budget | peak allocated | peak reserved | "
+                 "predicted peak | tokens/s (spread) | vs eager | vs ceiling | predicted step s | loss = eager | notes |")
+    lines.append("|---" * (12 if carded else 11) + "|")
     for r in records:
         budget = format_size(r["budget_bytes"]) if r.get("budget_bytes") else ""
+        card = [_card_text(r)] if carded else []
         if r.get("status") != "ok":
-            lines.append(f"| {r['strategy']} | {budget} | {r.get('status')} | | | | | | "
-                         f"{_cell(r.get('reason', ''))} |")
+            status = f"**{r.get('status')}**" if r.get("status") == "oom" else str(r.get("status"))
+            if r.get("phase") and r.get("status") in ("oom", "error"):
+                status += f" ({r['phase']})"
+            reached = [format_size(r[k]) + " at oom" if r.get(k) else "" for k in
+                       ("oom_peak_bytes", "oom_reserved_peak_bytes")]
+            lines.append("| " + " | ".join([r["strategy"], *card, budget, status if not reached[0] else
+                                             f"{status}: {reached[0]}", reached[1], "", "", "", "", "", "",
+                                             _cell(r.get("reason", ""))]) + " |")
             continue
         predicted = format_size(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else ""
         pred_time = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else ""
         spread = (f"{r['tokens_per_s']:.0f} ({r['tokens_per_s'] * r['step_s'] / r['step_s_max']:.0f}"
                   f"–{r['tokens_per_s'] * r['step_s'] / r['step_s_min']:.0f})")
         vs = f"{r['vs_eager']:.3f}" if "vs_eager" in r else ""
+        vs_ceiling = f"{r['vs_ceiling']:.3f}" if "vs_ceiling" in r else ""
+        reserved = format_size(r["reserved_peak_bytes"]) if r.get("reserved_peak_bytes") else ""
         equal = "" if "loss_equal_eager" not in r else ("yes" if r["loss_equal_eager"]
                                                         else f"diff {r['loss_diff_eager']:.2g}")
         notes = []
         if r.get("budget_bytes"):
             notes.append("under budget" if r["peak_bytes"] <= r["budget_bytes"] else "OVER BUDGET")
+            if r.get("reserved_peak_bytes") and r["reserved_peak_bytes"] > r["budget_bytes"]:
+                notes.append("reserved over budget")
         if r.get("plan"):
             notes.append(r["plan"])
         if isinstance(r.get("verified"), dict) and len(r["verified"]["tries"]) > 1:
@@ -55,9 +72,35 @@ def markdown(records: list, title: str = "") -> str:
             notes.append(r["method"])
         if r.get("compiled") and r.get("warmup_s") is not None:
             notes.append(f"compile + warm-up {r['warmup_s']:.0f} s")
-        lines.append(f"| {r['strategy']} | {budget} | {format_size(r['peak_bytes'])} | {predicted} | {spread} | {vs} | "
-                     f"{pred_time} | {equal} | {_cell('; '.join(notes))} |")
+        lines.append("| " + " | ".join([r["strategy"], *card, budget, format_size(r["peak_bytes"]), reserved, predicted,
+                                         spread, vs, vs_ceiling, pred_time, equal, _cell("; ".join(notes))]) + " |")
+    ceilings = sorted({r["ceiling"] for r in records if r.get("ceiling")})
+    if ceilings:
+        lines += ["", "vs ceiling: tokens/s as a fraction of the fastest no-recompute row that ran ("
+                  + ", ".join(ceilings) + "; compiled rows against a compiled one)."]
     return "\n".join(lines) + "\n"
+
+
+def _setting(records: list) -> str:
+    """What the run was measured under: the card, the optimizer, the allocator's settings."""
+    said = []
+    cards = {r["card_bytes"] for r in records if r.get("card_bytes")}
+    if cards:
+        said.append("card " + "/".join(format_size(c) for c in sorted(cards)) + " (allocator capped; rows marked "
+                    "'whole GPU' ran uncapped)")
+    optimizers = {r.get("optimizer", "none") for r in records}
+    if optimizers != {"none"}:
+        said.append("optimizer " + "/".join(sorted(optimizers)))
+    confs = {r.get("alloc_conf") for r in records if r.get("alloc_conf")}
+    if confs:
+        said.append("PYTORCH_CUDA_ALLOC_CONF=" + "/".join(sorted(confs)))
+    return "; " + "; ".join(said) if said else ""
+
+
+def _card_text(record: dict) -> str:
+    if "card_bytes" not in record:
+        return ""
+    return format_size(record["card_bytes"]) if record["card_bytes"] else "whole GPU"
 
 
 def budget_table(records: list) -> str:
@@ -280,7 +323,8 @@ def plot(records: list, path: str, title: str = "", predicted: bool = False) -> 
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         return "no strategy ran"
-    scale, unit = (GiB, "GiB") if max(r["peak_bytes"] for r in ok) >= GiB else (2 ** 20, "MiB")
+    largest = max(max(r["peak_bytes"], r.get("reserved_peak_bytes") or 0) for r in ok)
+    scale, unit = (GiB, "GiB") if largest >= GiB else (2 ** 20, "MiB")
     eager = next((r for r in ok if r["strategy"] == "eager"), None)
     norm = eager["tokens_per_s"] if eager else 1.0
     # a row's own same-process ratio where it has one (worst-of-N records carry the worst ratio)
@@ -306,6 +350,29 @@ def plot(records: list, path: str, title: str = "", predicted: bool = False) -> 
             text = r["strategy"] if y >= floor else f"{r['strategy']} ({y:.2f}x) ↓"
             ax.annotate(text, (x, max(y, floor)), textcoords="offset points", xytext=_offset(x, y, placed, ax),
                         fontsize=7.5, color=style["color"])
+        # the reserved peak beside the allocated one: what the card must hold
+        reserved = [(x, r) for x, r in zip(xs, rows) if r.get("reserved_peak_bytes")]
+        for x, r in reserved:
+            y = max(ys[id(r)], floor)
+            ax.plot([x, r["reserved_peak_bytes"] / scale], [y, y], color=style["color"], alpha=0.4, linewidth=1)
+        if reserved:
+            ax.scatter([r["reserved_peak_bytes"] / scale for _, r in reserved],
+                       [max(ys[id(r)], floor) for _, r in reserved], s=40, zorder=3, facecolors="none",
+                       edgecolors=style["color"], marker=style["marker"])
+    if any(r.get("reserved_peak_bytes") for r in ok):
+        ax.scatter([], [], s=40, facecolors="none", edgecolors="0.3", marker="o", label="hollow: reserved peak")
+    cards = sorted({r["card_bytes"] for r in records if r.get("card_bytes")})
+    for size in cards:
+        ax.axvline(size / scale, color="tab:red", linewidth=1.2, alpha=0.7)
+        ax.annotate(f"card {format_size(size)}", (size / scale, 0.96), xytext=(3, 0), textcoords="offset points",
+                    xycoords=("data", "axes fraction"), fontsize=7.5, color="tab:red")
+    failed = [r for r in records if r.get("status") == "oom"]
+    for index, r in enumerate(failed):  # where a card ran out: at the card (or the peak it reached)
+        x = (r.get("card_bytes") or r.get("oom_reserved_peak_bytes") or 0) / scale
+        ax.scatter([x], [floor + 0.01], marker="x", color="tab:red", s=50, zorder=4,
+                   label="out of memory on the card" if index == 0 else None)
+        ax.annotate(f"{r['strategy']}: oom", (x, floor + 0.01), textcoords="offset points",
+                    xytext=(-5, 6 + 9 * index), ha="right", fontsize=7, color="tab:red")
     if eager:
         ax.axhline(1.0, color="0.6", linestyle=":", linewidth=1)
     for budget in sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")}):
@@ -313,7 +380,8 @@ def plot(records: list, path: str, title: str = "", predicted: bool = False) -> 
         ax.annotate(f"budget {format_size(budget)}", (budget / scale, 1.0), xytext=(2, -2), textcoords="offset points",
                     xycoords=("data", "axes fraction"), va="top", fontsize=7, color="tab:blue", alpha=0.7)
     said = "predicted " if predicted else ""
-    ax.set_xlabel(f"{said}peak memory ({unit})  — lower is better")
+    ax.set_xlabel(f"{said}peak memory ({unit}): allocated (filled), reserved (hollow)  — lower is better"
+                  if any(r.get("reserved_peak_bytes") for r in ok) else f"{said}peak memory ({unit})  — lower is better")
     ax.set_ylabel(f"{said}throughput vs eager (eager = {norm:,.0f} tokens/s{', predicted' if predicted else ''})"
                   if eager else f"{said}tokens / s")
     ax.set_ylim(bottom=floor - 0.02 if floor > 0 else 0, top=max(ys.values()) * 1.04 + 0.02)  # room for labels

@@ -22,6 +22,11 @@ remat's attention-mask skip (:mod:`remat.treat.mask_skip`), to show what the pla
 Compiled rows record ``mask_skip``: whether that skip was in force (never for the stock
 ``compile_<b>`` rows: every remat model of an earlier row has been freed by then).
 
+The stacks users run (``stacks``: :mod:`remat.prove.stacks`): ``unsloth``, ``liger_hf``,
+``liger_keep``, ``liger_remat@<budget>`` and ``compile_hf``; a Liger row builds its model inside
+:func:`remat.prove.stacks.liger_patched` (:attr:`Strategy.around`), so the rows around it run the
+stock modules.
+
 Compiled rows come last in :func:`strategies` (a compile takes most of a minute, and the rest
 should not wait on it).
 """
@@ -35,6 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
+from remat.prove import stacks
 from remat.prove.anchors import Skip, fused_anchor, fused_loss_unavailable
 from remat.treat import mask_skip
 
@@ -47,6 +53,9 @@ class Strategy:
     prepare: Callable  # (model, batch) -> (forward, context manager factory, plan or None[, notes dict])
     budget_bytes: Optional[int] = None
     compiled: bool = False  # runs under torch.compile: the compiler state is reset around it
+    around: Optional[Callable] = None
+    """``(model_type, cuda) -> context manager`` the bench enters before it builds the row's model and
+    leaves after the model is freed (a Liger row's module-wide patch: :func:`remat.prove.stacks.liger_patched`)."""
 
 
 def _plain(model, batch):
@@ -64,6 +73,30 @@ def _enable_hf(model, checkpoint_kwargs: dict) -> None:
 def _hf_full(model, batch):
     _enable_hf(model, {"use_reentrant": False})
     return model, contextlib.nullcontext, None
+
+
+def _compiled_hf(backend: Optional[str]):
+    """HF checkpointing, then ``torch.compile`` (default ``activation_memory_budget``)."""
+    def prepare(model, batch):
+        _enable_hf(model, {"use_reentrant": False})
+        return torch.compile(model, **_backend(backend)), contextlib.nullcontext, None
+    return prepare
+
+
+def _unsloth(model, batch):
+    """HF checkpointing with Unsloth's offloaded checkpointer as every layer's checkpoint function
+    (what ``use_gradient_checkpointing="unsloth"`` installs): the layer's input goes to host memory."""
+    if next(model.parameters()).device.type != "cuda":
+        raise Skip("Unsloth's offloaded checkpointing moves activations to host memory: it only applies on a GPU")
+    checkpointer = stacks.unsloth_checkpointer()
+    _enable_hf(model, {"use_reentrant": False})
+
+    def offloaded(function, *args, **kwargs):
+        return checkpointer.apply(functools.partial(function, **kwargs) if kwargs else function, *args)
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    for module in layers:
+        module._gradient_checkpointing_func = offloaded
+    return model, contextlib.nullcontext, None, {"method": f"unsloth_zoo {checkpointer.__name__}"}
 
 
 def hf_checkpointing(model):
@@ -155,16 +188,18 @@ def _remat_spec(spec: str):
 
 
 def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict, *, compile: bool = False,
-                  backend: Optional[str] = None):
+                  backend: Optional[str] = None, optimizer: str = "none"):
     """remat's plan for ``budget_bytes`` (``compile``: planned for, and run under, ``model.compile()``).
-    One profile per batch shape and mode serves every budget: ``remat.plan(..., profiled=)``."""
+    One profile per batch shape and mode serves every budget: ``remat.plan(..., profiled=)``
+    (``profiles`` is one model's: the Liger-patched model's rows keep a dict of their own)."""
     def prepare(model, batch):
         import remat
         kwargs = {"gpu": gpu} if gpu else {}
         key = (compile, tuple((k, tuple(v.shape)) for k, v in sorted(batch.items())))
         if key not in profiles:
-            profiles[key] = remat.profile(model, batch, compile=compile, **kwargs)
-        plan = remat.plan(model, batch, budget_bytes, compile=compile, profiled=profiles[key], **kwargs)
+            profiles[key] = remat.profile(model, batch, compile=compile, optimizer=optimizer, **kwargs)
+        plan = remat.plan(model, batch, budget_bytes, compile=compile, profiled=profiles[key], optimizer=optimizer,
+                          **kwargs)
         remat.apply(model, plan)
         if compile:
             model.compile(**_backend(backend))  # in place: remat's wrappers stay visible to remat.remove
@@ -174,18 +209,23 @@ def _remat_budget(budget_bytes: int, gpu: Optional[str], profiles: dict, *, comp
 
 def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(), anchors=True,
                gpu: Optional[str] = None, compile_plans: bool = False, fused_anchors=(),
-               compile_backend: Optional[str] = None) -> list:
+               compile_backend: Optional[str] = None, stack_rows=(), optimizer: str = "none") -> list:
     """The strategies to measure, in order. ``gpu`` names the rates the planner uses off-GPU.
 
     ``compile_plans``: a ``remat+compile@<budget>`` row per budget. ``fused_anchors``: names in
     :data:`remat.prove.anchors.FUSED_LOSSES`; one that does not import is refused here
-    (ValueError saying what to install), before anything is measured. ``compile_backend``:
-    ``torch.compile``'s backend for every compiled row (default inductor; ``aot_eager`` keeps
-    CPU tests fast)."""
+    (ValueError saying what to install), before anything is measured. ``stack_rows``: names in
+    :data:`remat.prove.stacks.STACKS` (ValueError for others); one that cannot run is recorded as
+    skipped when measured. ``compile_backend``: ``torch.compile``'s backend for every compiled row
+    (default inductor; ``aot_eager`` keeps CPU tests fast). ``optimizer``: what remat's plans are
+    made for (a name of :data:`remat.prove.bench.OPTIMIZERS`, as the bench steps)."""
     for name in fused_anchors:
         why = fused_loss_unavailable(name)
         if why:
             raise ValueError(why)
+    unknown = [name for name in stack_rows if name not in stacks.STACKS]
+    if unknown:
+        raise ValueError(f"unknown stack rows {unknown}; known: {', '.join(stacks.STACKS)}")
     out = []
     if anchors:
         out += [Strategy("eager", "anchor", _plain), Strategy("hf_full", "anchor", _hf_full),
@@ -193,20 +233,32 @@ def strategies(budgets=(), *, uniform=("full", "selective"), compile_budgets=(),
                 Strategy("save_on_cpu", "anchor", _save_on_cpu),
                 Strategy("hf_every2", "anchor", _hf_native(every_n_layers=2)),
                 Strategy("hf_offload", "anchor", _hf_native(offload=True))]
+    if "unsloth" in stack_rows:
+        out.append(Strategy("unsloth", "anchor", _unsloth))
+    if "liger_hf" in stack_rows:
+        out.append(Strategy("liger_hf", "anchor", _hf_full, around=stacks.liger_patched))
+    if "liger_keep" in stack_rows:
+        out.append(Strategy("liger_keep", "anchor", _plain, around=stacks.liger_patched))
     out += [Strategy(f"remat:{spec}", "remat", _remat_spec(spec)) for spec in uniform]
-    profiles = {}
-    out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles), budget_bytes=b)
-            for b in budgets]
+    profiles, liger_profiles = {}, {}
+    out += [Strategy(f"remat@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles, optimizer=optimizer),
+                     budget_bytes=b) for b in budgets]
+    if "liger_remat" in stack_rows:
+        out += [Strategy(f"liger_remat@{_fmt_gib(b)}", "remat",
+                         _remat_budget(b, gpu, liger_profiles, optimizer=optimizer), budget_bytes=b, around=stacks.liger_patched)
+                for b in budgets]
     out += [Strategy(name, "anchor", fused_anchor(name)) for name in fused_anchors]
     # last: a compile takes most of a minute, and the rest should not wait on it
     if anchors:
         out += [Strategy(f"compile_{b:g}", "anchor", _compiled(b, compile_backend), compiled=True)
                 for b in compile_budgets]
+    if "compile_hf" in stack_rows:
+        out.append(Strategy("compile_hf", "anchor", _compiled_hf(compile_backend), compiled=True))
     if compile_plans:
         out.append(Strategy("compile_1+mask_skip", "remat", _compiled(1.0, compile_backend, skip_masks=True),
                             compiled=True))
-        out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat", _remat_budget(b, gpu, profiles, compile=True,
-                                                                       backend=compile_backend),
+        out += [Strategy(f"remat+compile@{_fmt_gib(b)}", "remat",
+                         _remat_budget(b, gpu, profiles, compile=True, backend=compile_backend, optimizer=optimizer),
                          budget_bytes=b, compiled=True) for b in budgets]
     return out
 

@@ -58,9 +58,18 @@ first chunk, one middle chunk counted for all the middle ones, and its last: the
 roofline seconds for a fraction of the dispatched ops (a 131,072-token block in 2,048-token
 chunks runs 3 of its 64).
 
+Compiled: under ``torch.compile`` the tiled call is traced, not a graph break: each chunk runs
+under a non-reentrant ``checkpoint`` (:func:`_compiled_chunks`), which dynamo turns into a
+checkpoint region of the graph, so the compiled backward recomputes each chunk's intermediates
+before its gradient and the forward saves only the input. The eager function's parts that dynamo
+cannot trace (a dispatch mode, ``torch.autograd.grad`` inside a backward, the recompute's skip)
+are left to eager mode: compiled, dropout draws its masks chunk by chunk (compiled random numbers
+differ from eager ones anyway), the chunks' weight gradients are summed as the compiled graph
+sums them, and a sub-module whose outputs the model records through hooks (MoE router logits)
+runs the eager function, a graph break.
+
 Limits: the sub-module must take one tensor (the hidden states) and return one tensor, and a
-recorded output must have the tokens as its leading dimension. Eager mode only: under
-``torch.compile`` the tiled call is a graph break.
+recorded output must have the tokens as its leading dimension.
 """
 from __future__ import annotations
 
@@ -77,6 +86,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
@@ -237,7 +247,6 @@ def tile_tokens_of(block: nn.Module) -> Optional[int]:
     return found[0] if found else None
 
 
-@torch.compiler.disable
 def _tiled_forward(patch: patches.Patch, *args, **kwargs):
     module = patch.module
     if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
@@ -260,11 +269,32 @@ def _tiled_forward(patch: patches.Patch, *args, **kwargs):
                              f"{type(out).__name__} (an MoE returning router logits?). Use 'full' or 'mlp' "
                              "for this block instead of a tiled treatment.")
         return out
+    if torch.compiler.is_compiling() and not any(m._forward_hooks for m in module.modules()):
+        return _compiled_chunks(run, patch.state, hidden)
+    return _eager_chunks(module, run, patch.state, hidden)
+
+
+@torch.compiler.disable  # a dispatch mode, hooks and torch.autograd.grad in backward: eager only
+def _eager_chunks(module: nn.Module, run, tokens: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The eager chunk loop (:class:`_TiledFunction`): also the compiled path of a sub-module whose
+    outputs the model records through hooks (MoE router logits), a graph break there."""
     params = [p for p in module.parameters() if p.requires_grad]
     recorded = _Recorded(module)
-    out, *records = _TiledFunction.apply(run, patch.state, recorded, hidden, *params)
+    out, *records = _TiledFunction.apply(run, tokens, recorded, hidden, *params)
     recorded.hand_back(records)
     return out
+
+
+def _compiled_chunks(run, tokens: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The chunk loop as dynamo traces it: each chunk of ``tokens`` rows under a non-reentrant
+    ``checkpoint`` (a checkpoint region of the graph: its intermediates are recomputed in
+    backward, chunk by chunk, and only the input's rows are saved), the chunks' outputs
+    concatenated. No Python state is read or written: the sizes are the graph's, the loop unrolls."""
+    rows = hidden.reshape(1, -1, hidden.shape[-1])
+    pieces = [checkpoint(run, rows[:, start:start + tokens], use_reentrant=False)
+              for start in range(0, rows.shape[1], tokens)]
+    out = torch.cat(pieces, dim=1)
+    return out.view(*hidden.shape[:-1], *out.shape[2:])
 
 
 class _Recorded:
