@@ -87,14 +87,13 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         block = named[index][1]
         args, kwargs = capture.inputs[index]
         label = f"block class {c + 1}/{len(firsts)} ({type(block).__name__})"
-        costs, sizes = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label,
-                                    rates, skipped)
-        classes.append(costs)
-        tiled.append(sizes)
         current = kernel_of(block)   # as the model is: Liger's where liger-kernel patched it
-        class_kernels.append(current)
-        variants.append({current: c})
-        for kernel in (k for k in kernels if k != current):
+        measured = {}
+        for kernel in kernels or (current,):
+            if kernel == current:
+                measured[kernel] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles,
+                                                say, label, rates, skipped)
+                continue
             if kernel == "stock":  # liger-kernel's own patch: remat does not take it off
                 skipped["kernels"] = (f"{type(block).__name__} runs Liger's kernels put there by liger-kernel "
                                       f"({', '.join(liger_parts(block)[:3])}): planned over them, no stock variant")
@@ -103,14 +102,23 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             try:
                 if kept:
                     stock[c] = "; ".join(kept)
-                if not patches.patches(block, tag=KERNEL_TAG):   # Liger serves nothing here: the stock class stands
-                    continue
-                costs, sizes = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say,
-                                            f"{label} with {kernel} kernels", rates, skipped, kernel=kernel)
+                if patches.patches(block, tag=KERNEL_TAG):   # else Liger serves nothing here
+                    measured[kernel] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend,
+                                                    tiles, say, f"{label} with {kernel} kernels", rates, skipped,
+                                                    kernel=kernel)
             finally:
                 remove_kernels(block)
+        if not measured:  # no kernel asked could be had: the block as it is
+            measured[current] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles,
+                                             say, label, rates, skipped)
+        first, *others = measured
+        classes.append(measured[first][0])
+        tiled.append(measured[first][1])
+        class_kernels.append(first)
+        variants.append({first: c})
+        for kernel in others:
             variants[c][kernel] = len(firsts) + len(extra)
-            extra.append((c, kernel, costs, sizes))
+            extra.append((c, kernel) + measured[kernel])
     for c, kernel, costs, sizes in extra:   # the variant classes, after the classes the blocks use
         classes.append(costs)
         tiled.append(sizes)
