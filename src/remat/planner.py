@@ -384,13 +384,13 @@ def _marked(chosen: Plan, prof) -> Plan:
     ``notes["ran_for_real"]`` when a fake profile ran steps that read values for real (a
     vision-language model's image-token merge: :class:`remat.profiling._fake.ValuedFakeMode`), and
     ``notes["profiled"]`` when a GPU model was profiled with fake tensors (long context); with the
-    kernels ``prof``'s blocks were measured with (``kernels``; the blocks that stayed stock where
-    Liger's were asked, in ``notes["kernels_stock"]``)."""
+    kernels ``prof``'s blocks were measured with (``kernels``; the blocks Liger's kernels do not
+    serve, in ``notes["kernels_stock"]``)."""
     kernels = plan_kernels(prof.block_names, block_kernels(prof))
     if kernels is not None:
         chosen = replace(chosen, kernels=kernels)
     for key in ("ran_for_real", "profiled", "kernels", "kernels_stock"):
-        if prof.notes.get(key) and (key != "kernels_stock" or kernels is not None):
+        if prof.notes.get(key):
             chosen = replace(chosen, notes=dict(chosen.notes, **{key: prof.notes[key]}))
     if not prof.notes.get("compile"):
         return chosen
