@@ -41,8 +41,8 @@ def tiny(name="llama-tiny", seed=0):
     return build_model(load_config(name)).train()
 
 
-def ids(seed=1):
-    return torch.randint(0, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+def ids(seed=1, seq=SEQ):
+    return torch.randint(0, 500, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_kernel_options_read_as_the_planner_takes_them():
 
 def test_a_choice_of_kernels_per_class_turns_the_profile_into_its_variant():
     model = tiny()
-    prof = remat.profile(model, ids(), gpu="h100")
+    prof = remat.profile(model, ids(seq=16), gpu="h100", head_modes=("plain",))
     keep = prof.classes[0]["keep"]
     fused = {t: type(c)(**{**c.__dict__, "kept": c.kept // 2, "fwd_s": c.fwd_s / 2}) for t, c in prof.classes[0].items()}
     two = type(prof)(**{**prof.__dict__, "classes": prof.classes + (fused,), "class_kernels": ("stock", "liger"),
@@ -219,7 +219,7 @@ def test_selective_is_refused_over_liger_s_in_place_rotary_embedding(liger):
 def references(ops):
     """Liger's autograd functions computed by plain torch (their math, fp32), counted per kernel."""
     import liger_kernel.transformers.rope as rope_module
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import rotate_half
     calls = collections.Counter()
 
     def rms_norm(x, weight, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
@@ -232,7 +232,8 @@ def references(ops):
 
     def dispatch(op, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, **_):
         calls[op] += 1
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def fused_loss(x, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse=0.0, smoothing=0.0,
                    reduction="mean", *rest):
@@ -294,7 +295,7 @@ def test_a_fake_profile_of_liger_kernels_never_launches_triton_and_keeps_less(li
     liger_head = prof.head("liger")
     assert liger_head.head_fwd_peak < prof.head("plain").head_fwd_peak
     assert LigerRMSNormFunction.__dict__.get("apply") is apply_before   # the stand-ins are put back
-    plan = remat.plan(model, ids(), "4MiB", kernels=("stock", "liger"), gpu="h100")
+    plan = remat.plan(model, ids(), "4MiB", kernels=("stock", "liger"), profiled=prof)
     assert plan.kernels == "liger"
     remat.apply(model, Plan.from_dict(json.loads(json.dumps(plan.to_dict()))))
     assert ("LlamaMLP", "kernels") in kernel_patches(model)
@@ -344,12 +345,18 @@ def test_the_stand_in_rotary_embedding_rotates_q_and_k_in_place_and_saves_its_ta
 
 
 @pytest.fixture
-def class_patched(liger, monkeypatch):
-    """transformers' Llama classes patched by liger-kernel itself (``apply_liger_kernel_to_llama()``), undone after."""
+def llama_restored(liger, monkeypatch):
+    """transformers' Llama module as it was after the test: liger-kernel's patches rebind its classes and
+    its ``apply_rotary_pos_emb`` (its instance patching, the Trainer's ``use_liger_kernel=True``, too)."""
     from transformers.models.llama import modeling_llama
     for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
     monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
+
+
+@pytest.fixture
+def class_patched(llama_restored):
+    """transformers' Llama classes patched by liger-kernel itself (``apply_liger_kernel_to_llama()``), undone after."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     apply_liger_kernel_to_llama()
 
@@ -357,19 +364,17 @@ def class_patched(liger, monkeypatch):
 def test_a_model_liger_kernel_patched_class_wide_plans_on_fake_tensors_and_applies(class_patched, no_launch):
     model = tiny()
     assert type(model.model.layers[0].mlp).__name__ == "LigerSwiGLUMLP"
-    plan = remat.plan(model, ids(), "4MiB", gpu="h100")
-    assert plan.kernels == "liger" and plan.head in ("plain", "chunked")
-    remat.apply(model, plan)
-    assert not kernel_patches(model)          # Liger's own kernels are there already: nothing installed
     with pytest.raises(ValueError, match="does not undo another library's patches"):
         remat.apply(model, "full", kernels="stock")
     with pytest.raises(ValueError, match="does not undo another library's patches"):
         remat.plan(model, ids(), "4MiB", kernels="stock")
-    both = remat.plan(model, ids(), "4MiB", kernels=("stock", "liger"), gpu="h100")
-    assert both.kernels == "liger" and "no stock variant" in both.notes["kernels"]
+    plan = remat.plan(model, ids(), "4MiB", kernels=("stock", "liger"), gpu="h100")
+    assert plan.kernels == "liger" and plan.head in ("plain", "chunked") and "no stock variant" in plan.notes["kernels"]
+    remat.apply(model, plan)
+    assert not kernel_patches(model)          # Liger's own kernels are there already: nothing installed
 
 
-def test_a_model_patched_as_the_trainer_patches_it_plans_and_remove_leaves_liger_s_patch(liger, no_launch):
+def test_a_model_patched_as_the_trainer_patches_it_plans_and_remove_leaves_liger_s_patch(llama_restored, no_launch):
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     model = tiny()
     _apply_liger_kernel_to_instance(model=model)       # what use_liger_kernel=True does at train()
@@ -381,12 +386,50 @@ def test_a_model_patched_as_the_trainer_patches_it_plans_and_remove_leaves_liger
     assert model.model.layers[0].mlp.__dict__["forward"] is liger_forward
 
 
-def test_remat_plan_kernels_liger_on_the_cpu(liger, no_launch, capsys):
+def test_remat_plan_kernels_liger_on_the_cpu(liger, no_launch, capsys, tmp_path):
     from remat.cli import main
+    path = tmp_path / "plan.json"
     assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--budget", "4MiB",
-                 "--kernels", "liger"]) == 0
+                 "--kernels", "both", "--out", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Liger kernels" in out and "Liger's fused norms, gated MLP and rotary embedding on 4 of 4 blocks" in out
-    assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--budget", "4MiB",
-                 "--kernels", "both", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["kernels"] == "liger"
+    assert Plan.load(str(path)).kernels == "liger"
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, count=8, seq=32):
+        g = torch.Generator().manual_seed(3)
+        self.rows = [torch.randint(0, 500, (seq,), generator=g) for _ in range(count)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+
+def _train(tmp_path, callbacks):
+    from transformers import Trainer, TrainingArguments
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, report_to="none",
+                             use_cpu=True, seed=7, learning_rate=1e-2, save_strategy="no", use_liger_kernel=True,
+                             logging_steps=1)
+    trainer = Trainer(model=tiny(), args=args, train_dataset=_Rows(), callbacks=callbacks)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.model
+
+
+def test_the_trainer_s_use_liger_kernel_with_remat_s_callback_trains_as_liger_alone(liger, llama_restored, tmp_path):
+    from transformers.utils import is_liger_kernel_available
+    if not is_liger_kernel_available():
+        pytest.skip("transformers does not see liger-kernel's package metadata")
+    from remat.integrations.hf import RematCallback
+    said = []
+    with references(liger) as calls:
+        alone, _ = _train(tmp_path / "alone", [])
+        fused = calls["fused_loss"]
+        losses, model = _train(tmp_path / "remat", [RematCallback(budget="4MiB", say=said.append)])
+    plan = remat.current_plan(model)
+    assert fused == 3 and plan is not None and plan.kernels == "liger"
+    assert any("use_liger_kernel=True" in line for line in said)
+    assert any(t != "keep" for t in plan.blocks.values())   # the budget made it treat blocks
+    assert losses == pytest.approx(alone, rel=1e-5)
