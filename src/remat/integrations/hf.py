@@ -279,17 +279,17 @@ class RematCallback(BatchPlanner, TrainerCallback):
     def _cooperate_with_trl(self, model: nn.Module) -> None:
         from remat.api import apply, current_plan
         from remat.planning.plans import Plan
-        if self.head == "chunked":
-            raise ValueError("RematCallback(head='chunked') with TRL: the trainer computes its loss with its own "
-                             "fused LM head, which never calls remat's chunked head; pass head=None or 'plain'")
+        if self.head in ("chunked", "liger"):
+            raise ValueError(f"RematCallback(head={self.head!r}) with TRL: the trainer computes its loss with its own "
+                             "fused LM head, which never calls remat's head; pass head=None or 'plain'")
         self.head = "plain"
         applied = current_plan(model)
-        if applied is not None and applied.head == "chunked":
+        if applied is not None and applied.head in ("chunked", "liger"):
             apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes,
-                              tile_tokens=applied.tile_tokens), strict=False)
+                              tile_tokens=applied.tile_tokens, kernels=applied.kernels), strict=False)
             then = ("the callback's spec replaces the blocks' plan now" if self.spec is not None else
                     "the blocks keep their plan until the callback plans them from the first batch")
-            self.say("remat: TRL's fused LM head computes the loss here, so remat's chunked head (applied before "
+            self.say(f"remat: TRL's fused LM head computes the loss here, so remat's {applied.head} head (applied before "
                      f"the trainer was built) would never be called: it is taken off; {then}")
         self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
 

@@ -177,7 +177,7 @@ def _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend
     rows = hidden.numel() // hidden.shape[-1]
     # tiled: eager only (a graph break under compile), and only where a sequence is long enough to tile
     tiling = backend is None and rows >= TILED_FROM_TOKENS
-    refused = selective_refused(block)
+    refused = selective_refused(block, kernel or "stock")
     for treatment in MEASURED_TREATMENTS:
         if treatment in TILED_TREATMENTS and not tiling:
             continue

@@ -245,13 +245,15 @@ _IN_PLACE_ROPE = ("Liger's rotary embedding rotates q and k in place, in the mat
 
 
 def selective_refused(block: nn.Module, kernel: str = "stock") -> Optional[str]:
-    """Why ``selective`` cannot treat ``block`` running ``kernel`` (and the kernels it runs already), or None."""
+    """Why ``selective`` cannot treat ``block`` running ``kernel`` (``"liger"``: remat's, installed or to be;
+    liger-kernel's own count either way), or None."""
     attention = dict(block.named_modules()).get("self_attn")
     if attention is None:
         return None
-    if patches.patch_of(attention, "forward", tag=TAG) is not None or _rope_owned(attention) or liger_owned(attention):
+    if _rope_owned(attention) or liger_owned(attention):
         return _IN_PLACE_ROPE
-    if kernel == "liger" and any(t.kind == "rope" for t in liger_targets(block)[0]):
+    if kernel == "liger" and (patches.patch_of(attention, "forward", tag=TAG) is not None
+                              or any(t.kind == "rope" for t in liger_targets(block)[0])):
         return _IN_PLACE_ROPE
     return None
 
