@@ -262,7 +262,7 @@ def step(model, batch):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("spec, tile", [("keep", None), ("full", None), ("full+tiled", 16), ("attn-saved", None)])
@@ -433,3 +433,27 @@ def test_the_trainer_s_use_liger_kernel_with_remat_s_callback_trains_as_liger_al
     assert any("use_liger_kernel=True" in line for line in said)
     assert any(t != "keep" for t in plan.blocks.values())   # the budget made it treat blocks
     assert losses == pytest.approx(alone, rel=1e-5)
+
+
+def test_liger_kernels_under_lora_train_the_adapters_as_the_stock_model_does(liger):
+    from peft import LoraConfig, get_peft_model
+    stock = get_peft_model(tiny(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    fused = copy.deepcopy(stock)
+    want_loss, want = step(stock, ids())
+    with references(liger) as calls:
+        remat.apply(fused, "full", kernels="liger")
+        loss, grads = step(fused, ids())
+    assert calls["fused_loss"] == 1 and calls["swiglu"] >= 4 and remat.current_plan(fused).head == "liger"
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert [n for n in grads if "lora" in n]
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_liger_function_without_a_stand_in_is_refused_by_name_on_fake_tensors(liger):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from remat.profiling._liger import liger_stand_ins
+    with FakeTensorMode(), liger_stand_ins():
+        x, w, b = torch.empty(4, 8), torch.empty(8), torch.empty(8)
+        with pytest.raises(ValueError, match="cannot profile Liger's LigerLayerNormFunction with fake tensors"):
+            liger.LigerLayerNormFunction.apply(x, w, b, 1e-5)
