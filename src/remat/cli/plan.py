@@ -52,7 +52,6 @@ EXAMPLES = """examples:
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 4MiB --json
   remat plan --model llama-tiny --batch 2 --seq 128 --budget 1GiB --compile   # GPU
   remat plan --model qwen2-vl-2b --batch 2 --seq 1024 --images 1 --image-size 448x448 --budget 12GiB
-  remat plan --model llama-8b --batch 1 --seq 131072 --budget 76GiB --optimizer adamw --kernels liger
 
 --model takes a preset, a Hugging Face JSON config file of any name (mistral-7b.json) or a
 folder holding config.json. A vision-language config (llava, paligemma, qwen2_vl, qwen2_5_vl)
