@@ -103,9 +103,12 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 if kept:
                     stock[c] = "; ".join(kept)
                 if patches.patches(block, tag=KERNEL_TAG):   # else Liger serves nothing here
-                    measured[kernel] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend,
-                                                    tiles, say, f"{label} with {kernel} kernels", rates, skipped,
-                                                    kernel=kernel)
+                    costs = _kernel_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say,
+                                          f"{label} with {kernel} kernels", rates, skipped, kernel)
+                    if isinstance(costs, str):   # the block did not run with these kernels: left out, said
+                        stock[c] = costs
+                    else:
+                        measured[kernel] = costs
             finally:
                 remove_kernels(block)
         if not measured:  # no kernel asked could be had: the block as it is
@@ -231,6 +234,22 @@ def _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend
     grads = _grad_bytes(block, rates.granularity)
     return ({t: replace(cost, grad_bytes=grads) for t, cost in costs.items()},
             {size: {t: replace(cost, grad_bytes=grads) for t, cost in measured.items()} for size, measured in sizes.items()})
+
+
+def _kernel_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label, rates, skipped,
+                  kernel):
+    """:func:`_class_costs` of ``block`` running ``kernel``, or why it could not run with them (a string)."""
+    try:
+        costs = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label, rates,
+                             skipped, kernel=kernel)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as error:
+        return (f"{type(block).__name__} did not run with {kernel} kernels ({type(error).__name__}: "
+                f"{str(error)[:200]}); its modules stay stock")
+    if "keep" not in costs[0]:
+        return f"{type(block).__name__} did not run with {kernel} kernels; its modules stay stock"
+    return costs
 
 
 def _liger_unavailable(model):

@@ -97,13 +97,13 @@ from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, TILE_CANDIDATES, BlockCost,
     HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, rates_for,
 )
-from remat.planning.kernels import kernel_options
+from remat.planning.kernels import block_kernels, kernel_options
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
 from remat.treat import mask_skip, patches
 from remat.treat.tiled import sampled_chunks
 from remat.treat.discovery import discover
-from remat.treat.kernels import refuse_stock, require_liger
+from remat.treat.kernels import kernels_installed, refuse_stock, require_liger
 
 
 def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
@@ -468,9 +468,12 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
         # the calibration step runs stock blocks and a stock head; Liger's fused loss takes its head ratio
         fused = tuple(h for h in prof.heads if h.mode == "liger")
         stock = replace(prof, heads=tuple(h for h in prof.heads if h.mode != "liger")) if fused else prof
-        if scope:
-            return with_fused_heads(calibrate_compiled(model, batch, loss_fn, named, stock, say, backend, scope), fused)
-        return with_fused_heads(_calibrate(model, batch, loss_fn, named, stock, say), fused)
+        # ... its blocks with the kernels their classes were measured with (Liger's, for kernels="liger")
+        with kernels_installed(named, block_kernels(prof)):
+            if scope:
+                return with_fused_heads(calibrate_compiled(model, batch, loss_fn, named, stock, say, backend, scope),
+                                        fused)
+            return with_fused_heads(_calibrate(model, batch, loss_fn, named, stock, say), fused)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)
         warnings.warn(f"remat: calibration on a real step failed ({type(e).__name__}: {str(e)[:200]}); the "

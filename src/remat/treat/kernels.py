@@ -37,6 +37,7 @@ only when a kernel is installed.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
@@ -292,6 +293,19 @@ def remove_kernels(block: nn.Module) -> None:
     patches.remove(block, tag=TAG)
 
 
+@contextlib.contextmanager
+def kernels_installed(named, kernels):
+    """Inside the block, each block of ``named`` (``[(name, block)]``) runs its kernel of ``kernels``
+    (one per block); remat's kernels taken off afterwards."""
+    try:
+        for (_, block), kernel in zip(named, kernels):
+            install_kernels(block, kernel)
+        yield
+    finally:
+        for _, block in named:
+            remove_kernels(block)
+
+
 def _fused_norm(patch, hidden_states):
     s = patch.state
     return _LIGER["rms_norm"].apply(hidden_states, patch.module.weight, s.eps, s.offset, s.casting, s.in_place, None)
@@ -322,6 +336,10 @@ def _rope_refused(attention: nn.Module) -> Optional[str]:
         function = getattr(function, "__wrapped__", None)
     if "apply_rotary_pos_emb" not in names:
         return f"{type(attention).__name__}.forward does not call apply_rotary_pos_emb"
+    try:
+        _rebound(type(attention).forward, "apply_rotary_pos_emb", None)
+    except ValueError as error:   # a decorator remat cannot see through
+        return str(error)
     return None
 
 
