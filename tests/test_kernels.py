@@ -457,3 +457,20 @@ def test_a_liger_function_without_a_stand_in_is_refused_by_name_on_fake_tensors(
         x, w, b = torch.empty(4, 8), torch.empty(8), torch.empty(8)
         with pytest.raises(ValueError, match="cannot profile Liger's LigerLayerNormFunction with fake tensors"):
             liger.LigerLayerNormFunction.apply(x, w, b, 1e-5)
+
+
+def test_tiled_runs_the_liger_modules_of_a_class_patched_model_chunk_by_chunk(liger, llama_restored):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    stock = tiny()
+    want_loss, want = step(stock, ids())
+    apply_liger_kernel_to_llama()
+    fused = tiny()
+    fused.load_state_dict(stock.state_dict())
+    assert type(fused.model.layers[0].post_attention_layernorm).__name__ == "LigerRMSNorm"
+    with references(liger) as calls:
+        remat.apply(fused, "full+tiled", tile_tokens=16)
+        loss, grads = step(fused, ids())
+    assert calls["swiglu"] >= len(fused.model.layers) * (BATCH * SEQ // 16)   # a chunk at a time
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
