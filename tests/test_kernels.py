@@ -235,14 +235,22 @@ def references(ops):
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    def gelu_mul(a, b):
+        calls["geglu"] += 1
+        return F.gelu(a, approximate="tanh") * b
+
     def fused_loss(x, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse=0.0, smoothing=0.0,
-                   reduction="mean", *rest):
+                   reduction="mean", softcap=None, *rest):
         calls["fused_loss"] += 1
-        loss = F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=ignore_index, reduction=reduction)
+        logits = F.linear(x, weight, bias).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
         return loss, None, None, None
 
     swaps = [(ops.LigerRMSNormFunction, "apply", staticmethod(rms_norm)),
              (ops.LigerSiLUMulFunction, "apply", staticmethod(silu_mul)),
+             (ops.LigerGELUMulFunction, "apply", staticmethod(gelu_mul)),
              (ops.LigerFusedLinearCrossEntropyFunction, "apply", staticmethod(fused_loss)),
              (rope_module, "dispatch", dispatch)]
     before = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in swaps]
@@ -471,6 +479,34 @@ def test_tiled_runs_the_liger_modules_of_a_class_patched_model_chunk_by_chunk(li
         remat.apply(fused, "full+tiled", tile_tokens=16)
         loss, grads = step(fused, ids())
     assert calls["swiglu"] >= len(fused.model.layers) * (BATCH * SEQ // 16)   # a chunk at a time
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _family(kind):
+    from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, Qwen3Config
+    shape = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    config = {"qwen3": lambda: Qwen3Config(**shape), "gemma": lambda: GemmaConfig(**shape),
+              "gemma2": lambda: Gemma2Config(**shape, attn_implementation="eager")}[kind]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma", "gemma2"])
+def test_each_family_s_kernels_match_its_stock_modules(liger, kind):
+    """Liger's settings per family (norm offset and casting, Qwen3's q/k norms, Gemma-2's four norms not in
+    place, GeGLU, the soft-capped fused loss) reproduce the family's own modules."""
+    stock = _family(kind)
+    fused = copy.deepcopy(stock)
+    want_loss, want = step(stock, ids())
+    with references(liger) as calls:
+        remat.apply(fused, "full", kernels="liger")
+        loss, grads = step(fused, ids())
+    norms = {"qwen3": 4, "gemma": 2, "gemma2": 4}[kind] * 2 + 1
+    assert calls["rms_norm"] >= norms and calls["rope"] >= 2 and calls["fused_loss"] == 1
+    assert calls["geglu" if kind.startswith("gemma") else "swiglu"] >= 2
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, grad in want.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

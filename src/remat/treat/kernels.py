@@ -120,6 +120,12 @@ def liger_objects() -> dict:
     return _LIGER
 
 
+def _liger(name: str):
+    """One of :func:`liger_objects` (looked up after a model with remat's kernels is loaded in a new process)."""
+    found = _LIGER.get(name)
+    return found if found is not None else liger_objects()[name]
+
+
 @dataclass(frozen=True)
 class _Norm:
     eps: float
@@ -308,7 +314,7 @@ def kernels_installed(named, kernels):
 
 def _fused_norm(patch, hidden_states):
     s = patch.state
-    return _LIGER["rms_norm"].apply(hidden_states, patch.module.weight, s.eps, s.offset, s.casting, s.in_place, None)
+    return _liger("rms_norm").apply(hidden_states, patch.module.weight, s.eps, s.offset, s.casting, s.in_place, None)
 
 
 def _fused_rope(patch, *args, **kwargs):
@@ -316,11 +322,11 @@ def _fused_rope(patch, *args, **kwargs):
 
 
 def _swiglu(patch, x):
-    return _LIGER["swiglu"](patch.module, x)
+    return _liger("swiglu")(patch.module, x)
 
 
 def _geglu(patch, x):
-    return _LIGER["geglu"](patch.module, x)
+    return _liger("geglu")(patch.module, x)
 
 
 _FORWARDS = {"norm": _fused_norm, "swiglu": _swiglu, "geglu": _geglu, "rope": _fused_rope}
