@@ -43,8 +43,8 @@ from remat.planning.records import block_records
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
-from remat.treat.kernels import (check_kernels, install_kernels, install_liger_head, liger_head_unavailable,
-                                 liger_targets, refuse_stock, require_liger)
+from remat.treat.kernels import check_kernels, install_kernels, liger_targets, refuse_stock, require_liger
+from remat.treat.liger_head import install_liger_head, liger_head_unavailable
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
 

@@ -294,7 +294,7 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
 
     def _say_liger(self, model: nn.Module) -> None:
-        from remat.treat.kernels import liger_loss
+        from remat.treat.liger_head import liger_loss
         head = ("TRL's fused head computes the loss" if self.trl_head else
                 "the plain head is Liger's fused linear cross-entropy, remat's chunked head the other choice, "
                 "whichever the budget makes faster" if liger_loss(model) else "the loss is the model's own")

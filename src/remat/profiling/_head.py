@@ -7,7 +7,7 @@ chunked head (:mod:`remat.head`) around its runs, once per chunk option (the can
 chunk sizes, none above the batch's token count: :func:`_chunk_options`); a model it cannot
 serve gets the reason from :func:`_chunked_unavailable` instead. The ``liger`` mode installs
 Liger's fused linear cross-entropy as the model's loss around its runs
-(:func:`remat.treat.kernels.install_liger_head`).
+(:func:`remat.treat.liger_head.install_liger_head`).
 
 A stub returns a fresh tensor of its block's real output shape and dtype that depends on
 its input, so the next block (a CNN stage, a UNet level) gets what it expects and gradients
@@ -49,7 +49,7 @@ from remat.profiling._capture import _hidden_of, _Like
 from remat.profiling._meters import _chain
 from remat.planning.costs import HeadCost
 from remat.treat import patches
-from remat.treat.kernels import install_liger_head, remove_liger_head
+from remat.treat.liger_head import install_liger_head, remove_liger_head
 
 STUB_TAG = "profile-stub"
 

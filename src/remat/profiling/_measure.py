@@ -49,8 +49,8 @@ from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILE_CANDIDATES, 
 from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
 from remat.treat import patches
 from remat.treat.kernels import TAG as KERNEL_TAG
-from remat.treat.kernels import (install_kernels, kernel_of, liger_head_unavailable, liger_parts, remove_kernels,
-                                 selective_refused)
+from remat.treat.kernels import install_kernels, kernel_of, liger_parts, remove_kernels, selective_refused
+from remat.treat.liger_head import liger_head_unavailable
 
 
 class MissingLoss(TypeError):

@@ -1,11 +1,10 @@
 """liger-kernel's fused ops on one block instance (and on the LM head), installed through the patch registry.
 
 What: ``kernels="liger"`` runs a block's RMSNorms, its gated MLP (SwiGLU, GeGLU) and its rotary
-embedding with Liger's Triton kernels, and the head mode ``"liger"`` computes the LM loss with
-Liger's fused linear cross-entropy (its ``lce_forward`` for the family, with the final norm
-fused too), as liger-kernel 0.8.5's ``apply_liger_kernel_to_<family>(model=...)`` does, but per
-instance and undoably: every change is an instance ``forward`` installed by
-:func:`remat.treat.patches.install` (tags ``"kernels"`` and ``"kernels-head"``), so
+embedding with Liger's Triton kernels (and the head mode ``"liger"``, :mod:`remat.treat.liger_head`,
+the LM loss with its fused linear cross-entropy), as liger-kernel 0.8.5's
+``apply_liger_kernel_to_<family>(model=...)`` does, but per instance and undoably: every change is
+an instance ``forward`` installed by :func:`remat.treat.patches.install` (tag ``"kernels"``), so
 :func:`remat.remove` takes it off, ``state_dict`` keys stay the same (no module is replaced and no
 attribute set on one: the kernels' settings ride in the patch's state), and no class, no module
 global of transformers and no other model in the process changes. Liger's own instance patching
@@ -38,7 +37,6 @@ only when a kernel is installed.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 import types
 from dataclasses import dataclass
@@ -49,7 +47,6 @@ import torch.nn as nn
 from remat.treat import patches
 
 TAG = "kernels"
-HEAD_TAG = "kernels-head"
 EXTRA = "pip install remat[kernels]"
 
 
@@ -390,87 +387,3 @@ def _copy(function, globals_, closure):
     copy.__dict__.update(function.__dict__)   # a wrapper's __wrapped__ among it (replaced by the caller)
     copy.__annotations__ = dict(getattr(function, "__annotations__", {}))
     return copy
-
-
-# -- the head: Liger's fused linear cross-entropy as the model's loss ---------------------------------
-
-
-def _find_lm(model: nn.Module) -> Optional[nn.Module]:
-    """The outermost module with a config and an output embedding (a PEFT wrapper's base model)."""
-    for module in model.modules():
-        get_out = getattr(type(module), "get_output_embeddings", None)
-        if callable(get_out) and hasattr(module, "config") and get_out(module) is not None:
-            return module
-    return None
-
-
-def liger_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s LM computes its loss with Liger's fused linear cross-entropy already
-    (its forward is Liger's ``lce_forward``: liger-kernel's patch, or remat's ``"liger"`` head)."""
-    lm = _find_lm(model)
-    return lm is not None and (patches.patch_of(lm, "forward", tag=HEAD_TAG) is not None or _liger_lm(lm))
-
-
-def _liger_lm(lm: nn.Module) -> bool:
-    """Whether liger-kernel itself made ``lm``'s forward its ``lce_forward`` (class-wide or on the instance)."""
-    return _from_liger(_own_forward(lm)) or _from_liger(type(lm).forward)
-
-
-def liger_head_unavailable(model: nn.Module) -> Optional[str]:
-    """Why the ``"liger"`` head mode cannot run on ``model`` (liger-kernel missing, a family without
-    Liger's ``lce_forward``, an output embedding that is not a plain ``nn.Linear``, a loss Liger's
-    already computes), or None. Imports liger-kernel."""
-    lm = _find_lm(model)
-    if lm is None:
-        return f"no LM head in {type(model).__name__}"
-    family = family_of(lm)
-    if family not in FAMILIES:
-        return f"{type(lm).__name__} is not a family remat runs Liger's fused loss on ({', '.join(FAMILIES)})"
-    if _liger_lm(lm):
-        return f"{type(lm).__name__} computes its loss with Liger's fused linear cross-entropy already (its plain head)"
-    if type(lm.get_output_embeddings()) is not nn.Linear:
-        return (f"its output embedding is a {type(lm.get_output_embeddings()).__name__}, not a plain nn.Linear "
-                "(LoRA or quantisation on lm_head): Liger's loss would read its base weight only")
-    if (getattr(lm.config, "pretraining_tp", 1) or 1) > 1:
-        return "pretraining_tp > 1, which Liger's loss refuses"
-    if _own_forward(lm) is not None:
-        return f"{type(lm).__name__}'s forward is replaced on the instance by another library"
-    why = liger_unavailable()
-    if why is not None:
-        return f"liger-kernel does not import ({why}): {EXTRA}"
-    try:
-        importlib.import_module(f"liger_kernel.transformers.model.{family}").lce_forward  # noqa: B018
-    except (ImportError, AttributeError) as error:
-        return f"liger-kernel has no fused loss for {family} ({error})"
-    return None
-
-
-def install_liger_head(model: nn.Module) -> nn.Module:
-    """Compute ``model``'s LM loss with Liger's fused linear cross-entropy (its family's ``lce_forward``
-    as the LM's instance ``forward``, the signature kept) and its final norm with Liger's RMSNorm;
-    ValueError where :func:`liger_head_unavailable` says why not. Returns ``model``."""
-    why = liger_head_unavailable(model)
-    if why is not None:
-        raise ValueError(f"the 'liger' head cannot run on {type(model).__name__}: {why}; use head='plain' or "
-                         "'chunked'")
-    remove_liger_head(model)
-    lm = _find_lm(model)
-    family = family_of(lm)
-    liger_objects()
-    patches.install(lm, "forward", _liger_lm_forward, tag=HEAD_TAG, state=f"liger_kernel.transformers.model.{family}")
-    base = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-    norm = getattr(base, "norm", None)
-    spec = FAMILIES[family]
-    if isinstance(norm, nn.Module) and not liger_owned(norm) and getattr(norm, "weight", None) is not None:
-        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
-        patches.install(norm, "forward", _fused_norm, tag=HEAD_TAG, bound=True,
-                        state=_Norm(float(eps), spec.offset, spec.casting, spec.in_place))
-    return model
-
-
-def remove_liger_head(model: nn.Module) -> None:
-    patches.remove(model, tag=HEAD_TAG)
-
-
-def _liger_lm_forward(patch, *args, **kwargs):
-    return importlib.import_module(patch.state).lce_forward(patch.module, *args, **kwargs)
