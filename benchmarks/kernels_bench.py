@@ -19,7 +19,8 @@ order (the class-wide Liger patch comes after the rows that must not see it):
 
 Each trained row: peak allocated and reserved, tokens/s (median of 3 steps after 2 warm-ups), the plan
 and its prediction, and its gradient error: ``||g - g_fp32|| / ||g_fp32||`` over every parameter's
-gradient of one step on the same batch from the same weights (Liger + HF's own error is the bar).
+gradient of one step on the same batch from the same weights (the reference's, rounded to bf16; Liger +
+HF's own error is the bar).
 One failing row records its error and the rest go on. JSON lines in ``$OUT/kernels_bench.jsonl``,
 a table last. Targets (issue 39): ``remat@14`` >= 0.92 x ``liger_keep`` tokens/s; ``remat@12`` >=
 ``liger_hf`` tokens/s; every row's gradient error <= ``liger_hf``'s.
@@ -52,7 +53,8 @@ ROWS = [r for r in os.environ.get("ROWS", ",".join(ALL)).split(",") if r]
 CARDS = {"remat@14": 15.5, "remat@12": 13.5, "liger_hf": 15.5, "liger_remat@14": 15.5}
 BUDGETS = {"remat@14": "14GiB", "remat@12": "12GiB", "liger_remat@14": "14GiB"}
 RESULTS = []
-REFERENCE = {}
+REFERENCE = {}   # parameter name -> the fp32 reference gradient, on the host
+INIT = {}        # the weights every row starts from (bf16 values), on the host
 PROFILE = {}
 
 
@@ -136,6 +138,8 @@ def row(name, setup, dtype=torch.bfloat16, train=True):
     try:
         card(CARDS.get(name))
         model = build(dtype) if train else None
+        if train and INIT:
+            model.load_state_dict(INIT)   # every row from the same weights
         rec.update(setup(model) or {})
         if train and name != "fp32_ref":
             rec["grad_error"] = grad_error(model)
@@ -154,6 +158,11 @@ def row(name, setup, dtype=torch.bfloat16, train=True):
 
 
 def reference(model):
+    """The fp32 reference gradients, from weights rounded to bf16 (the rows' weights: the error is the compute's)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    INIT.update({k: v.to(torch.bfloat16).cpu() for k, v in model.state_dict().items()})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.zero_grad(set_to_none=True)
     loss = model(**batch()).loss
