@@ -25,8 +25,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 
+# liger-kernel without its dependencies (no Triton, ~290 MB with nothing to run on a CPU): its Python is
+# what tests/test_kernels.py checks remat's wiring against, imported under a Triton stub (tests/_triton_stub.py)
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[hf,plot,test]"
+	$(BIN)/pip install -q --no-deps "liger-kernel==0.8.5"
 	touch $@
 
 install: $(VENV)/.installed

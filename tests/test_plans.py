@@ -62,7 +62,7 @@ def test_plan_is_immutable():
     ("chunk_tokens", 2.5, r"'chunk_tokens' must be a positive integer.*got 2.5 \(float\)"),
     ("blocks", ["model.layers.0"], r"'blocks' must be a mapping of block name to treatment.*got a list"),
     ("blocks", {"model.layers.0": "recompute"}, r"unknown treatments.*one of keep, full"),
-    ("head", "fused", r"'head' must be a head mode \(a string\), one of plain, chunked; got 'fused'"),
+    ("head", "fused", r"'head' must be a head mode \(a string\), one of plain, chunked, liger; got 'fused'"),
     ("head", 3, r"'head' must be a head mode \(a string\).*got 3 \(int\)"),
     ("notes", [], r"'notes' must be a mapping"),
     ("chunk", 1024, r"unknown fields \['chunk'\]"),

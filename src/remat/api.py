@@ -43,12 +43,14 @@ from typing import Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from remat.planning.plans import Plan, resolve
+from remat.planning.plans import KERNELS, Plan, resolve
 from remat.planning.records import block_records
 from remat.treat import allocator as _allocator
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
 from remat.treat.discovery import BlockSelector, discover
+from remat.treat.kernels import check_kernels, install_kernels, liger_targets, refuse_stock, require_liger
+from remat.treat.liger_head import install_liger_head, liger_head_unavailable
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
 
@@ -59,7 +61,8 @@ _BATCH_TAG = "batch-check"
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           head: Optional[str] = None, chunk_tokens: Optional[int] = None,
           tile_tokens: Union[int, Mapping[str, int], None] = None, offload_options: Optional[dict] = None,
-          strict: bool = True, mask_skip: bool = True, expandable_segments: Optional[bool] = None) -> nn.Module:
+          strict: bool = True, mask_skip: bool = True, kernels: Optional[str] = None,
+          expandable_segments: Optional[bool] = None) -> nn.Module:
     """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
 
     ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
@@ -78,6 +81,13 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
     ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where
     eager mode skips it (:mod:`remat.treat.mask_skip`: only inside this model's forward, only where
     the installed torch and transformers need it); False leaves transformers' functions alone.
+    ``kernels``: ``"liger"`` runs every block's norms, gated MLP and rotary embedding with liger-kernel's
+    fused kernels, per block instance (:mod:`remat.treat.kernels`; ``remove`` takes them off, the
+    ``state_dict`` keys stay), and, where ``head`` is not given and the plan's head is plain, the loss
+    with Liger's fused linear cross-entropy (head ``"liger"``) where the model's family has it; blocks
+    Liger cannot serve keep their modules (a warning names them). ``"stock"``: the model's own modules
+    (refused, ValueError, for a model liger-kernel patched itself: remat does not undo another
+    library's patches). Default: the plan's (:meth:`Plan.kernel_of`), stock for a spec.
     ``expandable_segments``: None (default) switches PyTorch's caching allocator to expandable segments
     while the model holds the plan, where the model is on a GPU (or on ``meta`` with a GPU present)
     and nothing opts out (``REMAT_EXPANDABLE_SEGMENTS=0``, ``expandable_segments:False`` in
@@ -98,21 +108,26 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         if problem:
             raise ValueError(f"{problem}; plan this model with remat.plan(model, batch, budget), or pass "
                              "strict=False to apply the plan anyway")
+    named = structure.blocks(model)
+    if kernels is not None:
+        plan, head = _with_kernels(model, plan, kernels, head, named)
     if head is not None or chunk_tokens is not None or tile_tokens is not None:
         plan = dataclasses.replace(plan, head=head if head is not None else plan.head,
                                    chunk_tokens=chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
                                    tile_tokens=tile_tokens if tile_tokens is not None else plan.tile_tokens)
-    named = structure.blocks(model)
     records = block_records(plan, [name for name, _ in named])   # the plan resolved once, per block
     offloading = any(r.offload for r in records)
     for (name, block), record in zip(named, records):
         try:
             check_treatment(block, record)
+            check_kernels(block, record)
         except ValueError as error:
             raise ValueError(f"block {name}: {error}") from None
     if plan.head == "chunked":
         from remat.head import check_chunked_head
         check_chunked_head(model, chunk_tokens=plan.chunk_tokens)
+    if plan.head == "liger":
+        _check_liger_head(model)
     previous = patches.remove(model)
     try:
         engine = None
@@ -122,10 +137,13 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             engine = OffloadEngine(model, **dict(options or {}))
         segments = segments_of(records)
         for (name, block), record in zip(named, records):
+            install_kernels(block, record.kernel)   # first: a tiled sub-module's chunks run the fused forward
             apply_treatment(block, record, engine=engine, segment=segments.get(record.segment))
         if plan.head == "chunked":
             from remat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
+        elif plan.head == "liger":
+            install_liger_head(model)
         _guard_hf_checkpointing(model)
         patches.install_value(model, _PLAN, plan, tag="plan")
         if "batch" in plan.notes and "seq" in plan.notes:
@@ -161,6 +179,38 @@ def _trains_on_gpu(model: nn.Module) -> bool:
     """A model with parameters on a GPU, or on ``meta`` (materialised later, FSDP2's way) where one is present."""
     devices = {p.device.type for p in model.parameters()}
     return "cuda" in devices or (devices == {"meta"} and torch.cuda.is_available())
+
+
+def _with_kernels(model: nn.Module, plan: Plan, kernels, head, named) -> tuple:
+    """``(plan, head)`` with ``kernels`` for every block (and Liger's fused loss as the head where ``head``
+    is not given, the plan's is plain and the model's family has it); warns of the blocks Liger cannot
+    serve; refuses ``"stock"`` for blocks liger-kernel patched itself."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)} (or None for the plan's), got {kernels!r}")
+    if kernels == "stock":
+        refuse_stock(named)
+        return dataclasses.replace(plan, kernels=None), head
+    require_liger()
+    kept = {name: "; ".join(why) for name, block in named for why in [liger_targets(block)[1]] if why}
+    if kept:
+        first = next(iter(kept))
+        warnings.warn(f"remat: {len(kept)} of {len(named)} blocks keep some or all of their stock modules under "
+                      f"kernels='liger' ({first}: {kept[first]})", UserWarning, stacklevel=3)
+    if head is None and plan.head == "plain" and liger_head_unavailable(model) is None:
+        head = "liger"
+    notes = dict(plan.notes, kernels_stock=kept) if kept else plan.notes
+    return dataclasses.replace(plan, kernels="liger", notes=notes), head
+
+
+def _check_liger_head(model: nn.Module) -> None:
+    """The error installing the ``liger`` head would raise (or TRL's fused head bypassing it), before any change."""
+    from remat.head import find_trl_head
+    if find_trl_head(model) is not None:
+        raise ValueError("head='liger' with TRL's fused LM head: the trainer computes its loss with its own head, "
+                         "which never calls the model's forward; use head='plain'")
+    why = liger_head_unavailable(model)
+    if why is not None:
+        raise ValueError(f"head='liger' cannot run on {type(model).__name__}: {why}; use head='plain' or 'chunked'")
 
 
 def remove(model: nn.Module) -> nn.Module:

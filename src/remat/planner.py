@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from remat.planning.context import AttentionShape, context
 from remat.planning.costs import Profile
+from remat.planning.kernels import block_kernels, kernel_choices, kernel_options, plan_kernels, with_kernels
 from remat.planning.plans import OFFLOADING_TREATMENTS, Plan
 from remat.planning.replication import replicate
 from remat.planning.sharding import shard
@@ -80,7 +81,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
          treatments: Optional[Sequence[str]] = None, heads: Optional[Sequence[str]] = None,
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
          compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True,
-         host_memory=None, cp_world: int = 1, cp_balance: bool = True) -> Plan:
+         host_memory=None, cp_world: int = 1, cp_balance: bool = True, kernels=None) -> Plan:
     """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
     (a block left untouched, and the model's own head, unless changing it gains more than 1%
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
@@ -140,6 +141,15 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     here, 60% of the available memory, divided among the ranks torchrun started on this host; for a fake-tensor profile, made for another machine: no
     limit): a plan offloads no more than that (``notes["host_bytes"]`` says how much it does), or
     the ``NoPlanFits`` names the host as the limit.
+    ``kernels``: None (the model's modules as they are; where liger-kernel patched the model, its
+    kernels are measured, stood in for on fake tensors, and recorded in the plan), ``"stock"``,
+    ``"liger"`` (liger-kernel's fused norms, gated MLP and rotary embedding per block, installed by
+    :func:`remat.apply` through remat's patch registry, and the head mode ``"liger"``, its fused linear
+    cross-entropy, among the heads), or ``("stock", "liger")``: each block class and the head profiled
+    both ways, and the kernels whose plan is fastest chosen per block class with the treatments
+    (:mod:`remat.planning.kernels`). The plan's ``kernels`` records them; blocks Liger cannot serve keep
+    their modules and are named in ``notes["kernels_stock"]``. ValueError for ``"liger"`` without
+    liger-kernel (``pip install remat[kernels]``), and for ``"stock"`` on a model liger-kernel patched.
     """
     budget_bytes = parse_budget(budget)
     _check_model_argument(model)
@@ -168,20 +178,28 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         made = {None: False, "model": True}.get(profile_scope(profiled.notes), profile_scope(profiled.notes))
         raise ValueError(f"profiled was made with compile={made!r}, but compile={compile!r} was asked: profile "
                          f"again with remat.profile(..., compile={compile!r})")
+    if profiled is not None and kernel_options(kernels) and not profiled.kernel_variants:
+        raise ValueError(f"kernels={kernels!r} with profiled=: that profile was made without kernels; profile "
+                         f"again with remat.profile(..., kernels={kernels!r})")
     with _within_budget(model, budget_bytes, on_gpu and profiled is None):
         prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
-                                    blocks=blocks, progress=progress, compile=compile)
+                                    blocks=blocks, progress=progress, compile=compile, kernels=kernels)
     # the host that trains: this one when the profile was measured here on its GPU, else unknown
     # unless given (a plan made on a laptop for an H100 box must not take the laptop's memory)
     host = parse_budget(host_memory) if host_memory is not None else (
         host_share(default_host_limit()) if prof.device == "cuda" else None)
     prof = replace(prof, host_limit=host)
-    if cp_world != 1:
-        prof = context(prof, cp_world, shape, balance=cp_balance)
-    if fsdp_world != 1:
-        prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
-    if ddp_world != 1:
-        prof = replicated(prof, model, ddp_world)
+    candidates = []
+    for choice in kernel_choices(prof):   # one, unless profiled with several kernels
+        candidate = with_kernels(prof, choice)
+        if cp_world != 1:
+            candidate = context(candidate, cp_world, shape, balance=cp_balance)
+        if fsdp_world != 1:
+            candidate = shard(candidate, fsdp_world, block_param_bytes(model, candidate))
+        if ddp_world != 1:
+            candidate = replicated(candidate, model, ddp_world)
+        candidates.append(candidate)
+    prof = fastest_kernels(candidates, budget_bytes, treatments, heads)
     allowed = allowed_treatments(prof, treatments)
     if not (scope and verify):
         return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
@@ -446,12 +464,38 @@ def _grad_bytes(prof, stream) -> tuple:
     return tuple(per_owner.get(first[c], 0) for c in range(len(prof.classes))), sum(per_owner.values())
 
 
+def fastest_kernels(candidates: list, budget_bytes: int, treatments=None, heads=None) -> Profile:
+    """The profile of ``candidates`` (one per choice of kernels: :func:`remat.planning.kernels.kernel_choices`)
+    whose plan within ``budget_bytes`` is predicted fastest (the first, the kernels measured, on a tie);
+    where none fits, the one that comes closest (its plan's ``NoPlanFits`` is then raised)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    from remat.planning.solver import NoPlanFits
+    best, closest = None, None
+    for candidate in candidates:
+        try:
+            found = solve_profiled(candidate, budget_bytes, treatments=allowed_treatments(candidate, treatments),
+                                   heads=heads)
+        except NoPlanFits as error:
+            peak = float("inf") if error.smallest_peak is None else error.smallest_peak
+            closest = closest if closest is not None and closest[0] <= peak else (peak, candidate)
+            continue
+        if best is None or found.notes["predicted_step_s"] < best[0]:
+            best = (found.notes["predicted_step_s"], candidate)
+    return (best or closest)[1]
+
+
 def _marked(chosen: Plan, prof) -> Plan:
     """``chosen`` with ``notes["compile"]`` (and the compiled calibration) when ``prof`` was compiled,
     ``notes["ran_for_real"]`` when a fake profile ran steps that read values for real (a
     vision-language model's image-token merge: :class:`remat.profiling._fake.ValuedFakeMode`), and
-    ``notes["profiled"]`` when a GPU model was profiled with fake tensors (long context)."""
-    for key in ("ran_for_real", "profiled"):
+    ``notes["profiled"]`` when a GPU model was profiled with fake tensors (long context); with the
+    kernels ``prof``'s blocks were measured with (``kernels``; the blocks Liger's kernels do not
+    serve, in ``notes["kernels_stock"]``)."""
+    kernels = plan_kernels(prof.block_names, block_kernels(prof))
+    if kernels is not None:
+        chosen = replace(chosen, kernels=kernels)
+    for key in ("ran_for_real", "profiled", "kernels", "kernels_stock"):
         if prof.notes.get(key):
             chosen = replace(chosen, notes=dict(chosen.notes, **{key: prof.notes[key]}))
     if not prof.notes.get("compile"):

@@ -64,6 +64,10 @@ contiguous pieces, the last rank's attention charged); with --fsdp M, parameters
 optimizer state are sharded over M ranks.
 --compile plans for `remat.apply(model, plan); model.compile()`: it builds the model on the GPU
 with random weights and measures each block compiled (needs CUDA).
+--kernels liger plans with liger-kernel's fused norms, gated MLP and rotary embedding on every block
+of a family it serves (Llama, Mistral, Qwen2/3, Gemma/Gemma-2), stood in for on fake tensors here, and
+its fused linear cross-entropy among the heads; `remat.apply(model, plan)` installs them per block
+(pip install remat[kernels]). --kernels both profiles each block class both ways and keeps the faster.
 """
 
 PROGRESS_AFTER_S = 2.0  # quiet for quick runs; a line per stage once a run takes longer
@@ -105,6 +109,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ddp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD DDP ranks, each holding the whole model "
                              "(default 1; not with --fsdp)")
+    parser.add_argument("--kernels", default=None, choices=("stock", "liger", "both"),
+                        help="liger: run the blocks' norms, gated MLP and rotary embedding with liger-kernel's fused "
+                             "kernels (and Liger's fused loss among the heads); both: profile both ways, the faster "
+                             "chosen per block class; default: the model's modules (pip install remat[kernels])")
     parser.add_argument("--out", help="write the plan as JSON here")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON on stdout (the --out format) and nothing else")
@@ -230,9 +238,11 @@ def profile_from_args(args, say):
     ``(profile, model, ids)``: the model and batch it measured, which a compiled plan is measured on."""
     import torch
 
+    from remat.planning.kernels import kernel_choices, with_kernels
     from remat.presets import build_model, load_config
-    from remat.profiling.profiler import block_param_bytes, profile
+    from remat.profiling.profiler import profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    kernels = {"both": ("stock", "liger")}.get(getattr(args, "kernels", None), getattr(args, "kernels", None))
     config = load_config(args.model)
     check_image_arguments(args, config)
     if getattr(args, "compile", False):
@@ -241,7 +251,7 @@ def profile_from_args(args, say):
         ids = batch_from_args(args, config, dtype, random=True)
         device = next(model.parameters()).device
         ids = {k: v.to(device) for k, v in ids.items()} if isinstance(ids, dict) else ids.to(device)
-        prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=args.compile)
+        prof = profile(model, ids, optimizer=args.optimizer, progress=say, compile=args.compile, kernels=kernels)
     else:
         say(f"building {args.model} on the meta device")
         model = build_model(config, device="meta", dtype=dtype)
@@ -251,11 +261,23 @@ def profile_from_args(args, say):
             from remat.planner import cp_piece
             say(f"profiling one of {cp} context-parallel ranks: {args.seq // cp} of the {args.seq} tokens")
             ids = cp_piece(model, ids, cp, balance=not getattr(args, "cp_contiguous", False))
-        prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say)
-        if cp != 1:
-            from remat.planner import attention_shape
-            from remat.planning.context import context
-            prof = context(prof, cp, attention_shape(model), balance=not getattr(args, "cp_contiguous", False))
+        prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say, kernels=kernels)
+    candidates = [finish_profile(args, model, with_kernels(prof, choice), say) for choice in kernel_choices(prof)]
+    if len(candidates) > 1:
+        from remat.planner import fastest_kernels
+        from remat.units import parse_budget
+        say("choosing the kernels per block class")
+        return fastest_kernels(candidates, parse_budget(args.budget)), model, ids
+    return candidates[0], model, ids
+
+
+def finish_profile(args, model, prof, say):
+    """``prof`` as the command plans it: context-parallel, host limit, FSDP or DDP ranks as ``args`` say."""
+    cp = getattr(args, "cp", 1)
+    if cp != 1 and not getattr(args, "compile", False):
+        from remat.planner import attention_shape
+        from remat.planning.context import context
+        prof = context(prof, cp, attention_shape(model), balance=not getattr(args, "cp_contiguous", False))
     host = getattr(args, "host_memory", None)
     if host is not None or prof.device == "cuda":
         from dataclasses import replace
@@ -265,13 +287,14 @@ def profile_from_args(args, say):
         prof = replace(prof, host_limit=parse_budget(host) if host is not None else default_host_limit())
     if args.fsdp != 1:
         from remat.planning.sharding import shard
+        from remat.profiling.profiler import block_param_bytes
         say(f"sharding for {args.fsdp} FSDP ranks")
         prof = shard(prof, args.fsdp, block_param_bytes(model, prof))
     if getattr(args, "ddp", 1) != 1:
         from remat.planner import replicated
         say(f"replicating for {args.ddp} DDP ranks")
         prof = replicated(prof, model, args.ddp)
-    return prof, model, ids
+    return prof
 
 
 def batch_from_args(args, config, dtype, random=False):
@@ -358,6 +381,22 @@ def no_fit_message(error, budget, args) -> str:
     if getattr(args, "cp", 1) == 1 and getattr(args, "ddp", 1) == 1:
         fixes.append("split each sequence over ranks (--cp WORLD)")
     return text + " To fit: " + ", ".join(fixes) + "."
+
+
+def kernel_lines(plan) -> list:
+    """What the plan's kernels are, where it has any, and the blocks Liger's kernels do not serve."""
+    lines = []
+    if plan.kernels is not None or plan.head == "liger":
+        liger = sum(plan.kernel_of(name) == "liger" for name in plan.blocks)
+        lines.append(f"kernels    Liger's fused norms, gated MLP and rotary embedding on {liger} of {len(plan.blocks)} "
+                     "blocks" + ("; head: Liger's fused linear cross-entropy" if plan.head == "liger" else ""))
+    stock = plan.notes.get("kernels_stock") or {}
+    if stock:
+        first = next(iter(stock))
+        lines.append(f"stock      {len(stock)} blocks keep stock modules ({first}: {stock[first]})")
+    if plan.notes.get("kernels"):
+        lines.append(f"kernels    {plan.notes['kernels']}")
+    return lines
 
 
 def check_out_path(path) -> None:
@@ -476,6 +515,8 @@ def run(args) -> int:
         print(f"images     {images}")
     print(f"plan       {plan.summary()}")
     print(f"blocks     {describe(plan)}")
+    for line in kernel_lines(plan):
+        print(line)
     if plan.notes.get("ran_for_real"):
         print(f"real       {plan.notes['ran_for_real']}")
     if plan.notes.get("verified") is not None:

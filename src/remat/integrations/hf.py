@@ -50,6 +50,14 @@ plain-head prediction is an upper bound of the head's memory), says so once, and
 chunked head was applied before the trainer was built, takes it off with a message rather
 than leave it silently bypassed.
 
+Liger (``TrainingArguments(use_liger_kernel=True)``, or TRL's ``SFTConfig``): the Trainer patches the
+model's norms, gated MLP, rotary embedding and (not under TRL) its loss with Liger's kernels when
+``train()`` starts, before ``on_train_begin``. The callback plans that patched model as it is: its blocks
+are measured with Liger's kernels (a fake-tensor profile stands in for them: a Triton kernel never
+sees a fake tensor), the plain head is Liger's fused linear cross-entropy and the chunked head the other
+choice, and the plan records ``kernels="liger"``; one message says so. ``plan_options`` may pass
+``kernels=`` (``"liger"`` on a model the Trainer does not patch: remat installs Liger's per block).
+
 Budget: ``budget=None`` on CUDA is 90% of what the device can give this process (free memory
 plus what torch already holds); on the CPU a budget or a ``spec`` must be given. A budget no
 plan fits stops training at the first batch with :class:`remat.NoPlanFits` naming the smallest
@@ -189,6 +197,8 @@ class RematCallback(BatchPlanner, TrainerCallback):
         self.trl_head = find_trl_head(model) is not None
         if self.trl_head:
             self._cooperate_with_trl(model)
+        if getattr(args, "use_liger_kernel", False):
+            self._say_liger(model)
         if self.spec is not None:
             self._apply_spec(model)
             return
@@ -269,19 +279,27 @@ class RematCallback(BatchPlanner, TrainerCallback):
     def _cooperate_with_trl(self, model: nn.Module) -> None:
         from remat.api import apply, current_plan
         from remat.planning.plans import Plan
-        if self.head == "chunked":
-            raise ValueError("RematCallback(head='chunked') with TRL: the trainer computes its loss with its own "
-                             "fused LM head, which never calls remat's chunked head; pass head=None or 'plain'")
+        if self.head in ("chunked", "liger"):
+            raise ValueError(f"RematCallback(head={self.head!r}) with TRL: the trainer computes its loss with its own "
+                             "fused LM head, which never calls remat's head; pass head=None or 'plain'")
         self.head = "plain"
         applied = current_plan(model)
-        if applied is not None and applied.head == "chunked":
+        if applied is not None and applied.head in ("chunked", "liger"):
             apply(model, Plan(blocks=applied.blocks, head="plain", chunk_tokens=None, notes=applied.notes,
-                              tile_tokens=applied.tile_tokens), strict=False)
+                              tile_tokens=applied.tile_tokens, kernels=applied.kernels), strict=False)
             then = ("the callback's spec replaces the blocks' plan now" if self.spec is not None else
                     "the blocks keep their plan until the callback plans them from the first batch")
-            self.say("remat: TRL's fused LM head computes the loss here, so remat's chunked head (applied before "
+            self.say(f"remat: TRL's fused LM head computes the loss here, so remat's {applied.head} head (applied before "
                      f"the trainer was built) would never be called: it is taken off; {then}")
         self.say("remat: TRL's fused LM head found: remat plans the blocks and leaves TRL's head as it is")
+
+    def _say_liger(self, model: nn.Module) -> None:
+        from remat.treat.liger_head import liger_loss
+        head = ("TRL's fused head computes the loss" if self.trl_head else
+                "the plain head is Liger's fused linear cross-entropy, remat's chunked head the other choice, "
+                "whichever the budget makes faster" if liger_loss(model) else "the loss is the model's own")
+        self.say("remat: the Trainer runs Liger's kernels (use_liger_kernel=True): remat plans over them, measured "
+                 f"on the GPU or stood in for on fake tensors; {head}")
 
     # -- what differs from the shared planner ---------------------------------------------
     def _options(self, module: nn.Module, batch) -> dict:

@@ -366,6 +366,13 @@ class Profile:
     and weight-gradient sums), not what it keeps or offloads: the tiled sub-modules save only their
     inputs. Empty (a profile made before chunk sizes were chosen, or one that tiles nothing): the
     default chunk only. Read through :meth:`cost` and :meth:`tile_sizes`."""
+    class_kernels: tuple = ()
+    """Per block class, the kernels its costs were measured with (``"stock"`` or ``"liger"``:
+    :data:`~remat.planning.plans.KERNELS`); empty: the model's own modules everywhere."""
+    kernel_variants: tuple = ()
+    """Per block class, ``{kernel: class index}``: the same blocks measured with each kernel profiled
+    (``remat.profile(..., kernels=("stock", "liger"))``; a class maps its own kernel to itself). Classes no
+    block uses until :func:`remat.planning.kernels.with_kernels` chooses them; empty: one kernel each."""
 
     @property
     def tokens(self) -> int:
@@ -466,3 +473,7 @@ class ProfileBody:
     """Block indices of the step's calls, in order, where a block runs more than once (else empty)."""
     tiles: tuple = ()
     """Per block class, ``{chunk tokens: {treatment: BlockCost}}`` (:attr:`Profile.tiles`)."""
+    class_kernels: tuple = ()
+    """Per block class, the kernels it was measured with (:attr:`Profile.class_kernels`)."""
+    kernel_variants: tuple = ()
+    """Per block class, ``{kernel: class index}`` (:attr:`Profile.kernel_variants`)."""

@@ -42,6 +42,13 @@ the compile mode and the torch / transformers / remat versions; the blocks are t
 :func:`remat.apply` can refuse a plan made for another model (:func:`resolve` with ``strict``) and
 ``remat doctor`` can say what differs. Plans written before these notes existed load as they
 are; they say nothing of their model, so they are applied by name as any hand-made plan.
+
+``kernels`` says which implementation of a block's norms, gated MLP and rotary embedding runs:
+``stock`` (the model's own modules) or ``liger`` (liger-kernel's fused ops, installed per block
+instance by :mod:`remat.treat.kernels`); one name for every block or a ``{block name: kernel}``
+mapping (the planner chooses per block class). The head mode ``liger`` is Liger's fused linear
+cross-entropy as the model's loss (with the final norm's fused kernel), beside ``plain`` and
+``chunked``. Plans without the field (older files) load as stock.
 """
 from __future__ import annotations
 
@@ -64,12 +71,14 @@ OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled", "attn-
 TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
 ATTENTION_SAVED = ("attn-saved", "attn-saved+offload", "attn-saved+tiled", "attn-saved+offload+tiled")
 """The treatments that keep only the attention kernel's output (an op-level policy, as ``selective``)."""
-HEAD_MODES = ("plain", "chunked")
+HEAD_MODES = ("plain", "chunked", "liger")
+KERNELS = ("stock", "liger")
+"""The kernels a plan may name per block: the model's own modules, or liger-kernel's fused ops."""
 DEFAULT_TILE_TOKENS = 8192
 """Tokens per chunk of a tiled block whose plan names no size (``tile_tokens`` None, or a mapping
 without the block): what :mod:`remat.treat.tiled` runs (its own constant of the same value: treat
 asks planning nothing; a test holds them equal) and what a profile's ``classes`` measure."""
-_FIELDS = ("version", "blocks", "head", "chunk_tokens", "tile_tokens", "notes")
+_FIELDS = ("version", "blocks", "head", "chunk_tokens", "tile_tokens", "notes", "kernels")
 _SEGMENT = re.compile(r"segment:(0|[1-9][0-9]*)")
 
 
@@ -100,7 +109,9 @@ class Plan:
     (None: chosen at apply time); ``tile_tokens`` to the blocks with a tiled treatment
     (tokens per chunk of their token-wise sub-modules): one size for all, a ``{block name: size}``
     mapping over tiled blocks (:meth:`tile_of` reads a block's), or None for
-    :data:`DEFAULT_TILE_TOKENS`.
+    :data:`DEFAULT_TILE_TOKENS`. ``kernels``: one of :data:`KERNELS` for every block, a
+    ``{block name: kernel}`` mapping over the plan's blocks (:meth:`kernel_of` reads a block's), or
+    None for the model's own modules.
     """
 
     blocks: Mapping[str, str]
@@ -108,6 +119,7 @@ class Plan:
     chunk_tokens: Optional[int] = None
     notes: Mapping[str, object] = field(default_factory=dict)
     tile_tokens: Union[None, int, Mapping[str, int]] = None
+    kernels: Union[None, str, Mapping[str, str]] = None
 
     def __post_init__(self):
         if not isinstance(self.blocks, Mapping):
@@ -129,10 +141,12 @@ class Plan:
             raise ValueError(f"'chunk_tokens' must be a positive integer, or None to choose it for the "
                              f"vocabulary at apply time; got {c!r} ({type(c).__name__})")
         t = _checked_tiles(self.tile_tokens, self.blocks)
+        k = _checked_kernels(self.kernels, self.blocks)
         if not isinstance(self.notes, Mapping):
             raise TypeError(f"'notes' must be a mapping; got a {type(self.notes).__name__}")
         object.__setattr__(self, "chunk_tokens", None if c is None else int(c))
         object.__setattr__(self, "tile_tokens", t)
+        object.__setattr__(self, "kernels", k)
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
@@ -147,12 +161,20 @@ class Plan:
         t = self.tile_tokens
         return t.get(name) if isinstance(t, Mapping) else t
 
+    def kernel_of(self, name: str) -> str:
+        """The kernels block ``name`` runs with: its own in a mapping, the plan's one name, else ``stock``."""
+        k = self.kernels
+        return k.get(name, "stock") if isinstance(k, Mapping) else (k or "stock")
+
     def to_dict(self) -> dict:
         data = {"version": PLAN_VERSION, "blocks": dict(self.blocks), "head": self.head,
                 "chunk_tokens": self.chunk_tokens, "notes": dict(self.notes)}
         if self.tile_tokens is not None:
             t = self.tile_tokens
             data["tile_tokens"] = dict(t) if isinstance(t, Mapping) else t
+        if self.kernels is not None:
+            k = self.kernels
+            data["kernels"] = dict(k) if isinstance(k, Mapping) else k
         return data
 
     @classmethod
@@ -171,7 +193,7 @@ class Plan:
         notes = data.get("notes")
         try:
             return cls(data["blocks"], data.get("head", "plain"), data.get("chunk_tokens"),
-                       {} if notes is None else notes, data.get("tile_tokens"))
+                       {} if notes is None else notes, data.get("tile_tokens"), data.get("kernels"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -216,7 +238,14 @@ class Plan:
         if segments:
             parts = [p + f" (in {len(segments)} segments)" if p.endswith(" segment") else p for p in parts]
         head = self.head + (f"({self.chunk_tokens})" if self.head == "chunked" and self.chunk_tokens else "")
-        return f"{', '.join(parts) or 'no blocks'}; head {head}{self._tiles_summary()}"
+        return f"{', '.join(parts) or 'no blocks'}; head {head}{self._tiles_summary()}{self._kernels_summary()}"
+
+    def _kernels_summary(self) -> str:
+        """``"; Liger kernels"``, ``"; Liger kernels on 12 of 16 blocks"``, or empty (stock modules)."""
+        liger = sum(self.kernel_of(name) == "liger" for name in self.blocks)
+        if not liger:
+            return ""
+        return "; Liger kernels" + ("" if liger == len(self.blocks) else f" on {liger} of {len(self.blocks)} blocks")
 
     def _tiles_summary(self) -> str:
         """``"; tiles of 4096 tokens"``, or each size with its blocks where they differ
@@ -285,11 +314,13 @@ def _renamed(plan: Plan, block_names: list, strict: bool = True) -> Plan:
         if len(set(mapping.values())) != len(mapping):
             raise ValueError("two of the plan's blocks map to one block of this model (names are ambiguous); "
                              f"was it made for another model?{_made_for_text(plan)}")
-        tiles = plan.tile_tokens
+        tiles, kernels = plan.tile_tokens, plan.kernels
         if isinstance(tiles, Mapping):
             tiles = {mapping[k]: v for k, v in tiles.items()}
+        if isinstance(kernels, Mapping):
+            kernels = {mapping[k]: v for k, v in kernels.items()}
         renamed = Plan(blocks={mapping[k]: v for k, v in plan.blocks.items()}, head=plan.head,
-                       chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=tiles)
+                       chunk_tokens=plan.chunk_tokens, notes=plan.notes, tile_tokens=tiles, kernels=kernels)
     if strict and is_solved(plan) and len(renamed.blocks) != len(block_names):
         missing = next(n for n in block_names if n not in renamed.blocks)
         raise ValueError(
@@ -400,6 +431,27 @@ def _checked_tiles(tiles, blocks: Mapping):
     if not _positive_int(tiles):
         raise ValueError(f"{what}; got {tiles!r} ({type(tiles).__name__})")
     return int(tiles)
+
+
+def _checked_kernels(kernels, blocks: Mapping):
+    """``kernels`` (a plan's) as the plan holds it: None, one of :data:`KERNELS`, or a read-only
+    ``{block name: kernel}`` over the plan's blocks; a ValueError that says what is wrong otherwise."""
+    if kernels is None:
+        return None
+    what = (f"'kernels' must be one of {', '.join(KERNELS)} (for every block), a mapping of the plan's block names "
+            "to those, or None for the model's own modules")
+    if isinstance(kernels, Mapping):
+        bad = {k: v for k, v in kernels.items() if not isinstance(k, str) or v not in KERNELS}
+        if bad:
+            raise ValueError(f"{what}; got the mapping entries {bad!r}")
+        unknown = [k for k in kernels if k not in blocks]
+        if unknown:
+            raise ValueError(f"'kernels' names blocks the plan does not have: {unknown[:3]}; name only blocks of "
+                             "'blocks'")
+        return MappingProxyType(dict(kernels))
+    if kernels not in KERNELS:
+        raise ValueError(f"{what}; got {kernels!r} ({type(kernels).__name__})")
+    return kernels
 
 
 def _positive_int(value) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from remat.planning.plans import OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, Plan, segment_of, untiled
+from remat.planning.plans import KERNELS, OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, Plan, segment_of, untiled
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,18 @@ class BlockRecord:
     """Its place in its segment."""
     segment_size: int = 0
     """Blocks in its segment."""
+    kernel: str = "stock"
+    """Which implementation its norms, gated MLP and rotary embedding run: ``stock`` (the model's own
+    modules) or ``liger`` (:mod:`remat.treat.kernels`), as the plan's :meth:`~remat.planning.plans.Plan.kernel_of` says."""
 
 
-def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Optional[int] = None) -> BlockRecord:
-    """The record of one block treated as ``treatment`` (a segment's member alone: position 0 of 1);
-    ValueError for a name that is no treatment."""
+def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Optional[int] = None,
+                 kernel: str = "stock") -> BlockRecord:
+    """The record of one block treated as ``treatment`` (a segment's member alone: position 0 of 1), with
+    ``kernel`` (one of :data:`~remat.planning.plans.KERNELS`); ValueError for a name that is no treatment
+    or kernel."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     number = segment_of(treatment)
     if treatment not in TREATMENTS and number is None:
         raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
@@ -56,15 +63,16 @@ def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Opti
     return BlockRecord(treatment=treatment, around="segment" if number is not None else untiled(treatment),
                        name=name, index=index, offload=treatment in OFFLOADING_TREATMENTS, tiled=tiled,
                        tile_tokens=tile_tokens if tiled else None, segment=number,
-                       segment_size=1 if number is not None else 0)
+                       segment_size=1 if number is not None else 0, kernel=kernel)
 
 
 def block_records(plan: Plan, block_names) -> tuple:
     """One :class:`BlockRecord` per name of ``block_names``, in order (blocks the plan does not name
     are ``keep``), each segment's members numbered by position with the segment's size, each tiled
-    block with its own chunk size (:meth:`Plan.tile_of`)."""
+    block with its own chunk size (:meth:`Plan.tile_of`) and kernels (:meth:`Plan.kernel_of`)."""
     names = list(block_names)
-    records = [block_record(plan.blocks.get(name, "keep"), name=name, index=index, tile_tokens=plan.tile_of(name))
+    records = [block_record(plan.blocks.get(name, "keep"), name=name, index=index, tile_tokens=plan.tile_of(name),
+                            kernel=plan.kernel_of(name))
                for index, name in enumerate(names)]
     members = {}
     for index, record in enumerate(records):

@@ -9,6 +9,9 @@ how a plan names its compile scope (:func:`compile_scope`, :func:`profile_scope`
 never planned compiled: :data:`OFFLOAD_UNDER_COMPILE`), a compiled plan measured on one real step
 (:func:`measure_compiled`, :func:`room_to_measure`), the mask a padded batch carries
 (:func:`padded_mask`), and the memory a measurement may take (:func:`allocator_cap`, :func:`card_bytes`).
+Liger's Triton kernels are stood in for on fake tensors (:mod:`~remat.profiling._liger`: shapes,
+saved bytes and roofline costs), and ``remat.profile(..., kernels=...)`` measures each block class
+with each kernel asked.
 
 Imports run downward: this package uses the head, the treatments, offload and planning, and
 never imports the API, the planner or anything above them (the function that applies a plan is

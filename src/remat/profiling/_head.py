@@ -5,7 +5,9 @@ the step runs (:func:`_stub_run`) with six marks: embeddings, the stubs, head fo
 backward, the stubs' backward, and the embeddings' backward. The ``chunked`` mode enables the
 chunked head (:mod:`remat.head`) around its runs, once per chunk option (the candidate
 chunk sizes, none above the batch's token count: :func:`_chunk_options`); a model it cannot
-serve gets the reason from :func:`_chunked_unavailable` instead.
+serve gets the reason from :func:`_chunked_unavailable` instead. The ``liger`` mode installs
+Liger's fused linear cross-entropy as the model's loss around its runs
+(:func:`remat.treat.liger_head.install_liger_head`).
 
 A stub returns a fresh tensor of its block's real output shape and dtype that depends on
 its input, so the next block (a CNN stage, a UNet level) gets what it expects and gradients
@@ -47,6 +49,7 @@ from remat.profiling._capture import _hidden_of, _Like
 from remat.profiling._meters import _chain
 from remat.planning.costs import HeadCost
 from remat.treat import patches
+from remat.treat.liger_head import install_liger_head, remove_liger_head
 
 STUB_TAG = "profile-stub"
 
@@ -71,6 +74,8 @@ def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeat
     if mode == "chunked":
         from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)
+    elif mode == "liger":
+        install_liger_head(model)
     try:
         with contextlib.ExitStack() as stack:
             # installed once for all runs: a compiled model would recompile for new stubs at every run
@@ -85,6 +90,8 @@ def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeat
         if mode == "chunked":
             from remat.head import disable_chunked_head
             disable_chunked_head(model)
+        elif mode == "liger":
+            remove_liger_head(model)
     # marks: (end, peak, seconds) per phase; phases 1 and 4 are the stubs' own work and its backward
     (pre_end, pre_peak, pre_s), _, (hf_end, hf_peak, hf_s), (hb_end, hb_peak, hb_s), _, (pb_end, pb_peak, pb_s) = m
     return HeadCost(mode=mode, chunk_tokens=chunk, pre_peak=pre_peak, pre_end=pre_end, head_fwd_peak=hf_peak,

@@ -47,6 +47,10 @@ from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
 from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILE_CANDIDATES, TILED_FROM_TOKENS, ProfileBody
 from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
+from remat.treat import patches
+from remat.treat.kernels import TAG as KERNEL_TAG
+from remat.treat.kernels import install_kernels, kernel_of, liger_parts, remove_kernels, selective_refused
+from remat.treat.liger_head import liger_head_unavailable
 
 
 class MissingLoss(TypeError):
@@ -54,18 +58,20 @@ class MissingLoss(TypeError):
 
 
 def _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats=1,
-                  backend=None, scope="model", tiles=TILE_CANDIDATES):
+                  backend=None, scope="model", tiles=TILE_CANDIDATES, kernels=()):
     """Every block class per treatment, then the head per mode; ``backend``: a ``torch.compile``
     backend name to measure compiled (see :mod:`remat.profiling._compiled`), else eager;
     ``scope``: with a backend, ``model`` measures the head compiled too, ``blocks`` only the blocks;
-    ``tiles``: the chunk sizes the tiled treatments are measured at (those below the step's tokens)."""
+    ``tiles``: the chunk sizes the tiled treatments are measured at (those below the step's tokens);
+    ``kernels``: the kernels each block class is measured with besides its own (``"liger"``: remat
+    installs Liger's on its first block for those runs; the variants are the body's ``kernel_variants``)."""
     # each compiled measurement takes its graphs back out of dynamo's cache (profiling._compiled)
     return _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats, backend, scope, tiles)
+                         repeats, backend, scope, tiles, tuple(kernels or ()))
 
 
 def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say, repeats, backend,
-                  scope, tiles=TILE_CANDIDATES):
+                  scope, tiles=TILE_CANDIDATES, kernels=()):
     started = time.perf_counter()
     capture = _capture(model, batch, loss_fn, named)
     signatures, firsts, block_class = {}, [], []
@@ -76,64 +82,53 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             firsts.append(index)
         block_class.append(signatures[sig])
     params = {id(p.untyped_storage()) for p in model.parameters()}
-    classes, tiled, skipped = [], [], {}
+    classes, tiled, skipped, class_kernels, variants, extra, stock = [], [], {}, [], [], [], {}
     for c, index in enumerate(firsts):
         block = named[index][1]
         args, kwargs = capture.inputs[index]
-        costs = {}
-        hidden = _hidden_of(args, kwargs)
-        rows = hidden.numel() // hidden.shape[-1]
-        # tiled: eager only (a graph break under compile), and only where a sequence is long enough to tile
-        tiling = backend is None and rows >= TILED_FROM_TOKENS
-        for treatment in MEASURED_TREATMENTS:
-            if treatment in TILED_TREATMENTS and not tiling:
+        label = f"block class {c + 1}/{len(firsts)} ({type(block).__name__})"
+        current = kernel_of(block)   # as the model is: Liger's where liger-kernel patched it
+        measured = {}
+        for kernel in kernels or (current,):
+            if kernel == current:
+                measured[kernel] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles,
+                                                say, label, rates, skipped)
                 continue
-            say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment}"
-                + ("" if backend is None else " (compiling it: tens of seconds on a large block)"))
+            if kernel == "stock":  # liger-kernel's own patch: remat does not take it off
+                skipped["kernels"] = (f"{type(block).__name__} runs Liger's kernels put there by liger-kernel "
+                                      f"({', '.join(liger_parts(block)[:3])}): planned over them, no stock variant")
+                continue
+            kept = install_kernels(block, kernel)
             try:
-                costs[treatment] = _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats,
-                                               keep=costs.get("keep"), backend=backend)
-            except ValueError:  # e.g. no attention sub-module to checkpoint, or selective's in-place
-                continue        # guard (fake tensors included): not available here
-            except CheckpointError as e:  # a recompute that did not repeat its forward: left out, said
-                if treatment == "keep":
-                    raise
-                skipped[treatment] = (f"{treatment} not available for {type(block).__name__}: its recompute did not "
-                                      f"repeat its forward ({str(e).splitlines()[0][:200]})")
-                continue
-            except RuntimeError as e:
-                # selective on a block that writes in place into a kept output where the guard did
-                # not stop it: torch's own check stops the recompute; refused, as remat.apply
-                # refuses it on real tensors
-                if treatment != "selective" or "selective activation checkpoint" not in str(e):
-                    raise
-                skipped["selective"] = ("selective not available: the block writes in place into a kept "
-                                        f"matmul output ({str(e)[:200]})")
-                continue
-            except Exception as e:  # a treatment that does not compile is left out of a compiled plan, said
-                if backend is None or treatment == "keep" or not _compile_failure(e):
-                    raise
-                skipped[f"compile:{treatment}"] = f"{type(e).__name__}: {str(e)[:300]}"
-                warnings.warn(f"remat: {type(block).__name__} under {treatment!r} did not compile "
-                              f"({type(e).__name__}: {str(e)[:200]}); planning without it", stacklevel=4)
-        sizes = {}  # the tiled treatments that ran at the default chunk, at each other size
-        for size in sorted({int(s) for s in tiles if s < rows and s != DEFAULT_TILE_TOKENS}, reverse=True):
-            for treatment in (t for t in MEASURED_TREATMENTS if t in TILED_TREATMENTS and t in costs):
-                say(f"profiling block class {c + 1}/{len(firsts)} ({type(block).__name__}): {treatment} "
-                    f"in chunks of {size} tokens")
-                sizes.setdefault(size, {})[treatment] = _block_cost(
-                    block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=costs.get("keep"),
-                    tile_tokens=size)
-        for derived, base in DERIVED.items():
-            if base in costs and backend is None:  # no offload under compile: see _compiled.OFFLOAD_UNDER_COMPILE
-                costs[derived] = replace(costs[base], offload_bytes=costs[base].offloadable)
-                for measured in sizes.values():
-                    if base in measured:
-                        measured[derived] = replace(measured[base], offload_bytes=measured[base].offloadable)
-        grads = _grad_bytes(block, rates.granularity)
-        classes.append({t: replace(cost, grad_bytes=grads) for t, cost in costs.items()})
-        tiled.append({size: {t: replace(cost, grad_bytes=grads) for t, cost in measured.items()}
-                      for size, measured in sizes.items()})
+                if kept:
+                    stock[c] = "; ".join(kept)
+                if patches.patches(block, tag=KERNEL_TAG):   # else Liger serves nothing here
+                    costs = _kernel_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say,
+                                          f"{label} with {kernel} kernels", rates, skipped, kernel)
+                    if isinstance(costs, str):   # the block did not run with these kernels: left out, said
+                        stock[c] = costs
+                    else:
+                        measured[kernel] = costs
+            finally:
+                remove_kernels(block)
+        if not measured:  # no kernel asked could be had: the block as it is
+            measured[current] = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles,
+                                             say, label, rates, skipped)
+        first, *others = measured
+        classes.append(measured[first][0])
+        tiled.append(measured[first][1])
+        class_kernels.append(first)
+        variants.append({first: c})
+        for kernel in others:
+            variants[c][kernel] = len(firsts) + len(extra)
+            extra.append((c, kernel) + measured[kernel])
+    for c, kernel, costs, sizes in extra:   # the variant classes, after the classes the blocks use
+        classes.append(costs)
+        tiled.append(sizes)
+        class_kernels.append(kernel)
+        variants.append(variants[c])
+    if stock:
+        skipped["kernels_stock"] = {named[i][0]: stock[cls] for i, cls in enumerate(block_class) if cls in stock}
     hidden = _hidden_of(*capture.inputs[capture.order[0]])
     heads, notes = [], {}
     notes.update(skipped)
@@ -141,12 +136,12 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
         notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE)
     for mode in head_modes:
-        if mode == "chunked":
-            reason = _chunked_unavailable(model)
+        if mode in ("chunked", "liger"):
+            reason = _chunked_unavailable(model) if mode == "chunked" else _liger_unavailable(model)
             if reason is not None:
                 notes[mode] = reason
                 continue
-        options = [None] if mode == "plain" else _chunk_options(chunks, hidden)
+        options = _chunk_options(chunks, hidden) if mode == "chunked" else [None]
         for chunk in options:
             say(f"profiling embeddings and head: {mode}{'' if chunk is None else f' ({chunk} tokens)'}"
                 + ("" if backend is None or scope == "blocks" else ", compiled"))
@@ -175,7 +170,97 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     repeated = len(capture.calls) != len(named)
     return ProfileBody(classes=tuple(classes), block_class=tuple(block_class), heads=tuple(heads),
                        hidden_bytes=_nbytes(hidden), notes=notes, block_names=names,
-                       block_calls=tuple(capture.calls) if repeated else (), tiles=tuple(tiled) if any(tiled) else ())
+                       block_calls=tuple(capture.calls) if repeated else (), tiles=tuple(tiled) if any(tiled) else (),
+                       class_kernels=tuple(class_kernels) if set(class_kernels) != {"stock"} else (),
+                       kernel_variants=tuple(variants) if kernels else ())
+
+
+def _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label, rates, skipped,
+                 kernel=None):
+    """``({treatment: BlockCost}, {chunk: {treatment: BlockCost}})`` of ``block`` on its captured inputs as it
+    runs now (with ``kernel``'s modules installed: a treatment that fails under them is left out, noted as
+    ``<kernel>:<treatment>``); ``skipped`` collects the treatments left out and why."""
+    costs = {}
+    hidden = _hidden_of(args, kwargs)
+    rows = hidden.numel() // hidden.shape[-1]
+    # tiled: eager only (a graph break under compile), and only where a sequence is long enough to tile
+    tiling = backend is None and rows >= TILED_FROM_TOKENS
+    refused = selective_refused(block, kernel or "stock")
+    for treatment in MEASURED_TREATMENTS:
+        if treatment in TILED_TREATMENTS and not tiling:
+            continue
+        if treatment == "selective" and refused:
+            skipped[f"{kernel or 'kernels'}:selective"] = f"selective not available for {type(block).__name__}: {refused}"
+            continue
+        say(f"profiling {label}: {treatment}" + ("" if backend is None else " (compiling it: tens of seconds on a "
+                                                                              "large block)"))
+        try:
+            costs[treatment] = _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats,
+                                           keep=costs.get("keep"), backend=backend)
+        except ValueError:  # e.g. no attention sub-module to checkpoint, or selective's in-place
+            continue        # guard (fake tensors included): not available here
+        except CheckpointError as e:  # a recompute that did not repeat its forward: left out, said
+            if treatment == "keep":
+                raise
+            skipped[treatment] = (f"{treatment} not available for {type(block).__name__}: its recompute did not "
+                                  f"repeat its forward ({str(e).splitlines()[0][:200]})")
+            continue
+        except RuntimeError as e:
+            # selective on a block that writes in place into a kept output where the guard did
+            # not stop it: torch's own check stops the recompute; refused, as remat.apply
+            # refuses it on real tensors
+            if kernel is not None and treatment != "keep" and not isinstance(e, torch.OutOfMemoryError):
+                skipped[f"{kernel}:{treatment}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            if treatment != "selective" or "selective activation checkpoint" not in str(e):
+                raise
+            skipped["selective"] = ("selective not available: the block writes in place into a kept "
+                                    f"matmul output ({str(e)[:200]})")
+            continue
+        except Exception as e:  # a treatment that does not compile is left out of a compiled plan, said
+            if backend is None or treatment == "keep" or not _compile_failure(e):
+                raise
+            skipped[f"compile:{treatment}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"remat: {type(block).__name__} under {treatment!r} did not compile "
+                          f"({type(e).__name__}: {str(e)[:200]}); planning without it", stacklevel=5)
+    sizes = {}  # the tiled treatments that ran at the default chunk, at each other size
+    for size in sorted({int(s) for s in tiles if s < rows and s != DEFAULT_TILE_TOKENS}, reverse=True):
+        for treatment in (t for t in MEASURED_TREATMENTS if t in TILED_TREATMENTS and t in costs):
+            say(f"profiling {label}: {treatment} in chunks of {size} tokens")
+            sizes.setdefault(size, {})[treatment] = _block_cost(
+                block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=costs.get("keep"),
+                tile_tokens=size)
+    for derived, base in DERIVED.items():
+        if base in costs and backend is None:  # no offload under compile: see _compiled.OFFLOAD_UNDER_COMPILE
+            costs[derived] = replace(costs[base], offload_bytes=costs[base].offloadable)
+            for measured in sizes.values():
+                if base in measured:
+                    measured[derived] = replace(measured[base], offload_bytes=measured[base].offloadable)
+    grads = _grad_bytes(block, rates.granularity)
+    return ({t: replace(cost, grad_bytes=grads) for t, cost in costs.items()},
+            {size: {t: replace(cost, grad_bytes=grads) for t, cost in measured.items()} for size, measured in sizes.items()})
+
+
+def _kernel_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label, rates, skipped,
+                  kernel):
+    """:func:`_class_costs` of ``block`` running ``kernel``, or why it could not run with them (a string)."""
+    try:
+        costs = _class_costs(block, args, kwargs, meter, params, min_bytes, repeats, backend, tiles, say, label, rates,
+                             skipped, kernel=kernel)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as error:
+        return (f"{type(block).__name__} did not run with {kernel} kernels ({type(error).__name__}: "
+                f"{str(error)[:200]}); its modules stay stock")
+    if "keep" not in costs[0]:
+        return f"{type(block).__name__} did not run with {kernel} kernels; its modules stay stock"
+    return costs
+
+
+def _liger_unavailable(model):
+    """Why the ``liger`` head mode cannot run on ``model``, as a note, or None."""
+    why = liger_head_unavailable(model)
+    return None if why is None else f"liger head not available: {why}"
 
 
 def _release_after_oom() -> None:

@@ -88,6 +88,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled, compile_scope
+from remat.profiling._liger import liger_stand_ins
 from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _KernelStandIns, _cuda_attention,
                                   _swap_to_fake, _tensors_of_values, fake_attributes_restored, padded_mask)
 from remat.profiling._measure import MissingLoss, _profile_body
@@ -97,17 +98,20 @@ from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.
     HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, optimizer_temp_bytes,
     rates_for,
 )
+from remat.planning.kernels import block_kernels, kernel_options
 from remat.planning.offload_model import EngineModel
 from remat.profiling.snapshot import preserved
 from remat.treat import mask_skip, patches
 from remat.treat.tiled import sampled_chunks
 from remat.treat.discovery import discover
+from remat.treat.kernels import kernels_installed, refuse_stock, require_liger
 
 
 def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None, device: Optional[str] = None,
             blocks=None, optimizer: str = "none", head_modes=("plain", "chunked"),
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
-            progress=None, calibrate: bool = True, compile=False, tile_candidates=TILE_CANDIDATES) -> Profile:
+            progress=None, calibrate: bool = True, compile=False, tile_candidates=TILE_CANDIDATES,
+            kernels=None) -> Profile:
     """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
@@ -143,9 +147,25 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     ``compile="blocks"``: each block compiled alone and the rest eager, as FSDP2 trains compiled
     (``block.compile()`` on every block before ``fully_shard``); ``notes["compile_scope"]`` says
     which (``model`` for ``compile=True``).
+
+    ``kernels``: None (the blocks as they are: a model liger-kernel patched is measured with Liger's
+    kernels, which never see a fake tensor: :mod:`remat.profiling._liger` stands in for them), or
+    ``"stock"``, ``"liger"``, or both (``("stock", "liger")``): every block class is measured with each
+    (``"liger"``: Liger's fused norms, gated MLP and rotary embedding installed on its first block for
+    those runs, :mod:`remat.treat.kernels`), the variants in ``Profile.kernel_variants``, and the head
+    also in the mode ``"liger"`` (Liger's fused linear cross-entropy) where the model's family has it.
+    Blocks Liger cannot serve keep their modules (``notes["kernels_stock"]``, per block). ValueError
+    for ``"liger"`` without liger-kernel installed (``pip install remat[kernels]``), and for
+    ``"stock"`` alone on a model that liger-kernel patched (remat does not undo its patches).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    kernels = kernel_options(kernels)
+    if "liger" in kernels:
+        require_liger("kernels='liger'")
+        head_modes = tuple(head_modes) + (() if "liger" in head_modes else ("liger",))
+    if kernels == ("stock",):
+        refuse_stock(discover(model, blocks).blocks(model))
     batch, loss_fn = model_loss(batch, loss_fn)
     first = next(model.parameters(), None)
     if first is None:
@@ -174,7 +194,7 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     if device == "cuda" and not scope and sequences * tokens >= LONG_CONTEXT_TOKENS:
         return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
                              min_offload_bytes, say, f"{sequences * tokens:,} tokens a step is long context "
-                             f"(from {LONG_CONTEXT_TOKENS:,})", tile_candidates)
+                             f"(from {LONG_CONTEXT_TOKENS:,})", tile_candidates, kernels)
     try:
         with preserved(model) as held, patches.suspended(model):
             structure = discover(model, blocks)
@@ -182,16 +202,17 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             model.train()
             if device == "fake":
                 return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                     min_offload_bytes, say, tile_candidates)
+                                     min_offload_bytes, say, tile_candidates, kernels)
             return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope, tile_candidates)
+                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope, tile_candidates,
+                                 kernels)
     except torch.OutOfMemoryError as error:
         if device != "cuda" or scope:
             raise
         torch.cuda.empty_cache()
         return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
                              min_offload_bytes, say, f"measuring ran out of GPU memory ({str(error)[:120]})",
-                             tile_candidates)
+                             tile_candidates, kernels)
 
 
 LONG_CONTEXT_TOKENS = 65536
@@ -201,7 +222,7 @@ step's inner-block memory several times over (keep, full, ... in turn) and take 
 
 
 def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  why, tiles=TILE_CANDIDATES) -> Profile:
+                  why, tiles=TILE_CANDIDATES, kernels=()) -> Profile:
     """A GPU model's profile with fake tensors, its attention priced at the rates this GPU reaches
     for the model's attention shapes at this length (:func:`measured_attention`) and its copies at
     their measured rates: the memory exactly as a fake profile counts it, planning in the time a
@@ -217,7 +238,7 @@ def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, c
         named = discover(model, blocks).blocks(model)
         model.train()
         prof = _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                             tiles)
+                             tiles, kernels)
         # what the step starts from is what the GPU holds now (the user's gradients set aside)
         static = torch.cuda.memory_allocated(device) - held.held_grad_bytes + prof.optimizer_bytes
     measured = ", ".join(f"head dim {d}: {f / 1e12:.0f}/{b / 1e12:.0f}" for d, f, b in attention)
@@ -379,7 +400,7 @@ def _value_dependent_errors() -> tuple:
 
 
 def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  tiles=TILE_CANDIDATES) -> Profile:
+                  tiles=TILE_CANDIDATES, kernels=()) -> Profile:
     fake_mode = ValuedFakeMode()
     fake_mode.watch(model)
     param_bytes = _storage_bytes(model.parameters())
@@ -388,7 +409,8 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     restore = _swap_to_fake(model, fake_mode)
     restore_attributes = fake_attributes_restored(model)
     try:
-        with fake_mode, _KernelStandIns(), _tensors_of_values(), _conversions_in_place():
+        # Liger's Triton kernels never see a fake tensor: stand-ins of their shapes, saved bytes and costs
+        with fake_mode, _KernelStandIns(), _tensors_of_values(), _conversions_in_place(), liger_stand_ins():
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(rates)
@@ -396,7 +418,7 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                     sampled_chunks(tracker.repeated):  # identical fake chunks: three run, counted for all
                 meter = _TrackerMeter(tracker)
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
-                                     say, tiles=tiles)
+                                     say, tiles=tiles, kernels=kernels)
     except _value_dependent_errors() as error:
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
@@ -422,7 +444,7 @@ def ran_for_real(reads: dict) -> str:
 
 
 def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True, held_grad_bytes=0, scope=None, tiles=TILE_CANDIDATES) -> Profile:
+                  calibrate=True, held_grad_bytes=0, scope=None, tiles=TILE_CANDIDATES, kernels=()) -> Profile:
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
@@ -431,7 +453,7 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     if scope == "model":  # measured as it will run once applied and compiled: the mask skipped as in eager
         mask_skip.hold(model, [name for name, _ in named])
     body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats=REPEATS, backend=backend, scope=scope, tiles=tiles)
+                         repeats=REPEATS, backend=backend, scope=scope, tiles=tiles, kernels=kernels)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
@@ -444,14 +466,31 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     if prof.block_calls:  # the calibration's events are per block: a block called N times would read N calls as one
         return replace(prof, notes=dict(prof.notes, calibration="skipped: a block runs several times a step"))
     try:
-        if scope:
-            return calibrate_compiled(model, batch, loss_fn, named, prof, say, backend, scope)
-        return _calibrate(model, batch, loss_fn, named, prof, say)
+        # the calibration step runs stock blocks and a stock head; Liger's fused loss takes its head ratio
+        fused = tuple(h for h in prof.heads if h.mode == "liger")
+        stock = replace(prof, heads=tuple(h for h in prof.heads if h.mode != "liger")) if fused else prof
+        # ... its blocks with the kernels their classes were measured with (Liger's, for kernels="liger")
+        with kernels_installed(named, block_kernels(prof)):
+            if scope:
+                return with_fused_heads(calibrate_compiled(model, batch, loss_fn, named, stock, say, backend, scope),
+                                        fused)
+            return with_fused_heads(_calibrate(model, batch, loss_fn, named, stock, say), fused)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)
         warnings.warn(f"remat: calibration on a real step failed ({type(e).__name__}: {str(e)[:200]}); the "
                       "profile's seconds are not scaled to in-step ones", stacklevel=3)
         return replace(prof, notes=dict(prof.notes, calibration=f"skipped: {type(e).__name__}: {str(e)[:200]}"))
+
+
+def with_fused_heads(prof: Profile, fused: tuple) -> Profile:
+    """``prof`` (calibrated without them) with Liger's ``fused`` head costs back, their seconds scaled by
+    the calibration's head ratio (as every other head's)."""
+    if not fused:
+        return prof
+    note = prof.notes.get("calibration")
+    ratio = note.get("head", 1.0) if isinstance(note, dict) else 1.0
+    return replace(prof, heads=prof.heads + tuple(replace(h, head_fwd_s=h.head_fwd_s * ratio,
+                                                          head_bwd_s=h.head_bwd_s * ratio) for h in fused))
 
 
 def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param_bytes, buffer_bytes,
@@ -466,7 +505,8 @@ def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param
                    optimizer_temp_bytes=optimizer_temp_bytes(optimizer, shapes),
                    hidden_bytes=body.hidden_bytes, batch=sequences, seq=tokens, dtype=dtype,
                    device=device, rates=rates, notes=body.notes, engine=engine_model(), optimizer_s=step,
-                   block_calls=body.block_calls, tiles=body.tiles)
+                   block_calls=body.block_calls, tiles=body.tiles, class_kernels=body.class_kernels,
+                   kernel_variants=body.kernel_variants)
 
 
 def engine_model() -> EngineModel:
