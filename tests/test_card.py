@@ -269,3 +269,17 @@ def test_a_head_that_does_not_fit_is_left_out_with_a_note_not_a_warning(monkeypa
         prof = profile(tiny(), torch.zeros(2, 32, dtype=torch.long), gpu="h100")
     assert {h.mode for h in prof.heads} == {"chunked"}
     assert "needs more GPU memory than planning may take" in prof.notes["plain"]
+
+
+def test_planning_holds_expandable_segments_only_while_it_plans(monkeypatch):
+    setting = FakeSetting(False).install(monkeypatch)
+    with allocator.while_planning():
+        assert setting.value is True
+    assert setting.value is False
+    model = torch.nn.Linear(2, 2)
+    allocator.hold(model)                         # a model applied meanwhile keeps them on
+    with allocator.while_planning():
+        pass
+    assert setting.value is True
+    allocator.release(model)
+    assert setting.writes == [True, False, True, False]

@@ -38,6 +38,7 @@ planned for the card, and said.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import replace
@@ -60,10 +61,13 @@ from remat.profiling.profiler import profile as _profile
 from remat.units import parse_budget
 
 
-RESERVE_SHARE = 0.005
-"""What a plan leaves of its budget for the caching allocator where expandable segments are on:
-reserved memory exceeds the allocated peak by page rounding and the blocks cached on other streams
-(a 14 GiB llama-1b plan reserved 19 MiB over its peak; benchmarks/results/issue38)."""
+RESERVE_SHARE = 0.03
+"""What a plan leaves of its budget for the caching allocator where expandable segments are on. Not
+fitted: 0.5% was refuted on one H200 (a 16 GiB llama-1b plan, peak 15.55 GiB, ran out of memory on a
+16 GiB card with 1.09 GiB cached and not released, most likely segments made before expandable
+segments were on, which planning now makes expandable too), and uncapped runs reserved 0.07-0.39 GiB
+above llama-1b peaks of 14-20 GiB and 3.5-4.3 GiB above 8B peaks of 73-74 GiB on an 80 GB card
+(benchmarks/results/issue38). A card the size of a plan's budget is not yet shown to hold it."""
 FRAGMENTATION_SHARE = 0.25
 """Where expandable segments cannot be had (:func:`remat.treat.allocator.expandable_possible`), the
 share of the budget above static memory a plan leaves for the allocator's fragmentation: fixed-size
@@ -224,12 +228,16 @@ def _measured_on_gpu(model: nn.Module, device: Optional[str]) -> bool:
     return first is not None and first.device.type == "cuda" and device != "fake"
 
 
+@contextlib.contextmanager
 def _within_budget(model: nn.Module, budget_bytes: int, on_gpu: bool):
-    """Planning's own allocations capped at the budget on the model's GPU (a no-op off it)."""
-    import contextlib
+    """Planning's own allocations capped at the budget on the model's GPU, in expandable segments
+    (:func:`remat.treat.allocator.while_planning`); a no-op off the GPU."""
     if not on_gpu:
-        return contextlib.nullcontext()
-    return allocator_cap(next(model.parameters()).device, budget_bytes)
+        yield
+        return
+    from remat.treat.allocator import while_planning
+    with while_planning(), allocator_cap(next(model.parameters()).device, budget_bytes):
+        yield
 
 
 def within_card(budget_bytes: int, model: Optional[nn.Module] = None, gpu: Optional[str] = None) -> int:

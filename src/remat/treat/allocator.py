@@ -1,7 +1,9 @@
 """The caching allocator's expandable segments, switched on while a model holds a remat plan.
 
 What: :func:`hold` (called by :func:`remat.apply` for a model on a GPU) turns on PyTorch's
-``expandable_segments`` allocator setting; :func:`release` (``remat.remove``, or the model's
+``expandable_segments`` allocator setting, and :func:`while_planning` does for the length of a
+``remat.plan`` on the GPU (planning's own segments, left partly used by a small survivor such as a
+cuBLAS workspace, must not strand memory the plan counts on); :func:`release` (``remat.remove``, or the model's
 finalizer when it is deleted without it) puts the setting back as it was once no model holds it.
 :func:`expandable_possible` says whether remat may turn it on here, and why not where it may not;
 the planner asks it to decide how much a plan holds back for the allocator (``remat.planner``).
@@ -28,6 +30,7 @@ one it replaced.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import weakref
@@ -94,6 +97,10 @@ def expandable_possible() -> Optional[str]:
     return None
 
 
+class _Planning:
+    """What holds the setting while a plan is made (weakly referenced, as a model is)."""
+
+
 def holds(model: nn.Module) -> bool:
     """Whether ``model`` holds the setting (applied with it, not yet released)."""
     finalizer = _holders.get(id(model))
@@ -114,6 +121,22 @@ def hold(model: nn.Module) -> Optional[str]:
     if not holds(model):
         _holders[id(model)] = weakref.finalize(model, _forget, id(model))
     return None
+
+
+@contextlib.contextmanager
+def while_planning():
+    """Expandable segments on inside the block (where :func:`expandable_possible`), as they were after it
+    unless a model came to hold them meanwhile; the cache is emptied at its end, so the segments
+    planning made and no longer uses go back to the GPU."""
+    token = _Planning()
+    if expandable_possible() is None:
+        hold(token)
+    try:
+        yield
+    finally:
+        release(token)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def release(model: nn.Module) -> None:
