@@ -291,8 +291,8 @@ def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=N
     try:
         chosen = solve(prof, budget_bytes - margin - reserve, treatments=treatments, heads=heads)
     except NoPlanFits as e:
-        if not reserve or e.smallest_peak is None or e.host_limited:
-            raise
+        if prof.rates.name == "cpu" or e.smallest_peak is None or e.host_limited:
+            raise   # a CPU plan keeps nothing back: the solver's smallest budget is the user's
         # the budget a user must give: the smallest peak plus what the allocator reserves on top of it
         if how.startswith("expandable"):
             need = int((e.smallest_peak + margin) / (1 - RESERVE_SHARE)) + 1
