@@ -120,7 +120,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     limit): a plan offloads no more than that (``notes["host_bytes"]`` says how much it does), or
     the ``NoPlanFits`` names the host as the limit.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__} "
+                        f"({_short(model)}); call remat.plan(model, batch, budget=...) with the model object")
     budget_bytes = parse_budget(budget)
+    check_batch(model, batch)
     if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
         raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
     if cp_world != 1:
@@ -166,6 +170,106 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
                       "GPU alone does not run")
     return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
                     blocks=blocks, progress=progress)
+
+
+POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "position_embedding", "positional_embedding",
+                   "pos_emb", "pos_embed")
+"""Last names of the modules that hold a model's learned (or fixed) position table, read by
+:func:`position_limit`: GPT-2's ``wpe``, BERT's ``position_embeddings``, OPT's and BART's
+``embed_positions``, CLIP text's ``position_embedding``."""
+POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
+"""Config fields that state a position table's size (GPT-2: ``n_positions``; most others
+``max_position_embeddings``). A field alone limits nothing: RoPE and ALiBi models declare
+``max_position_embeddings`` and run past it (it only scales RoPE), so a limit needs a table too."""
+
+
+def position_limit(model: nn.Module) -> Optional[tuple]:
+    """``(positions, where)``: how many positions ``model``'s position table holds and a phrase
+    naming it (``"transformer.wpe: n_positions 1024"``), or None where nothing limits the length.
+
+    A limit is an ``nn.Embedding`` named as :data:`POSITION_TABLES` lists whose size, less the
+    offset some models add (OPT and BART start at 2), equals a :data:`POSITION_FIELDS` field of the
+    model's config (or its ``text_config``): both agree that the model has that many positions. A
+    rotary or ALiBi model has no such table and is never limited, whatever its config declares."""
+    config = getattr(model, "config", None)
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    declared = {}
+    for c in configs:
+        for field in POSITION_FIELDS:
+            value = getattr(c, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                declared.setdefault(value, field)
+    if not declared:
+        return None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding) or name.rsplit(".", 1)[-1] not in POSITION_TABLES:
+            continue
+        offset = getattr(module, "offset", 0)
+        positions = module.num_embeddings - (offset if isinstance(offset, int) else 0)
+        if positions in declared:
+            return positions, f"{name}: {declared[positions]} {positions:,}"
+    return None
+
+
+LENGTH_KEYS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
+"""The batch entries whose second dimension is a sequence of positions (:func:`check_batch`)."""
+
+
+def check_batch(model: nn.Module, batch) -> None:
+    """Refuse, before anything is profiled, a batch a real training step of ``model`` would crash
+    on: a sequence longer than the model's position table (:func:`position_limit`), a token id
+    outside its input embeddings, a label outside its output embeddings (``-100``, ignored, is
+    fine). Values are read only from real tensors (a batch on the meta device has none); a
+    ValueError names the entry, what it holds, the limit and what to pass."""
+    entries = {"input_ids": batch} if isinstance(batch, torch.Tensor) and not batch.is_floating_point() else (
+        batch if isinstance(batch, dict) else {})
+    limit = position_limit(model)
+    if limit is not None:
+        positions, where = limit
+        for key in LENGTH_KEYS:
+            value = entries.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] > positions:
+                raise ValueError(f"{key} holds sequences of {value.shape[1]:,} tokens, longer than the "
+                                 f"{positions:,} positions {type(model).__name__} has ({where}); a training step "
+                                 f"would fail in its position embedding. Pass sequences of at most {positions:,} "
+                                 "tokens, or a config with a larger position table")
+    tables = {"input_ids": _embedding_rows(model, "input"), "decoder_input_ids": _embedding_rows(model, "input"),
+              "labels": _embedding_rows(model, "output")}
+    for key, rows in tables.items():
+        value = entries.get(key)
+        if rows is None or not _has_values(value) or value.is_floating_point() or value.numel() == 0:
+            continue
+        held = value[value != -100] if key == "labels" else value
+        if held.numel() and (int(held.max()) >= rows or int(held.min()) < 0):
+            bad = int(held.max()) if int(held.max()) >= rows else int(held.min())
+            raise ValueError(f"{key} holds the token id {bad:,}, outside {type(model).__name__}'s vocabulary of "
+                             f"{rows:,} ids (0 to {rows - 1:,}); a training step would fail in its "
+                             f"{'embedding' if key != 'labels' else 'loss'}. Tokenize with this model's tokenizer, "
+                             "or resize its embeddings (model.resize_token_embeddings(len(tokenizer)))"
+                             + ("; labels ignored by the loss are -100" if key == "labels" else ""))
+
+
+def _embedding_rows(model: nn.Module, side: str) -> Optional[int]:
+    """Rows of a Hugging Face model's input embeddings (``side="input"``) or output ones (None elsewhere)."""
+    getter = getattr(model, f"get_{side}_embeddings", None)
+    try:
+        module = getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def _has_values(value) -> bool:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return not is_fake(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None, held_back: int = 0) -> Plan:

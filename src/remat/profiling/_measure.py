@@ -40,6 +40,7 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils.checkpoint import CheckpointError
 
 from remat.profiling._blocks import _block_cost
@@ -47,6 +48,10 @@ from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
 from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILE_CANDIDATES, TILED_FROM_TOKENS, ProfileBody
 from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
+
+
+_VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
+"""What a fake tensor raises where code reads its value (``.item()``, ``nonzero``)."""
 
 
 class MissingLoss(TypeError):
@@ -140,6 +145,7 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     if backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
         notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE)
+    value_read = None
     for mode in head_modes:
         if mode == "chunked":
             reason = _chunked_unavailable(model)
@@ -156,10 +162,14 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             except MissingLoss:
                 raise
             except Exception as e:  # the head may refuse this model: say so, plan without it
+                if isinstance(e, _VALUE_READS):  # a value read (a hook's .item()): raised if no head profiles
+                    value_read = value_read or e
                 notes[mode] = f"{mode} head not profiled: {type(e).__name__}: {str(e)[:300]}"
                 warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: "
                               f"{str(e)[:300]}); planning without it", stacklevel=4)
                 break
+    if not heads and value_read is not None:
+        raise value_read  # the fake-tensor profile says which code read which value, not a loss_fn it never had
     if not heads:
         raise ValueError(f"remat could not profile {type(model).__name__}'s embeddings and head in any mode: "
                          + "; ".join(f"{k}: {v}" for k, v in notes.items() if k in head_modes)

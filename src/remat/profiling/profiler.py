@@ -74,6 +74,7 @@ the copy rates and the in-step calibration in :mod:`remat.profiling._calibrate`.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 import warnings
@@ -397,6 +398,15 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say, tiles=tiles)
     except _value_dependent_errors() as error:
+        reader = value_reader(error, model)
+        if reader is not None:
+            raise ValueError(
+                f"remat could not profile {type(model).__name__} with fake tensors: {reader} read a tensor's value "
+                f"({str(error).strip()[:80]}: .item(), float(), bool() or an `if` on a tensor), and a fake-tensor "
+                "profile has shapes, not values. Skip the read while remat plans: return from the hook first when "
+                "`isinstance(tensor, torch._subclasses.FakeTensor)`, or profile on the GPU, where values are real (the "
+                "model on CUDA; RematCallback and remat.Guard: profile_device='cuda', as they re-plan on fake tensors "
+                "otherwise)") from error
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
             f"values ({type(error).__name__}: {str(error).strip()[:200]}) that do not come from the batch's integer "
@@ -411,6 +421,36 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
     return _finish(model, body, batch, rates, "fake", optimizer, optimizer_bytes, param_bytes,
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
+
+
+def value_reader(error: BaseException, model: nn.Module) -> Optional[str]:
+    """The code outside torch, transformers and remat that read a fake tensor's value, in words
+    (``"the forward hook <lambda> on the model (train.py:12: seen.append(out.loss.item()))"``), or
+    None where the read was the model's own (its forward, inside transformers or torch)."""
+    import traceback
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["remat"])
+                      if getattr(m, "__file__", None))
+    transformers = sys.modules.get("transformers")
+    if getattr(transformers, "__file__", None):
+        libraries += (os.path.dirname(transformers.__file__) + os.sep,)
+    frames = [(tb.tb_frame.f_code, summary) for tb, summary in
+              zip(_tracebacks(error.__traceback__), traceback.extract_tb(error.__traceback__))]
+    outside = [(code, s) for code, s in frames if not os.path.abspath(s.filename).startswith(libraries)]
+    if not outside:
+        return None
+    code, where = outside[-1]
+    line = f"{where.filename}:{where.lineno}" + (f": {where.line.strip()}" if where.line else "")
+    for name, module in model.named_modules():
+        for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
+            if any(getattr(hook, "__code__", None) is code for hook in hooks.values()):
+                return f"the {kind} {code.co_name} on {name or 'the model'} ({type(module).__name__}; {line})"
+    return f"{code.co_name} at {line}"
+
+
+def _tracebacks(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def ran_for_real(reads: dict) -> str:
