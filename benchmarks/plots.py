@@ -38,6 +38,16 @@ LONGCTX = os.path.join(RESULTS, "issue28", "longctx.png")
 
 def headline(out: str = HEADLINE) -> str:
     from remat.prove import plot
+    records, title, note = headline_records()
+    why = plot.plot(records, out, title=title, note=note)
+    if why:
+        raise SystemExit(why)
+    return out
+
+
+def headline_records() -> tuple:
+    """``(records, title, note)`` of the headline plot (the module docstring says which)."""
+    from remat.prove import plot
     eager_run = [r for r in _jsonl(os.path.join(RESULTS, "issue6", "bench.jsonl"))
                  if not r["strategy"].startswith("remat:")]
     with open(os.path.join(RESULTS, "issue11", "h200_frontier", "frontier.json")) as f:
@@ -48,10 +58,7 @@ def headline(out: str = HEADLINE) -> str:
     note = ("Stock strategies and remat's eager plans: benchmarks/results/issue6/bench.jsonl (2026-11-26); remat's "
             "compiled plans and torch.compile with remat's mask fix: issue11/h200_frontier (2026-11-27). "
             "Speeds are each row's ratio to no checkpointing in its own run.")
-    why = plot.plot(eager_run + compiled_run, out, title=title, note=note)
-    if why:
-        raise SystemExit(why)
-    return out
+    return eager_run + compiled_run, title, note
 
 
 def longctx(out: str = LONGCTX) -> str:

@@ -140,12 +140,12 @@ class Guard:
 
     def _shrink(self, batch) -> int:
         before, self.budget = self.budget, int(self.budget * self.shrink)
-        self._replan(batch, self.budget, f"a step that ran out of memory at {format_size(before)}; it runs again on "
-                     "the same batch", keep_head=True, refuse=False)
+        self._replan(batch, self.budget, f"a step that ran out of memory (budget {format_size(before)})",
+                     keep_head=True, refuse=False, then="; the step runs again on the same batch")
         self.recovered += 1
         return self.budget
 
-    def _replan(self, batch, budget, why: str, *, keep_head: bool, refuse: bool) -> None:
+    def _replan(self, batch, budget, why: str, *, keep_head: bool, refuse: bool, then: str = "") -> None:
         from remat.api import current_plan
         options = dict(self.plan_options)
         previous = current_plan(self.model)
@@ -158,8 +158,9 @@ class Guard:
             before = "" if previous is None else f" (replacing the plan applied before: {previous.summary()})"
             self.say(f"remat.Guard: planned for {why}, at {format_size(budget)}: {self.plan.summary()}{before}")
         else:
-            self.say(f"remat.Guard: re-planned for {why}, at {format_size(budget)}: "
-                     f"{previous.summary() if previous is not None else 'no plan'} -> {self.plan.summary()}")
+            before, after = previous.summary() if previous is not None else "no plan", self.plan.summary()
+            change = f"{after} (unchanged)" if before == after else f"{before} -> {after}"
+            self.say(f"remat.Guard: re-planned for {why}, at {format_size(budget)}: {change}{then}")
 
 
 def _print(message: str) -> None:

@@ -173,10 +173,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
 
 
 POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "position_embedding", "positional_embedding",
-                   "pos_emb", "pos_embed")
-"""Last names of the modules that hold a model's learned (or fixed) position table, read by
-:func:`position_limit`: GPT-2's ``wpe``, BERT's ``position_embeddings``, OPT's and BART's
-``embed_positions``, CLIP text's ``position_embedding``."""
+                   "positions_embed", "pos_emb", "pos_embed")
+"""Last names of the modules that hold a model's learned (or fixed sinusoidal) position table, read
+by :func:`position_limit`: GPT-2's ``wpe``, BERT's and RoBERTa's ``position_embeddings``, OPT's,
+BART's and Marian's ``embed_positions``, GPT-1's ``positions_embed``, CLIP text's
+``position_embedding``."""
 POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
 """Config fields that state a position table's size (GPT-2: ``n_positions``; most others
 ``max_position_embeddings``). A field alone limits nothing: RoPE and ALiBi models declare
@@ -187,10 +188,15 @@ def position_limit(model: nn.Module) -> Optional[tuple]:
     """``(positions, where)``: how many positions ``model``'s position table holds and a phrase
     naming it (``"transformer.wpe: n_positions 1024"``), or None where nothing limits the length.
 
-    A limit is an ``nn.Embedding`` named as :data:`POSITION_TABLES` lists whose size, less the
-    offset some models add (OPT and BART start at 2), equals a :data:`POSITION_FIELDS` field of the
-    model's config (or its ``text_config``): both agree that the model has that many positions. A
-    rotary or ALiBi model has no such table and is never limited, whatever its config declares."""
+    A limit is an ``nn.Embedding`` named as :data:`POSITION_TABLES` lists whose size equals a
+    :data:`POSITION_FIELDS` field of the model's config (or its ``text_config``): both agree that
+    the model has that many rows. The positions are the rows less those a sequence cannot reach:
+    the offset OPT and BART add (they start at 2), and a RoBERTa-style table's padding row and
+    those below it (positions start after ``padding_idx``: 514 rows hold 512). A rotary or ALiBi
+    model has no such table and is never limited, whatever its config declares (a sweep of
+    transformers' causal, masked and seq2seq LMs finds one in GPT-2, GPT-Neo, OPT, BioGPT, BERT and
+    RoBERTa kin, BART kin, Marian, Pegasus, Whisper's decoder, XLM, RoFormer, and none in Llama,
+    Mistral, Qwen, Gemma, GPT-J, BLOOM, MPT, T5, Mamba)."""
     config = getattr(model, "config", None)
     configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
     declared = {}
@@ -205,9 +211,14 @@ def position_limit(model: nn.Module) -> Optional[tuple]:
         if not isinstance(module, nn.Embedding) or name.rsplit(".", 1)[-1] not in POSITION_TABLES:
             continue
         offset = getattr(module, "offset", 0)
-        positions = module.num_embeddings - (offset if isinstance(offset, int) else 0)
-        if positions in declared:
-            return positions, f"{name}: {declared[positions]} {positions:,}"
+        offset = offset if isinstance(offset, int) else 0
+        rows = module.num_embeddings
+        padding = module.padding_idx + 1 if module.padding_idx is not None and module.padding_idx >= 0 else 0
+        if offset and rows - offset in declared:  # the config counts positions, the table adds its offset (OPT, BART)
+            return rows - offset, f"{name}: {declared[rows - offset]} {rows - offset:,}"
+        if rows in declared:  # the config counts rows, a padding row among them (RoBERTa: 514 rows, 512 positions)
+            return rows - offset - padding, f"{name}: {declared[rows]} {rows:,}" + (
+                f", positions from {offset + padding}" if offset + padding else "")
     return None
 
 

@@ -398,8 +398,8 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say, tiles=tiles)
     except _value_dependent_errors() as error:
-        reader = value_reader(error, model)
-        if reader is not None:
+        reader, hook = value_reader(error, model)
+        if hook:
             raise ValueError(
                 f"remat could not profile {type(model).__name__} with fake tensors: {reader} read a tensor's value "
                 f"({str(error).strip()[:80]}: .item(), float(), bool() or an `if` on a tensor), and a fake-tensor "
@@ -409,7 +409,8 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                 "otherwise)") from error
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
-            f"values ({type(error).__name__}: {str(error).strip()[:200]}) that do not come from the batch's integer "
+            f"values ({type(error).__name__}: {str(error).strip()[:200]}{', read at ' + reader if reader else ''}) "
+            "that do not come from the batch's integer "
             "tensors, e.g. token routing in a transformers 4.x MoE or random layer drop, which a profile without "
             "data cannot follow. Profile on a GPU (remat.plan or remat.profile with the model and batch on CUDA), "
             "or use transformers >= 5, whose models run on fake tensors") from error
@@ -423,10 +424,11 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
 
 
-def value_reader(error: BaseException, model: nn.Module) -> Optional[str]:
-    """The code outside torch, transformers and remat that read a fake tensor's value, in words
-    (``"the forward hook <lambda> on the model (train.py:12: seen.append(out.loss.item()))"``), or
-    None where the read was the model's own (its forward, inside transformers or torch)."""
+def value_reader(error: BaseException, model: nn.Module) -> tuple:
+    """``(where, hook)``: the code outside torch, transformers and remat that read a fake tensor's
+    value, in words (``"the forward hook <lambda> on the model (LlamaForCausalLM; train.py:12:
+    seen.append(out.loss.item()))"``, or ``"net.py:30 in forward (...)"``), and whether it is one of
+    ``model``'s forward hooks; ``(None, False)`` where the read was inside those libraries."""
     import traceback
     libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["remat"])
                       if getattr(m, "__file__", None))
@@ -437,14 +439,14 @@ def value_reader(error: BaseException, model: nn.Module) -> Optional[str]:
               zip(_tracebacks(error.__traceback__), traceback.extract_tb(error.__traceback__))]
     outside = [(code, s) for code, s in frames if not os.path.abspath(s.filename).startswith(libraries)]
     if not outside:
-        return None
+        return None, False
     code, where = outside[-1]
     line = f"{where.filename}:{where.lineno}" + (f": {where.line.strip()}" if where.line else "")
     for name, module in model.named_modules():
         for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
             if any(getattr(hook, "__code__", None) is code for hook in hooks.values()):
-                return f"the {kind} {code.co_name} on {name or 'the model'} ({type(module).__name__}; {line})"
-    return f"{code.co_name} at {line}"
+                return f"the {kind} {code.co_name} on {name or 'the model'} ({type(module).__name__}; {line})", True
+    return f"{where.filename}:{where.lineno} in {code.co_name}" + (f" ({where.line.strip()})" if where.line else ""), False
 
 
 def _tracebacks(tb):

@@ -568,4 +568,4 @@ def _warn_cache_once(held: int) -> None:
         warnings.warn(f"remat: a KV cache holding {held} tokens reached a treated block in a training forward; "
                       "remat gives the block an empty cache of its own at each call (a recompute must not "
                       "append to yours), so the block does not attend over those tokens and the cache the "
-                      "model returns lacks it. Pass no past_key_values in a training forward.", stacklevel=4)
+                      "model returns lacks it. Pass no cache (past_key_values) to a training forward.", stacklevel=4)
