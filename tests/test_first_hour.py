@@ -28,6 +28,8 @@ def _gpt2(positions=32):
 def test_plan_of_something_that_is_not_a_module_is_a_type_error():
     with pytest.raises(TypeError, match=r"remat.plan expects a torch.nn.Module as its first argument, got str"):
         remat.plan("model", torch.zeros(2, 8, dtype=torch.long), budget="1GiB")
+    with pytest.raises(TypeError, match=r"remat.profile expects a torch.nn.Module as its first argument, got str"):
+        remat.profile("model", torch.zeros(2, 8, dtype=torch.long))
 
 
 @pytest.mark.parametrize("key, value, match", [

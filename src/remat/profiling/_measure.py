@@ -145,7 +145,7 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     if backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
         notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE)
-    value_read = None
+    refused = []  # (mode, error) of each head mode that could not be profiled
     for mode in head_modes:
         if mode == "chunked":
             reason = _chunked_unavailable(model)
@@ -162,14 +162,15 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
             except MissingLoss:
                 raise
             except Exception as e:  # the head may refuse this model: say so, plan without it
-                if isinstance(e, _VALUE_READS):  # a value read (a hook's .item()): raised if no head profiles
-                    value_read = value_read or e
                 notes[mode] = f"{mode} head not profiled: {type(e).__name__}: {str(e)[:300]}"
-                warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: "
-                              f"{str(e)[:300]}); planning without it", stacklevel=4)
+                refused.append((mode, e))
                 break
-    if not heads and value_read is not None:
-        raise value_read  # the fake-tensor profile says which code read which value, not a loss_fn it never had
+    reads = [e for _, e in refused if isinstance(e, _VALUE_READS)]
+    if not heads and reads:  # a value read (a hook's .item()): the fake-tensor profile names the code that read it,
+        raise reads[0]       # where the message below would blame a loss_fn the caller may never have passed
+    for mode, e in refused:
+        warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: {str(e)[:300]}); "
+                      "planning without it", stacklevel=4)
     if not heads:
         raise ValueError(f"remat could not profile {type(model).__name__}'s embeddings and head in any mode: "
                          + "; ".join(f"{k}: {v}" for k, v in notes.items() if k in head_modes)

@@ -144,6 +144,9 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     (``block.compile()`` on every block before ``fully_shard``); ``notes["compile_scope"]`` says
     which (``model`` for ``compile=True``).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.profile expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                        "call remat.profile(model, batch) with the model object")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     batch, loss_fn = model_loss(batch, loss_fn)
