@@ -8,8 +8,9 @@ put measurement beside prediction.
 Short string specs are turned into plans here too, against a model's discovered blocks:
 ``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...),
 ``"first:8"`` (``full`` on the first eight; ValueError on a model of fewer blocks), and either
-with another treatment: ``"every:2:offload"``. They count blocks, which are modules: a block the model calls several times
-a step (ALBERT's one layer group) gets its treatment at every call (:mod:`remat.planning.calls`).
+with another treatment: ``"every:2:offload"``. They count blocks, which are modules: a block the
+model calls several times a step (ALBERT's one layer group) gets its treatment at every call
+(:mod:`remat.planning.calls`).
 
 ``"segments:K"`` checkpoints K consecutive blocks as one unit (``checkpoint_sequential``'s
 semantics: only the unit's input is kept, its backward recomputes all K blocks), and

@@ -449,7 +449,8 @@ def value_reader(error: BaseException, model: nn.Module) -> tuple:
         for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
             if any(getattr(hook, "__code__", None) is code for hook in hooks.values()):
                 return f"the {kind} {code.co_name} on {name or 'the model'} ({type(module).__name__}; {line})", True
-    return f"{where.filename}:{where.lineno} in {code.co_name}" + (f" ({where.line.strip()})" if where.line else ""), False
+    said = f" ({where.line.strip()})" if where.line else ""
+    return f"{where.filename}:{where.lineno} in {code.co_name}{said}", False
 
 
 def _tracebacks(tb):

@@ -211,7 +211,7 @@ def place_labels(figure, ax, labels: list, points: list, obstacles: list = (), m
     taken = [_box(o, renderer) for o in obstacles]
     markers = [_marker_box(ax, point) for point in (points if markers is None else markers)]
     markers += [box for line in lines for box in _line_boxes(ax, line)]
-    for text, point in sorted(zip(labels, points), key=lambda pair: -pair[1][1]):  # top first
+    for text, _ in sorted(zip(labels, points), key=lambda pair: -pair[1][1]):  # top first
         best = None
         for far, (dx, dy, ha, va) in [(False, o) for o in NEAR] + [(True, o) for o in FAR]:
             text.set_position((dx, dy))
