@@ -53,6 +53,8 @@ def test_labels_the_loss_ignores_and_meta_batches_pass():
     labels[:, :3] = -100
     check_batch(model, {"input_ids": torch.randint(0, 64, (2, 8)), "labels": labels})
     check_batch(model, torch.zeros(2, 8, dtype=torch.long, device="meta"))  # no values to read
+    labels[0, 0] = -1  # a loss_fn of the caller's may ignore other labels than the model's loss does
+    check_batch(model, {"input_ids": torch.randint(0, 64, (2, 8)), "labels": labels}, labels=False)
 
 
 def test_gpt2_past_its_position_table_is_refused_and_up_to_it_runs():

@@ -124,7 +124,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__} "
                         f"({_short(model)}); call remat.plan(model, batch, budget=...) with the model object")
     budget_bytes = parse_budget(budget)
-    check_batch(model, batch)
+    check_batch(model, batch, labels=loss_fn is None)
     if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
         raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
     if cp_world != 1:
@@ -226,10 +226,11 @@ LENGTH_KEYS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
 """The batch entries whose second dimension is a sequence of positions (:func:`check_batch`)."""
 
 
-def check_batch(model: nn.Module, batch) -> None:
+def check_batch(model: nn.Module, batch, *, labels: bool = True) -> None:
     """Refuse, before anything is profiled, a batch a real training step of ``model`` would crash
     on: a sequence longer than the model's position table (:func:`position_limit`), a token id
-    outside its input embeddings, a label outside its output embeddings (``-100``, ignored, is
+    outside its input embeddings, and with ``labels`` (the model's own loss: no ``loss_fn``, whose
+    labels may mean something else) a label outside its output embeddings (``-100``, ignored, is
     fine). Values are read only from real tensors (a batch on the meta device has none); a
     ValueError names the entry, what it holds, the limit and what to pass."""
     entries = {"input_ids": batch} if isinstance(batch, torch.Tensor) and not batch.is_floating_point() else (
@@ -245,7 +246,7 @@ def check_batch(model: nn.Module, batch) -> None:
                                  f"would fail in its position embedding. Pass sequences of at most {positions:,} "
                                  "tokens, or a config with a larger position table")
     tables = {"input_ids": _embedding_rows(model, "input"), "decoder_input_ids": _embedding_rows(model, "input"),
-              "labels": _embedding_rows(model, "output")}
+              "labels": _embedding_rows(model, "output") if labels else None}
     for key, rows in tables.items():
         value = entries.get(key)
         if rows is None or not _has_values(value) or value.is_floating_point() or value.numel() == 0:
