@@ -52,6 +52,7 @@ import inspect
 import itertools
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -547,13 +548,19 @@ def _cache_types() -> tuple:
 
 
 _WARNED = set()
+_LAYER_INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> its cache layer (or None)
 
 
 def _tokens_held(cache, block: Optional[nn.Module]) -> int:
-    """Tokens ``cache`` holds for ``block``'s layer (its attention's ``layer_idx``), 0 where it holds
-    none or the layer cannot be told: a cache built for this forward holds none for a block yet."""
-    index = next((m.layer_idx for m in (block.modules() if block is not None else ())
-                  if isinstance(getattr(m, "layer_idx", None), int)), None)
+    """Tokens ``cache`` holds for ``block``'s layer (its attention's ``layer_idx``, read once per
+    block), 0 where it holds none or the layer cannot be told: a cache built for this forward holds
+    none for a block yet."""
+    if block is None:
+        return 0
+    if block not in _LAYER_INDEX:
+        _LAYER_INDEX[block] = next((m.layer_idx for m in block.modules()
+                                    if isinstance(getattr(m, "layer_idx", None), int)), None)
+    index = _LAYER_INDEX[block]
     if index is None:
         return 0
     try:
