@@ -65,7 +65,10 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
-    (values do not matter). ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
+    (values do not matter, but a batch a real step would crash on is refused before anything is
+    profiled: token ids or labels outside the vocabulary, sequences past a position table; see
+    :func:`check_batch`; a ``model`` that is not an ``nn.Module`` is a TypeError).
+    ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
     Without it, a dict batch means a Hugging Face model, ``model(**batch).loss`` (``labels``
     default to ``input_ids``), a tensor of integer ids a causal LM trained on them
     (``labels=ids``); any other batch raises TypeError asking for ``loss_fn``. A model with no
