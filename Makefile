@@ -2,7 +2,7 @@
 #   make demo   -> venv, install, `remat bench`: on a GPU the real bench; without one, what a CPU
 #                  proves (exact gradients, CPU peaks beside predictions, llama-1b's predicted frontier)
 #   make test   -> venv, install with test extras, run the test suite less its `slow` tests
-#                  (under 10 minutes on 2 cores; CI's .ci/run runs this)
+#                  (target: under 10 minutes on 2 cores; CI's .ci/run runs this), its 20 slowest last
 #   make test-slow -> only the `slow` tests (tests/conftest.py lists the ones marked there, with why)
 #   make test-all -> the whole suite, slow tests included, then the zoo sweep
 #   make zoo    -> the registry zoo: every model type transformers maps to a training head, every
@@ -38,7 +38,7 @@ demo: install
 	$(BIN)/remat bench
 
 test: install
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -m "not slow" --durations=20 tests
 
 test-slow: install
 	$(PYTEST) -m slow tests

@@ -301,13 +301,21 @@ def longest(strategy: str, args, write) -> None:
     write(dict(model=args.model, strategy=strategy, longest=good, first_failing=bad, resolution=args.resolution))
 
 
+NAMES = {"hf": "HF gradient checkpointing", "hf_offload": "HF checkpointing, offload=True",
+         "liger": "Liger fused loss + HF checkpointing", "remat": "remat plan"}
+MODELS = {"llama-8b-lora": "Llama-3.1-8B shape, LoRA r=16 on every linear", "llama-1b": "llama-1b, full fine-tune"}
+
+
 def plot(paths, out: str) -> str:
-    """Tokens/s against sequence length per model and strategy, from the records in ``paths``
-    (rows that trained; the last record of a (model, strategy, length) wins), with each strategy's
-    first failing length marked; written to ``out``."""
+    """Tokens/s against sequence length per model and strategy, from the records in ``paths`` (rows
+    that trained; the last record of a (model, strategy, length) wins, so give the runs in order),
+    each point labelled with its tokens/s and each strategy's first length out of memory marked with
+    an x; written to ``out``. Labels are placed by :func:`remat.prove.plot.place_labels`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from remat.prove.plot import place_labels
     rows, failed = {}, {}
     for path in paths:
         with open(path) as f:
@@ -320,24 +328,50 @@ def plot(paths, out: str) -> str:
                     rows.setdefault(key, {})[r["seq"]] = r["tokens_per_s"]
                 elif r.get("result") not in (None, "skipped"):
                     failed[key] = min(failed.get(key, r["seq"]), r["seq"])
-    models = sorted({m for m, _ in rows})
-    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    models = sorted({m for m, _ in rows}, key=lambda m: list(MODELS).index(m) if m in MODELS else len(MODELS))
+    figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False, dpi=120)
+    placing = []
     for ax, model in zip(axes[0], models):
-        for (m, strategy), points in sorted(rows.items()):
-            if m != model:
-                continue
-            seqs = sorted(points)
-            line, = ax.plot(seqs, [points[s] for s in seqs], marker="o", label=strategy)
-            if (m, strategy) in failed and failed[(m, strategy)] > seqs[-1]:
-                ax.axvline(failed[(m, strategy)], color=line.get_color(), linestyle=":", linewidth=1)
+        labels, points, longest, lines = [], [], [], []
+        for strategy in [s for s in NAMES if (model, s) in rows] + sorted(s for m, s in rows if m == model
+                                                                          and s not in NAMES):
+            line_points = rows[(model, strategy)]
+            seqs = sorted(line_points)
+            line, = ax.plot(seqs, [line_points[s] for s in seqs], marker="o", label=NAMES.get(strategy, strategy))
+            longest.append(seqs[-1])
+            lines.append([(seq, line_points[seq]) for seq in seqs])
+            for seq in seqs:
+                labels.append(ax.annotate(f"{line_points[seq]:,.0f}", (seq, line_points[seq]), fontsize=7,
+                                          color=line.get_color(), textcoords="offset points", xytext=(0, 0),
+                                          arrowprops=dict(arrowstyle="-", color=line.get_color(), alpha=0.5,
+                                                          linewidth=0.7, shrinkA=1, shrinkB=5)))
+                points.append((seq, line_points[seq]))
+            oom = failed.get((model, strategy))
+            if oom is not None and oom > seqs[-1]:
+                last = line_points[seqs[-1]]
+                ax.plot([seqs[-1], oom], [last, last], linestyle=":", color=line.get_color(), linewidth=1)
+                ax.plot([oom], [last], marker="x", markersize=8, color=line.get_color(), linestyle="none")
+                points.append((oom, last))
+                lines.append([(seqs[-1], last), (oom, last)])
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens in the sequence (dotted: first length that failed)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{model}, one GPU")
+        ticks = [2 ** k for k in range(14, 21) if 2 ** k <= max(longest + list(failed.values())) * 1.01]
+        ax.set_xticks(ticks, labels=[f"{t // 1024:,}k" for t in ticks])
+        ax.set_xlabel("tokens in the sequence (batch 1); x: the first length that ran out of memory")
+        ax.set_ylabel("tokens/s: higher is better")
+        ax.set_title(f"{MODELS.get(model, model)}\n1 x H100 80GB, budget 76 GiB, bf16, AdamW", fontsize=10)
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.08)
         ax.legend()
         ax.grid(alpha=0.3)
+        legend = ax.legend(fontsize=8, loc="upper right")
+        for text in labels:
+            text.set_in_layout(False)
+        placing.append((ax, labels, points, legend, lines))
     figure.tight_layout()
-    figure.savefig(out, dpi=120)
+    for ax, labels, points, legend, lines in placing:
+        labelled = [text.xy for text in labels]
+        place_labels(figure, ax, labels, labelled, obstacles=[legend], markers=points, lines=lines)
+    figure.savefig(out)
+    plt.close(figure)
     return out
 
 

@@ -6,6 +6,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/families.py
 
+# One torch thread per test process, unless the caller chose: the tests run tiny models, whose ops are
+# too small to split, and `make test`'s two workers on two cores would each start a thread per core
+# that spins while it waits. Measured on the 2-core machine (tests/test_tiled.py, -n 2): 113-144 s
+# wall and 45 s of CPU with torch's default, 39-41 s and 15 s with one thread (2026-12-02).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # `make test` runs `-m "not slow"`; `make test-slow` runs `-m slow` and `make test-all` runs both (then the
 # zoo). Tests that take minutes carry `@pytest.mark.slow` in their own files; these are marked here
 # instead, so their files stay as they are. An entry is "file::test" (every case of it) or
@@ -129,6 +135,12 @@ def _check_entries():
         name = test.split("[")[0]
         if not os.path.exists(path) or not re.search(rf"^def {name}\(", open(path).read(), re.M):
             raise pytest.UsageError(f"tests/conftest.py: {entry} names no test; update SLOW or KEEP_FAST")
+
+
+def pytest_configure(config):
+    import torch
+    if os.environ["OMP_NUM_THREADS"].isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # where a plugin imported torch before this file
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects

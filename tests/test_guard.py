@@ -101,7 +101,7 @@ def test_injected_oom_is_recovered_and_the_loss_curve_is_unchanged():
     assert set(current_plan(model).blocks.values()) != {"keep"}       # the re-plan checkpoints
 
 
-def test_longer_batches_are_planned_before_they_run():
+def test_longer_batches_are_planned_before_they_run(capsys):
     model = _llama()
     guard = remat.Guard(model, budget="1GiB", heads=["plain"])
     seen = []
@@ -109,6 +109,11 @@ def test_longer_batches_are_planned_before_they_run():
         guard(_step_fn(model), batch)
         seen.append(guard.planned_tokens)
     assert seen == [16, 16, 24, 24, 32, 32] and guard.replans == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("remat.Guard:")]
+    assert len(said) == 3, said  # one line a plan, by default on stderr: why, and the plan it replaced
+    assert said[0].startswith("remat.Guard: planned for the first batch (16 tokens), at 1.00 GiB: ")
+    assert said[1].startswith("remat.Guard: re-planned for a longer batch (24 tokens; the plan was for 16), at "
+                              "1.00 GiB: ") and (" -> " in said[1] or said[1].endswith(" (unchanged)"))
 
 
 def test_gives_up_with_the_budgets_tried():

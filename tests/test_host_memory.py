@@ -64,6 +64,15 @@ def test_a_host_too_small_for_any_plan_is_named(bench4):
     error = found.value
     assert error.host_limited
     assert error.smallest_peak > budget and not _offloading(error.plan)  # the smallest GPU budget without offload
+    # `remat plan` words it for its own flag: only --host-memory limits the host there (without it a
+    # meta-device plan has none), so not remat.plan's default for a profile measured on this GPU
+    import argparse
+
+    from remat.cli.plan import no_fit_message
+    assert "60%" in str(error)
+    text = no_fit_message(error, budget, argparse.Namespace(host_memory="1MiB", optimizer="none", fsdp=1, cp=1, ddp=1))
+    assert "60%" not in text and "a larger --host-memory than 1MiB, or none" in text
+    assert text.endswith("raise the GPU budget, or shorten the batch or sequence.")
 
 
 def test_remat_plan_says_the_host_memory_a_plan_needs(capsys, tmp_path):
@@ -83,3 +92,4 @@ def test_remat_plan_says_the_host_memory_a_plan_needs(capsys, tmp_path):
     out = capsys.readouterr().out.splitlines()
     host, plan = [line for line in out if line.startswith("host ")], [line for line in out if line.startswith("plan ")]
     assert not host and "offload" not in plan[0], out
+

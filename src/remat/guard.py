@@ -81,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import warnings
 from typing import Callable, Optional
 
@@ -102,7 +103,9 @@ class Guard:
     ``max_retries``: re-plans after out-of-memory steps before giving up. ``shrink``: the
     budget's factor at each of them. ``profile_device``: ``"auto"`` (first plan measured on
     the GPU within the budget, later ones on fake tensors), ``"fake"`` or ``"cuda"``.
-    ``say``: where messages go. ``plan_options``: passed to :func:`remat.plan`.
+    ``say``: where messages go (default: stderr): one line per plan, saying why it was made (the
+    first batch, a longer one, a step that ran out of memory) and the plan it replaced ->
+    the new one. ``plan_options``: passed to :func:`remat.plan`.
     """
 
     def __init__(self, model: nn.Module, budget=None, *, max_retries: int = 3, shrink: float = 0.85,
@@ -117,7 +120,7 @@ class Guard:
         self.max_retries = max_retries
         self.shrink = float(shrink)
         self.profile_device = profile_device
-        self.say = say or (lambda message: None)
+        self.say = say or _print
         self.plan_options = plan_options
         self.planned_tokens = 0
         self.plan = None
@@ -128,19 +131,21 @@ class Guard:
         """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
         tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:   # at the budget given (never shrunk yet), nothing fitting is an error
-            self._replan(batch, self.budget, f"a batch of {tokens} tokens", keep_head=False,
-                         refuse=self.recovered == 0)
+            why = (f"the first batch ({tokens:,} tokens)" if not self.planned_tokens else
+                   f"a longer batch ({tokens:,} tokens; the plan was for {self.planned_tokens:,})")
+            self._replan(batch, self.budget, why, keep_head=False, refuse=self.recovered == 0)
             self.planned_tokens = tokens
         return redo_out_of_memory(self.model, lambda: step(batch), lambda: self._shrink(batch),
                                   budget=self.budget, max_retries=self.max_retries, who="remat.Guard")
 
     def _shrink(self, batch) -> int:
-        self.budget = int(self.budget * self.shrink)
-        self._replan(batch, self.budget, "an out-of-memory step", keep_head=True, refuse=False)
+        before, self.budget = self.budget, int(self.budget * self.shrink)
+        self._replan(batch, self.budget, f"a step that ran out of memory (budget {format_size(before)})",
+                     keep_head=True, refuse=False, then="; the step runs again on the same batch")
         self.recovered += 1
         return self.budget
 
-    def _replan(self, batch, budget, why: str, *, keep_head: bool, refuse: bool) -> None:
+    def _replan(self, batch, budget, why: str, *, keep_head: bool, refuse: bool, then: str = "") -> None:
         from remat.api import current_plan
         options = dict(self.plan_options)
         previous = current_plan(self.model)
@@ -149,7 +154,17 @@ class Guard:
         self.plan = plan_and_apply(self.model, batch, budget, options, profile_device=self.profile_device,
                                    first=self.replans == 0, say=self.say, refuse="remat.Guard" if refuse else None)
         self.replans += 1
-        self.say(f"remat.Guard: planned for {why} at {format_size(budget)}: {self.plan.summary()}")
+        if self.replans == 1:
+            before = "" if previous is None else f" (replacing the plan applied before: {previous.summary()})"
+            self.say(f"remat.Guard: planned for {why}, at {format_size(budget)}: {self.plan.summary()}{before}")
+        else:
+            before, after = previous.summary() if previous is not None else "no plan", self.plan.summary()
+            change = f"{after} (unchanged)" if before == after else f"{before} -> {after}"
+            self.say(f"remat.Guard: re-planned for {why}, at {format_size(budget)}: {change}{then}")
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def check_recovery(max_retries, shrink) -> None:

@@ -91,7 +91,10 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
 
     ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
-    (values do not matter). ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
+    (values do not matter, but a batch a real step would crash on is refused before anything is
+    profiled: token ids or labels outside the vocabulary, sequences past a position table; see
+    :func:`check_batch`; a ``model`` that is not an ``nn.Module`` is a TypeError).
+    ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
     Without it, a dict batch means a Hugging Face model, ``model(**batch).loss`` (``labels``
     default to ``input_ids``), a tensor of integer ids a causal LM trained on them
     (``labels=ids``); any other batch raises TypeError asking for ``loss_fn``. A model with no
@@ -155,8 +158,11 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     their modules and are named in ``notes["kernels_stock"]``. ValueError for ``"liger"`` without
     liger-kernel (``pip install remat[kernels]``), and for ``"stock"`` on a model liger-kernel patched.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__} "
+                        f"({_short(model)}); call remat.plan(model, batch, budget=...) with the model object")
     budget_bytes = parse_budget(budget)
-    _check_model_argument(model)
+    check_batch(model, batch, labels=loss_fn is None)
     on_gpu = _measured_on_gpu(model, device)
     budget_bytes = within_card(budget_bytes, model if on_gpu else None, gpu)
     if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
@@ -216,12 +222,6 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
                         blocks=blocks, progress=progress)
 
 
-def _check_model_argument(model) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
-                        "call remat.plan(model, batch, budget) with the model object")
-
-
 def _measured_on_gpu(model: nn.Module, device: Optional[str]) -> bool:
     """Whether :func:`plan` measures ``model`` on its GPU (not with fake tensors)."""
     first = next(model.parameters(), None)
@@ -274,6 +274,118 @@ def allocator_reserve(prof: Profile, budget_bytes: int) -> tuple:
     share = int(FRAGMENTATION_SHARE * max(0, budget_bytes - prof.static_bytes))
     return share, f"fixed-size segments ({why}): {FRAGMENTATION_SHARE:.0%} of the budget above static memory kept " \
                   "for their fragmentation"
+
+
+POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "position_embedding", "positional_embedding",
+                   "positions_embed", "pos_emb", "pos_embed")
+"""Last names of the modules that hold a model's learned (or fixed sinusoidal) position table, read
+by :func:`position_limit`: GPT-2's ``wpe``, BERT's and RoBERTa's ``position_embeddings``, OPT's,
+BART's and Marian's ``embed_positions``, GPT-1's ``positions_embed``, CLIP text's
+``position_embedding``."""
+POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_target_positions")
+"""Config fields that state a position table's size (GPT-2: ``n_positions``; most others
+``max_position_embeddings``). A field alone limits nothing: RoPE and ALiBi models declare
+``max_position_embeddings`` and run past it (it only scales RoPE), so a limit needs a table too."""
+
+
+def position_limit(model: nn.Module) -> Optional[tuple]:
+    """``(positions, where)``: how many positions ``model``'s position table holds and a phrase
+    naming it (``"transformer.wpe: n_positions 1024"``), or None where nothing limits the length.
+
+    A limit is an ``nn.Embedding`` named as :data:`POSITION_TABLES` lists whose size equals a
+    :data:`POSITION_FIELDS` field of the model's config (or its ``text_config``): both agree that
+    the model has that many rows. The positions are the rows less those a sequence cannot reach:
+    the offset OPT and BART add (they start at 2), and a RoBERTa-style table's padding row and
+    those below it (positions start after ``padding_idx``: 514 rows hold 512). A rotary or ALiBi
+    model has no such table and is never limited, whatever its config declares (a sweep of
+    transformers' causal, masked and seq2seq LMs finds one in GPT-2, GPT-Neo, OPT, BioGPT, BERT and
+    RoBERTa kin, BART kin, Marian, Pegasus, Whisper's decoder, XLM, RoFormer, and none in Llama,
+    Mistral, Qwen, Gemma, GPT-J, BLOOM, MPT, T5, Mamba)."""
+    config = getattr(model, "config", None)
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    declared = {}
+    for c in configs:
+        for field in POSITION_FIELDS:
+            value = getattr(c, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                declared.setdefault(value, field)
+    if not declared:
+        return None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding) or name.rsplit(".", 1)[-1] not in POSITION_TABLES:
+            continue
+        offset = getattr(module, "offset", 0)
+        offset = offset if isinstance(offset, int) else 0
+        rows = module.num_embeddings
+        padding = module.padding_idx + 1 if module.padding_idx is not None and module.padding_idx >= 0 else 0
+        if offset and rows - offset in declared:  # the config counts positions, the table adds its offset (OPT, BART)
+            return rows - offset, f"{name}: {declared[rows - offset]} {rows - offset:,}"
+        if rows in declared:  # the config counts rows, a padding row among them (RoBERTa: 514 rows, 512 positions)
+            return rows - offset - padding, f"{name}: {declared[rows]} {rows:,}" + (
+                f", positions from {offset + padding}" if offset + padding else "")
+    return None
+
+
+LENGTH_KEYS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
+"""The batch entries whose second dimension is a sequence of positions (:func:`check_batch`)."""
+
+
+def check_batch(model: nn.Module, batch, *, labels: bool = True) -> None:
+    """Refuse, before anything is profiled, a batch a real training step of ``model`` would crash
+    on: a sequence longer than the model's position table (:func:`position_limit`), a token id
+    outside its input embeddings, and with ``labels`` (the model's own loss: no ``loss_fn``, whose
+    labels may mean something else) a label outside its output embeddings (``-100``, ignored, is
+    fine). Values are read only from real tensors (a batch on the meta device has none); a
+    ValueError names the entry, what it holds, the limit and what to pass."""
+    entries = {"input_ids": batch} if isinstance(batch, torch.Tensor) and not batch.is_floating_point() else (
+        batch if isinstance(batch, dict) else {})
+    limit = position_limit(model)
+    if limit is not None:
+        positions, where = limit
+        for key in LENGTH_KEYS:
+            value = entries.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] > positions:
+                raise ValueError(f"{key} holds sequences of {value.shape[1]:,} tokens, longer than the "
+                                 f"{positions:,} positions {type(model).__name__} has ({where}); a training step "
+                                 f"would fail in its position embedding. Pass sequences of at most {positions:,} "
+                                 "tokens, or a config with a larger position table")
+    tables = {"input_ids": _embedding_rows(model, "input"), "decoder_input_ids": _embedding_rows(model, "input"),
+              "labels": _embedding_rows(model, "output") if labels else None}
+    for key, rows in tables.items():
+        value = entries.get(key)
+        if rows is None or not _has_values(value) or value.is_floating_point() or value.numel() == 0:
+            continue
+        held = value[value != -100] if key == "labels" else value
+        if held.numel() and (int(held.max()) >= rows or int(held.min()) < 0):
+            bad = int(held.max()) if int(held.max()) >= rows else int(held.min())
+            raise ValueError(f"{key} holds the token id {bad:,}, outside {type(model).__name__}'s vocabulary of "
+                             f"{rows:,} ids (0 to {rows - 1:,}); a training step would fail in its "
+                             f"{'embedding' if key != 'labels' else 'loss'}. Tokenize with this model's tokenizer, "
+                             "or resize its embeddings (model.resize_token_embeddings(len(tokenizer)))"
+                             + ("; labels ignored by the loss are -100" if key == "labels" else ""))
+
+
+def _embedding_rows(model: nn.Module, side: str) -> Optional[int]:
+    """Rows of a Hugging Face model's input embeddings (``side="input"``) or output ones (None elsewhere)."""
+    getter = getattr(model, f"get_{side}_embeddings", None)
+    try:
+        module = getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def _has_values(value) -> bool:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return not is_fake(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=None, held_back: int = 0) -> Plan:

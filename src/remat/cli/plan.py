@@ -24,10 +24,15 @@ then run compiled for four steps and solved again if it peaked over the budget
 
 Everything cheap is checked before the model is built (``--budget`` with
 :func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``/``--ddp``, ``--gpu``, the
-``--out`` folder), so a typo fails at once rather than after a minute of profiling.
+``--out`` folder), so a typo fails at once rather than after a minute of profiling; a ``--seq``
+past the model's position table (GPT-2's ``n_positions``, BERT's ``max_position_embeddings``;
+rotary models have none) right after the meta build (:func:`remat.planner.position_limit`).
 Once a step has run for two seconds, each stage (build, profile, shard, solve,
 simulate) prints a line on stderr, and a stage still running says so every few
-seconds: a 70B solve takes tens of seconds and would otherwise look hung.
+seconds: a 70B solve takes tens of seconds and would otherwise look hung. A batch so long
+that its profile takes minutes (the chunked head is profiled a chunk at a time: at 100M
+tokens, 183,000 chunks) is said so before anything is built (:func:`planning_notice`), with
+every stage printed from the start.
 
 When nothing fits, the error names the smallest budget that does and why it sits a
 little above that plan's predicted peak (the solver's margins), and which options to
@@ -72,6 +77,16 @@ its fused linear cross-entropy among the heads; `remat.apply(model, plan)` insta
 
 PROGRESS_AFTER_S = 2.0  # quiet for quick runs; a line per stage once a run takes longer
 HEARTBEAT_S = 5.0
+STAGE_HEARTBEAT_S = 15.0  # a profiling stage still running says so this often
+
+LONG_PLAN_CHUNKS = 6000
+"""Chunks of the chunked head's profile (a fake-tensor run per chunk, at every chunk size the head is
+profiled at) from which ``remat plan`` says before it starts that planning will take minutes."""
+SECONDS_PER_CHUNK = 0.01
+"""What one such chunk took on a 2-core CPU (llama-tiny at 1M and 10M tokens): the estimate's rate."""
+EXPAND_IDS_FROM = 2 ** 22
+"""Tokens a step from which the batch of zeros is one id expanded (8 bytes, not 8 a token): a
+fake-tensor profile keeps no values of a batch this long anyway."""
 
 
 def add_model_arguments(parser) -> None:
@@ -90,8 +105,7 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--no-offload", action="store_true", help="plan without offload treatments")
     parser.add_argument("--host-memory", default=None, metavar="SIZE",
                         help="pinned host memory offloaded tensors may take on the machine that trains, e.g. "
-                             "100GiB (default: no limit, the plan says what it needs; on a GPU with --compile, "
-                             "60%% of this machine's available memory)")
+                             "100GiB (default: no limit; the plan prints how much it pins)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="WORLD",
                         help="plan for one of WORLD FSDP2 ranks sharing the model (default 1: no sharding)")
 
@@ -195,10 +209,73 @@ def check_model_arguments(args) -> None:
     rates_for(args.gpu)  # ValueError naming the known GPUs
 
 
-def progress(stream=None):
-    """The ``say`` callback: a stderr line per stage once the command has run ``PROGRESS_AFTER_S``."""
+def progress(stream=None, after_s: float = PROGRESS_AFTER_S):
+    """The ``say`` callback: a stderr line per stage once the command has run ``after_s``."""
     from remat.profiling.profiler import progress_printer
-    return progress_printer(stream, after_s=PROGRESS_AFTER_S)
+    return progress_printer(stream, after_s=after_s)
+
+
+def planning_notice(args):
+    """The line that says, before anything is built, that profiling ``args``' batch takes minutes
+    (None when it takes less): the chunked head runs once per chunk of tokens at each of its chunk
+    sizes (:data:`remat.planning.costs.CHUNK_CANDIDATES`), :data:`SECONDS_PER_CHUNK` each."""
+    from remat.planning.costs import CHUNK_CANDIDATES
+    tokens = args.batch * args.seq // max(1, getattr(args, "cp", 1))
+    sizes = [c for c in CHUNK_CANDIDATES if c < tokens]
+    chunks = sum(-(-tokens // c) for c in sizes)
+    if chunks < LONG_PLAN_CHUNKS:
+        return None
+    minutes = chunks * SECONDS_PER_CHUNK / 60
+    took = f"about {minutes:,.0f} minutes" if minutes < 120 else f"about {minutes / 60:,.0f} hours"
+    fast = int(LONG_PLAN_CHUNKS / sum(1 / c for c in sizes))
+    return (f"{tokens:,} tokens a step: the chunked head is profiled one chunk at a time, {chunks:,} chunks at "
+            f"{len(sizes)} chunk sizes, {took} on a 2-core CPU; each stage is printed as it starts and again "
+            f"every {STAGE_HEARTBEAT_S:.0f} s while it runs (Ctrl-C stops it). Under {fast:,} tokens a step plans "
+            "in about a minute or less")
+
+
+@contextmanager
+def heartbeat(say, every_s: float = STAGE_HEARTBEAT_S):
+    """``say``, wrapped: while the block runs, a stage that has said nothing for ``every_s`` seconds
+    is said again with how long it has run (``still profiling ... after 45 s``), so a long profile
+    never looks hung."""
+    lock, stop = threading.Lock(), threading.Event()
+    stage = {"message": None, "started": 0.0, "said": 0.0}
+
+    def wrapped(message):
+        with lock:
+            now = time.perf_counter()
+            stage.update(message=message, started=now, said=now)
+        say(message)
+
+    def beat():
+        while not stop.wait(min(every_s, 1.0)):
+            with lock:
+                now = time.perf_counter()
+                if stage["message"] is None or now - stage["said"] < every_s:
+                    continue
+                stage["said"] = now
+                line = f"still {stage['message']} after {now - stage['started']:.0f} s"
+            say(line)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield wrapped
+    finally:
+        stop.set()
+        thread.join()
+
+
+def check_length(args, model) -> None:
+    """``--seq`` fits the model's position table (:func:`remat.planner.position_limit`; a rotary or
+    ALiBi model has none): a ValueError naming the table and the longest ``--seq`` otherwise."""
+    from remat.planner import position_limit
+    limit = position_limit(model)
+    if limit is not None and args.seq > limit[0]:
+        positions, where = limit
+        raise ValueError(f"--seq {args.seq:,} is longer than the {positions:,} positions {args.model} has ({where}): "
+                         f"a training step would fail in its position embedding. Pass --seq {positions} or less, or a "
+                         "config with a larger position table")
 
 
 @contextmanager
@@ -255,13 +332,15 @@ def profile_from_args(args, say):
     else:
         say(f"building {args.model} on the meta device")
         model = build_model(config, device="meta", dtype=dtype)
+        check_length(args, model)
         ids = batch_from_args(args, config, dtype)
         cp = getattr(args, "cp", 1)
         if cp != 1:
             from remat.planner import cp_piece
             say(f"profiling one of {cp} context-parallel ranks: {args.seq // cp} of the {args.seq} tokens")
             ids = cp_piece(model, ids, cp, balance=not getattr(args, "cp_contiguous", False))
-        prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=say, kernels=kernels)
+        with heartbeat(say) as beating:
+            prof = profile(model, ids, gpu=args.gpu, optimizer=args.optimizer, progress=beating, kernels=kernels)
     candidates = [finish_profile(args, model, with_kernels(prof, choice), say) for choice in kernel_choices(prof)]
     if len(candidates) > 1:
         from remat.planner import fastest_kernels
@@ -308,6 +387,8 @@ def batch_from_args(args, config, dtype, random=False):
                                 image_size=image_size_of(getattr(args, "image_size", None)), dtype=dtype)
     if random:
         return torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if args.batch * args.seq >= EXPAND_IDS_FROM:
+        return torch.zeros(1, 1, dtype=torch.long).expand(args.batch, args.seq)
     return torch.zeros(args.batch, args.seq, dtype=torch.long)
 
 
@@ -363,7 +444,14 @@ def no_fit_message(error, budget, args) -> str:
     from remat.planning.solver import OFFLOAD_MARGIN
     from remat.units import format_size as f
     if error.host_limited:  # the GPU budget would do: the host's pinned memory is what stops it
-        return str(error).replace("remat.plan(..., host_memory=...), `remat plan --host-memory`", "--host-memory")
+        # only --host-memory limits the host here (without it a plan on the meta device has no host limit,
+        # and a --compile plan never offloads): the API's words for its own default do not apply
+        text, _, rest = str(error).partition(" Give offload more host memory (")
+        after = rest.find(", raise the GPU budget")
+        if after < 0:
+            return str(error)
+        return (text + f" Give offload more host memory (a larger --host-memory than {args.host_memory}, or none: "
+                "without it remat plan sets no host limit and prints what the plan pins)" + rest[after:])
     plan, smallest = error.plan, error.smallest_peak
     peak = plan.notes["predicted_peak_bytes"]
     text = (f"no plan fits {f(budget)}. The smallest budget that fits is {f(smallest)}, with the plan "
@@ -485,7 +573,10 @@ def run(args) -> int:
     check_model_arguments(args)
     check_out_path(args.out)
     check_compile(args)
-    say = progress()
+    notice = None if getattr(args, "compile", None) else planning_notice(args)
+    if notice:
+        print(f"remat plan: {notice}", file=sys.stderr, flush=True)
+    say = progress(after_s=0.0 if notice else PROGRESS_AFTER_S)
     prof, model, ids = profile_from_args(args, say)
     treatments = treatments_from_args(prof, args)
     one_gpu = args.fsdp == 1 and getattr(args, "ddp", 1) == 1 and getattr(args, "cp", 1) == 1

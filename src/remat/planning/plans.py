@@ -7,9 +7,10 @@ put measurement beside prediction.
 
 Short string specs are turned into plans here too, against a model's discovered blocks:
 ``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...),
-``"first:8"`` (``full`` on the first eight), and either with another treatment:
-``"every:2:offload"``. They count blocks, which are modules: a block the model calls several times
-a step (ALBERT's one layer group) gets its treatment at every call (:mod:`remat.planning.calls`).
+``"first:8"`` (``full`` on the first eight; ValueError on a model of fewer blocks), and either
+with another treatment: ``"every:2:offload"``. They count blocks, which are modules: a block the
+model calls several times a step (ALBERT's one layer group) gets its treatment at every call
+(:mod:`remat.planning.calls`).
 
 ``"segments:K"`` checkpoints K consecutive blocks as one unit (``checkpoint_sequential``'s
 semantics: only the unit's input is kept, its backward recomputes all K blocks), and
@@ -367,6 +368,12 @@ def resolve(spec, block_names, *, strict: bool = True) -> Plan:
     if treatment not in TREATMENTS:
         raise ValueError(f"cannot read spec {spec!r}: unknown treatment {treatment!r}; {grammar}")
     n = int(count)
+    if kind == "first" and n > len(block_names):
+        span = f" ({block_names[0]} .. {block_names[-1]})" if block_names else ""
+        every = f"first:{len(block_names)}" + (f":{treatment}" if ":" in rest else "")
+        raise ValueError(f"cannot apply spec {spec!r}: it asks for the first {n} blocks, but the model has "
+                         f"{len(block_names)}{span}; pass {every!r} or {treatment!r} to treat every block, "
+                         "or a smaller N")
     chosen = block_names[::n] if kind == "every" else block_names[:n]
     return Plan({name: (treatment if name in chosen else "keep") for name in block_names})
 

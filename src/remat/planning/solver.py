@@ -276,8 +276,9 @@ def _within_host(profile, options, head_options, budget, resolution, margin, rec
             f"no plan fits {format_size(budget)} of GPU memory within the host's "
             f"{format_size(profile.host_limit)} of pinned memory for offloaded tensors: the fastest that fits the "
             f"GPU offloads {format_size(offloading.notes['host_bytes'])} ({offloading.summary()}).{without} Give "
-            "offload more host memory (remat.plan(..., host_memory=...), `remat plan --host-memory`; the default "
-            "is 60% of the host's available memory), raise the GPU budget, or shorten the batch or sequence.",
+            "offload more host memory (remat.plan(..., host_memory=...), `remat plan --host-memory`; without it, a "
+            "plan measured on this machine's GPU may pin 60% of its available memory and a fake-tensor plan has no "
+            "limit), raise the GPU budget, or shorten the batch or sequence.",
             smallest, plan, host_limited=True)
     for _ in range(12 if low else 0):  # the least price whose plan fits: offload as much as the host allows
         middle = (low * high) ** 0.5

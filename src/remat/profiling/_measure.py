@@ -40,6 +40,7 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils.checkpoint import CheckpointError
 
 from remat.profiling._blocks import _block_cost
@@ -51,6 +52,10 @@ from remat.treat import patches
 from remat.treat.kernels import TAG as KERNEL_TAG
 from remat.treat.kernels import install_kernels, kernel_of, liger_parts, remove_kernels, selective_refused
 from remat.treat.liger_head import liger_head_unavailable
+
+
+_VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
+"""What a fake tensor raises where code reads its value (``.item()``, ``nonzero``)."""
 
 
 class MissingLoss(TypeError):
@@ -135,6 +140,7 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
     if backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
         notes.update(compile=True, compile_scope=scope, compile_backend=backend, offload=OFFLOAD_UNDER_COMPILE)
+    refused = []  # (mode, error) of each head mode that could not be profiled
     for mode in head_modes:
         if mode in ("chunked", "liger"):
             reason = _chunked_unavailable(model) if mode == "chunked" else _liger_unavailable(model)
@@ -157,9 +163,14 @@ def _profile_runs(model, batch, loss_fn, named, meter, rates, head_modes, chunks
                 break
             except Exception as e:  # the head may refuse this model: say so, plan without it
                 notes[mode] = f"{mode} head not profiled: {type(e).__name__}: {str(e)[:300]}"
-                warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: "
-                              f"{str(e)[:300]}); planning without it", stacklevel=4)
+                refused.append((mode, e))
                 break
+    reads = [e for _, e in refused if isinstance(e, _VALUE_READS)]
+    if not heads and reads:  # a value read (a hook's .item()): the fake-tensor profile names the code that read it,
+        raise reads[0]       # where the message below would blame a loss_fn the caller may never have passed
+    for mode, e in refused:
+        warnings.warn(f"remat: the {mode} head could not be profiled ({type(e).__name__}: {str(e)[:300]}); "
+                      "planning without it", stacklevel=4)
     if not heads:
         raise ValueError(f"remat could not profile {type(model).__name__}'s embeddings and head in any mode: "
                          + "; ".join(f"{k}: {v}" for k, v in notes.items() if k in head_modes)

@@ -74,6 +74,7 @@ the copy rates and the in-step calibration in :mod:`remat.profiling._calibrate`.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 import warnings
@@ -158,6 +159,9 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
     for ``"liger"`` without liger-kernel installed (``pip install remat[kernels]``), and for
     ``"stock"`` alone on a model that liger-kernel patched (remat does not undo its patches).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat.profile expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                        "call remat.profile(model, batch) with the model object")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     kernels = kernel_options(kernels)
@@ -420,9 +424,19 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
                 body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
                                      say, tiles=tiles, kernels=kernels)
     except _value_dependent_errors() as error:
+        reader, hook = value_reader(error, model)
+        if hook:
+            raise ValueError(
+                f"remat could not profile {type(model).__name__} with fake tensors: {reader} read a tensor's value "
+                f"({str(error).strip()[:80]}: .item(), float(), bool() or an `if` on a tensor), and a fake-tensor "
+                "profile has shapes, not values. Skip the read while remat plans: return from the hook first when "
+                "`isinstance(tensor, torch._subclasses.FakeTensor)`, or profile on the GPU, where values are real (the "
+                "model on CUDA; RematCallback and remat.Guard: profile_device='cuda', as they re-plan on fake tensors "
+                "otherwise)") from error
         raise ValueError(
             f"remat could not profile {type(model).__name__} with fake tensors: its forward depends on tensor "
-            f"values ({type(error).__name__}: {str(error).strip()[:200]}) that do not come from the batch's integer "
+            f"values ({type(error).__name__}: {str(error).strip()[:200]}{', read at ' + reader if reader else ''}) "
+            "that do not come from the batch's integer "
             "tensors, e.g. token routing in a transformers 4.x MoE or random layer drop, which a profile without "
             "data cannot follow. Profile on a GPU (remat.plan or remat.profile with the model and batch on CUDA), "
             "or use transformers >= 5, whose models run on fake tensors") from error
@@ -434,6 +448,38 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
     return _finish(model, body, batch, rates, "fake", optimizer, optimizer_bytes, param_bytes,
                    buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
+
+
+def value_reader(error: BaseException, model: nn.Module) -> tuple:
+    """``(where, hook)``: the code outside torch, transformers and remat that read a fake tensor's
+    value, in words (``"the forward hook <lambda> on the model (LlamaForCausalLM; train.py:12:
+    seen.append(out.loss.item()))"``, or ``"net.py:30 in forward (...)"``), and whether it is one of
+    ``model``'s forward hooks; ``(None, False)`` where the read was inside those libraries."""
+    import traceback
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["remat"])
+                      if getattr(m, "__file__", None))
+    transformers = sys.modules.get("transformers")
+    if getattr(transformers, "__file__", None):
+        libraries += (os.path.dirname(transformers.__file__) + os.sep,)
+    frames = [(tb.tb_frame.f_code, summary) for tb, summary in
+              zip(_tracebacks(error.__traceback__), traceback.extract_tb(error.__traceback__))]
+    outside = [(code, s) for code, s in frames if not os.path.abspath(s.filename).startswith(libraries)]
+    if not outside:
+        return None, False
+    code, where = outside[-1]
+    line = f"{where.filename}:{where.lineno}" + (f": {where.line.strip()}" if where.line else "")
+    for name, module in model.named_modules():
+        for kind, hooks in (("forward hook", module._forward_hooks), ("forward pre-hook", module._forward_pre_hooks)):
+            if any(getattr(hook, "__code__", None) is code for hook in hooks.values()):
+                return f"the {kind} {code.co_name} on {name or 'the model'} ({type(module).__name__}; {line})", True
+    said = f" ({where.line.strip()})" if where.line else ""
+    return f"{where.filename}:{where.lineno} in {code.co_name}{said}", False
+
+
+def _tracebacks(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def ran_for_real(reads: dict) -> str:

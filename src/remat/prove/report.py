@@ -1,17 +1,18 @@
-"""Bench records -> a markdown table and a memory/throughput frontier plot.
+"""Bench records -> markdown tables, the worst of repeated runs, and (from :mod:`remat.prove.plot`) the plot.
 
-The plot puts peak GiB on x and tokens/s on y, so "up and to the left" is better:
-anchors are grey circles, remat's eager rows blue squares, remat+compile rows orange
-diamonds, budgets are dashed vertical lines, and eager's throughput is a dotted horizontal line.
-Where the records have a reserved peak (CUDA), a hollow marker on the same line shows it beside the
-allocated one; an emulated card is a red vertical line, and a row that ran out of memory on it a red
-cross at the bottom, named. Everything is labelled, so the picture reads without the table. matplotlib is optional: without it only the table is
-written, and the command says so.
+The tables: every row (:func:`markdown`), the best stock strategy beside remat's best row at each budget
+(:func:`budget_table`), the worst-of-N frontier per budget with its targets (:func:`frontier_table`).
+:func:`combine_runs` makes one worst-case record per strategy from N fresh-process runs, and
+:func:`monotone_violations` says where a measured frontier goes down as the budget goes up.
+:func:`plot` draws the memory/throughput frontier (:mod:`remat.prove.plot`: a record's reserved peak
+beside its allocated one, an emulated card and the rows that ran out of memory on it; matplotlib is
+optional: without it only the tables are written, and the command says so).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from remat.prove.plot import group, plot  # noqa: F401  (plot: the frontier PNG, remat.prove.report.plot)
 from remat.units import format_size
 
 GiB = 2 ** 30
@@ -153,13 +154,6 @@ def _row_text(record: Optional[dict], budget: int) -> str:
         return str(record.get("status"))
     over = " OVER" if record["peak_bytes"] > budget else ""
     return f"{_ratio(record):.3f}x, {format_size(record['peak_bytes'])}{over}"
-
-
-def group(record: dict) -> str:
-    """Which series a row is drawn in: ``stock``, ``remat`` (eager) or ``remat+compile``."""
-    if record.get("kind") != "remat":
-        return "stock"
-    return "remat+compile" if record.get("compiled") else "remat"
 
 
 # --- repeated runs: worst of N, and whether the measured frontier is monotone --------------
@@ -309,117 +303,3 @@ def _runs_text(row: Optional[dict], budget: int) -> str:
 
 def _cell(text: str) -> str:
     return str(text).replace("|", "/").replace("\n", " ")[:160]
-
-
-def plot(records: list, path: str, title: str = "", predicted: bool = False) -> Optional[str]:
-    """Write the frontier PNG; returns None on success or the reason it was not drawn. ``predicted``:
-    the records are the planner's predictions, not measurements, and the axes say so."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'remat[plot]')"
-    ok = [r for r in records if r.get("status") == "ok"]
-    if not ok:
-        return "no strategy ran"
-    largest = max(max(r["peak_bytes"], r.get("reserved_peak_bytes") or 0) for r in ok)
-    scale, unit = (GiB, "GiB") if largest >= GiB else (2 ** 20, "MiB")
-    eager = next((r for r in ok if r["strategy"] == "eager"), None)
-    norm = eager["tokens_per_s"] if eager else 1.0
-    # a row's own same-process ratio where it has one (worst-of-N records carry the worst ratio)
-    ys = {id(r): r.get("vs_eager", r["tokens_per_s"] / norm) for r in ok}
-    # a far-off point (save_on_cpu at 0.14x) would squash the rest: clip the axis, mark it below
-    floor = _axis_floor(sorted(ys.values()))
-    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
-    styles = {"stock": dict(marker="o", color="0.45", label="stock strategies"),
-              "remat": dict(marker="s", color="tab:blue", label="remat (eager)"),
-              "remat+compile": dict(marker="D", color="tab:orange", label="remat + torch.compile")}
-    placed = []
-    for kind, style in styles.items():
-        rows = sorted((r for r in ok if group(r) == kind), key=lambda r: r["peak_bytes"])
-        if not rows:
-            continue
-        xs = [r["peak_bytes"] / scale for r in rows]
-        ax.scatter(xs, [max(ys[id(r)], floor) for r in rows], s=55, zorder=3, **style)
-        frontier = _frontier([(x, ys[id(r)]) for x, r in zip(xs, rows)])
-        ax.step([x for x, _ in frontier], [max(y, floor) for _, y in frontier], where="post",
-                color=style["color"], alpha=0.35, linewidth=1.5)
-        for x, r in zip(xs, rows):
-            y = ys[id(r)]
-            text = r["strategy"] if y >= floor else f"{r['strategy']} ({y:.2f}x) ↓"
-            ax.annotate(text, (x, max(y, floor)), textcoords="offset points", xytext=_offset(x, y, placed, ax),
-                        fontsize=7.5, color=style["color"])
-        # the reserved peak beside the allocated one: what the card must hold
-        reserved = [(x, r) for x, r in zip(xs, rows) if r.get("reserved_peak_bytes")]
-        for x, r in reserved:
-            y = max(ys[id(r)], floor)
-            ax.plot([x, r["reserved_peak_bytes"] / scale], [y, y], color=style["color"], alpha=0.4, linewidth=1)
-        if reserved:
-            ax.scatter([r["reserved_peak_bytes"] / scale for _, r in reserved],
-                       [max(ys[id(r)], floor) for _, r in reserved], s=40, zorder=3, facecolors="none",
-                       edgecolors=style["color"], marker=style["marker"])
-    if any(r.get("reserved_peak_bytes") for r in ok):
-        ax.scatter([], [], s=40, facecolors="none", edgecolors="0.3", marker="o", label="hollow: reserved peak")
-    cards = sorted({r["card_bytes"] for r in records if r.get("card_bytes")})
-    for size in cards:
-        ax.axvline(size / scale, color="tab:red", linewidth=1.2, alpha=0.7)
-        ax.annotate(f"card {format_size(size)}", (size / scale, 0.96), xytext=(3, 0), textcoords="offset points",
-                    xycoords=("data", "axes fraction"), fontsize=7.5, color="tab:red")
-    failed = [r for r in records if r.get("status") == "oom"]
-    for index, r in enumerate(failed):  # where a card ran out: at the card (or the peak it reached)
-        x = (r.get("card_bytes") or r.get("oom_reserved_peak_bytes") or 0) / scale
-        ax.scatter([x], [floor + 0.01], marker="x", color="tab:red", s=50, zorder=4,
-                   label="out of memory on the card" if index == 0 else None)
-        ax.annotate(f"{r['strategy']}: oom", (x, floor + 0.01), textcoords="offset points",
-                    xytext=(-5, 6 + 9 * index), ha="right", fontsize=7, color="tab:red")
-    if eager:
-        ax.axhline(1.0, color="0.6", linestyle=":", linewidth=1)
-    for budget in sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")}):
-        ax.axvline(budget / scale, color="tab:blue", linestyle="--", linewidth=0.8, alpha=0.4)
-        ax.annotate(f"budget {format_size(budget)}", (budget / scale, 1.0), xytext=(2, -2), textcoords="offset points",
-                    xycoords=("data", "axes fraction"), va="top", fontsize=7, color="tab:blue", alpha=0.7)
-    said = "predicted " if predicted else ""
-    ax.set_xlabel(f"{said}peak memory ({unit}): allocated (filled), reserved (hollow)  — lower is better"
-                  if any(r.get("reserved_peak_bytes") for r in ok) else f"{said}peak memory ({unit})  — lower is better")
-    ax.set_ylabel(f"{said}throughput vs eager (eager = {norm:,.0f} tokens/s{', predicted' if predicted else ''})"
-                  if eager else f"{said}tokens / s")
-    ax.set_ylim(bottom=floor - 0.02 if floor > 0 else 0, top=max(ys.values()) * 1.04 + 0.02)  # room for labels
-    first = ok[0]
-    ax.set_title(title or f"{first.get('model')}, batch {first.get('batch')} x {first.get('seq')}, "
-                          f"on {first.get('gpu') or first.get('device')}: up and to the left is better")
-    ax.set_xlim(left=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return None
-
-
-def _axis_floor(values: list) -> float:
-    """Bottom of the y axis: below the cluster, leaving out a lone far-off slow point."""
-    if len(values) > 2 and values[0] < 0.5 * values[1]:
-        return max(0.0, values[1] - 0.08)
-    return 0.0
-
-
-def _frontier(points: list) -> list:
-    """The upper-left staircase: each point faster than every point using less memory."""
-    best, out = float("-inf"), []
-    for x, y in sorted(points):
-        if y > best:
-            best = y
-            out.append((x, y))
-    return out
-
-
-def _offset(x: float, y: float, placed: list, ax) -> tuple:
-    """A label offset (points) that avoids labels already placed nearby (a greedy nudge)."""
-    span_x = max(ax.get_xlim()[1], 1e-9)
-    dy = 4
-    for px, py, pdy in placed:
-        if abs(px - x) < 0.06 * span_x and abs(py - y) < 0.02:
-            dy = min(dy, pdy - 9)
-    placed.append((x, y, dy))
-    return (5, dy)

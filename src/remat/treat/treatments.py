@@ -52,6 +52,7 @@ import inspect
 import itertools
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -181,7 +182,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         _refuse_replica(self, args, kwargs)
     forward = patch.call_previous
     if self.training:
-        forward, args, kwargs = _own_cache(forward, args, kwargs)
+        forward, args, kwargs = _own_cache(forward, args, kwargs, self)
     if state.segment is not None:  # the arguments as given: a segment keeps only its first block's
         if state.segment.size > 1 and _sharded_alone(self):
             raise ValueError(
@@ -406,7 +407,7 @@ def _positional(forward, args: tuple, kwargs: dict):
     return function, tuple(inputs)
 
 
-def _own_cache(forward, args: tuple, kwargs: dict):
+def _own_cache(forward, args: tuple, kwargs: dict, block: Optional[nn.Module] = None):
     """``(forward, args, kwargs)`` in which no KV cache of the caller's reaches the block.
 
     A training forward must not carry the caller's cache through a treated block: the
@@ -417,15 +418,20 @@ def _own_cache(forward, args: tuple, kwargs: dict):
     gets a new empty cache of the same kind at every call instead, the forward and each
     recompute alike: it computes exactly what it computes untreated, and the caller's cache
     is left alone. Any argument that *is* a Hugging Face ``Cache``, whatever its keyword is
-    called in the installed transformers, is replaced; one warning says so, in eager mode (under
-    ``torch.compile`` a warning breaks the graph: ``remat doctor``'s ``use-cache`` says it there)."""
+    called in the installed transformers, is replaced. A cache the model built for this forward
+    (``use_cache`` on, as configs default it) holds nothing for ``block`` yet and nothing of it is
+    lost: that is said nowhere. One that already holds tokens for the block (the caller passed
+    ``past_key_values``) is warned of once, in eager mode (under ``torch.compile`` a warning breaks
+    the graph: ``remat doctor``'s ``use-cache`` says it there)."""
     cache_types = _cache_types()
     keys = [k for k, v in kwargs.items() if isinstance(v, cache_types)]
     slots = [i for i, v in enumerate(args) if isinstance(v, cache_types)]
     if not keys and not slots:
         return forward, args, kwargs
     if not torch.compiler.is_compiling():
-        _warn_cache_once()
+        held = max(_tokens_held(v, block) for v in [*(args[i] for i in slots), *(kwargs[k] for k in keys)])
+        if held:
+            _warn_cache_once(held)
     # the layouts, read here, outside the checkpoint: the body that builds the empty caches only
     # builds (see _cache_layout); and only the caches' layouts: a segment must not keep its later
     # blocks' inputs, nor the caller's cache, through this closure
@@ -542,12 +548,31 @@ def _cache_types() -> tuple:
 
 
 _WARNED = set()
+_LAYER_INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> its cache layer (or None)
 
 
-def _warn_cache_once() -> None:
+def _tokens_held(cache, block: Optional[nn.Module]) -> int:
+    """Tokens ``cache`` holds for ``block``'s layer (its attention's ``layer_idx``, read once per
+    block), 0 where it holds none or the layer cannot be told: a cache built for this forward holds
+    none for a block yet."""
+    if block is None:
+        return 0
+    if block not in _LAYER_INDEX:
+        _LAYER_INDEX[block] = next((m.layer_idx for m in block.modules()
+                                    if isinstance(getattr(m, "layer_idx", None), int)), None)
+    index = _LAYER_INDEX[block]
+    if index is None:
+        return 0
+    try:
+        return int(cache.get_seq_length(index))
+    except Exception:  # a cache type without per-layer lengths (a hybrid's state layer): nothing to tell
+        return 0
+
+
+def _warn_cache_once(held: int) -> None:
     if "cache" not in _WARNED:
         _WARNED.add("cache")
-        warnings.warn("remat: a KV cache reached a treated block in a training forward; remat gives the "
-                      "block an empty cache of its own at each call (a recompute must not append to yours), "
-                      "so the cache the model returns lacks the treated blocks. Pass use_cache=False when "
-                      "training to silence this.", stacklevel=4)
+        warnings.warn(f"remat: a KV cache holding {held} tokens reached a treated block in a training forward; "
+                      "remat gives the block an empty cache of its own at each call (a recompute must not "
+                      "append to yours), so the block does not attend over those tokens and the cache the "
+                      "model returns lacks it. Pass no cache (past_key_values) to a training forward.", stacklevel=4)
