@@ -26,6 +26,7 @@ _PUBLIC = {
     "profile": ".profiling.profiler",
     "simulate": ".planning.simulator",
     "solve": ".planning.solver",
+    "verify": ".diagnosis.verification",
 }
 # Module and folder names differ from the public function names on purpose: importing a
 # submodule binds its name on the package, so a folder remat/profile/ would shadow

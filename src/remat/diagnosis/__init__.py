@@ -20,5 +20,6 @@ integrations, the bench harness or the command line (:mod:`remat.integrations`, 
 """
 from remat.diagnosis.checkup import doctor
 from remat.diagnosis.findings import SEVERITIES, Finding
+from remat.diagnosis.verification import Verification, verify
 
-__all__ = ["SEVERITIES", "Finding", "doctor"]
+__all__ = ["SEVERITIES", "Finding", "Verification", "doctor", "verify"]
