@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.api import apply, batch_check_held, current_plan
-from remat.diagnosis.findings import hf_checkpointing_on, unwrapped
+from remat.diagnosis.findings import Finding, hf_checkpointing_on, unwrapped
 from remat.diagnosis.run_checks import eager
 from remat.planning.plans import Plan
 from remat.profiling.snapshot import restore, snapshot
@@ -568,7 +568,7 @@ def _named_parameters(model):
 def _check_loss(loss) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TypeError(f"remat.verify: loss_fn must return a floating scalar tensor, got {what}")
+        raise TypeError(f"remat.verify: loss_fn must return a floating scalar loss (what backward is called on), got {what}")
 
 
 def _float64_room(model) -> Optional[str]:
@@ -940,3 +940,22 @@ def _report(result: Verification) -> str:
                      f"{size(m.reference_peak_reserved_bytes)} reserved; step {m.reference_step_s * 1e3:.1f} ms")
     lines.append(f"  ({result.seconds:.1f} s)")
     return "\n".join(lines)
+
+
+# -- the doctor's check ----------------------------------------------------------------------------------
+def check_gradients(model: nn.Module, batch, loss_fn=None) -> list:
+    """The doctor's ``wrong-gradients``: :func:`verify` on the setup as it is (nothing to verify: no finding)."""
+    if current_plan(model) is None and not hf_checkpointing_on(model):
+        return []
+    return findings_of(verify(model, batch, None, loss_fn=loss_fn))
+
+
+def findings_of(result: Verification) -> list:
+    """``[wrong-gradients]`` for a wrong verdict, else nothing."""
+    if result.ok:
+        return []
+    return [Finding(check="wrong-gradients", severity="error", cost=1.0,
+                    what=f"{result.treatment} gives other gradients than the untouched model (remat.verify)",
+                    why=result.why,
+                    fix="train without it until it is fixed (remat.remove(model), or Hugging Face checkpointing off); "
+                        "print(remat.verify(model, batch)) shows every tensor; report it with that table")]
