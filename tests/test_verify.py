@@ -3,8 +3,8 @@
 Checked on zoo models as users build them (config defaults: use_cache on, dropout on), fp32 on the
 CPU: block treatments bitwise; tiled and the chunked head within rounding, decided by the float64
 re-run (the issue's false alarms: BERT's key biases, whose true gradient is zero); planted bugs (a
-recompute that draws other dropout masks, a block given a stale cache, a treatment that breaks the
-step) wrong, the float64 re-run not shrinking them; the weaker scale test without float64; a model
+recompute that draws other dropout masks, a block given a stale cache, a recompute torch's checkpoint
+refuses) wrong, the float64 re-run not shrinking them; the weaker scale test without float64; a model
 that cannot run twice alike named; the model left exactly as it was. The whole model x treatment
 matrix is ``slow``.
 """
@@ -90,6 +90,34 @@ def test_the_applied_plan_is_verified_when_no_spec_is_given():
     result = _verify(model, batch, None)
     assert result.verdict == "bitwise" and "applied plan" in result.treatment
     assert {treatment_of(b) for b in model.model.layers} == {"full+offload"}
+    remat.apply(model, "full+tiled", tile_tokens=TILE)
+    result = _verify(model, batch, None)       # its float64 re-run: a deep copy of the treated model
+    assert result.verdict == "within rounding" and result.float64 == "ran", result
+    assert {treatment_of(b) for b in model.model.layers} == {"full+tiled"}
+
+
+def test_a_deep_copied_tiled_model_comes_off_and_back_cleanly():
+    """verify's float64 copy is a deep copy of the treated model; a copied ``bound=True`` patch (the tiled
+    sub-modules') holds another bound method than its module's ``__dict__``, which remove took for someone
+    else's wrapper and left behind (put back, it called itself)."""
+    import copy
+
+    from remat.treat import patches
+    model, batch = _case("llama")
+    remat.apply(model, "tiled", tile_tokens=TILE)
+    twin = copy.deepcopy(model)
+    remat.remove(twin)
+    assert all("forward" not in m.__dict__ for m in twin.modules())
+    with patches.suspended(remat.apply(twin, "tiled", tile_tokens=TILE)):
+        twin(**batch).loss.backward()
+    twin(**batch).loss.backward()
+
+
+def test_a_spec_on_a_model_with_hugging_face_checkpointing_on_runs_without_it():
+    model, batch = _case("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert _verify(model, batch, "selective").verdict == "bitwise"   # not checkpointed twice
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("name, spec, options", [
@@ -152,7 +180,7 @@ def test_a_block_given_a_stale_cache_is_wrong(stale_cache):
     assert next(c for c in result.tensors if c.name == "loss").verdict == "wrong"
 
 
-def test_a_treatment_that_breaks_the_step_is_wrong(monkeypatch):
+def test_a_recompute_the_checkpoint_refuses_is_wrong(monkeypatch):
     """The caller's cache carried into the recompute (what remat once did): T5's recompute saves other
     tensors and torch's checkpoint refuses it; verify says wrong, with the error, instead of raising."""
     monkeypatch.setattr(treatments_module, "_own_cache", lambda forward, args, kwargs: (forward, args, kwargs))

@@ -26,6 +26,10 @@ and every buffer after the step. Each is ``bitwise``, ``within rounding`` or ``w
   the working dtype (fp32 3.5e-4, bf16 0.088) is rounding, beyond it wrong; the result says that this
   is the weaker test.
 
+A treated step that torch's checkpoint refuses (``CheckpointError``: its recompute saved other tensors
+than its forward, e.g. a cache appended to twice) is ``wrong`` too, with the error; any other error of
+either step is raised as it is.
+
 The untouched model run twice tells whether it can be compared at all: where its second run differs
 from its first (nondeterministic kernels, a forward that changes state outside its parameters and
 buffers) the result says why, names the state that changed, and judges each tensor against the
@@ -55,6 +59,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointError
 
 from remat.api import apply, batch_check_held, current_plan
 from remat.diagnosis.findings import Finding, hf_checkpointing_on, unwrapped
@@ -241,7 +246,7 @@ class _Setup:
         hf = tuple(name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True)
         options = {k: v for k, v in options.items() if v is not None}
         options["mask_skip"] = bool(patches.patches(model, tag=mask_skip.PATCH_TAG))   # the model's own state
-        if plan_or_spec is not None:
+        if plan_or_spec is not None:   # Hugging Face's checkpointing, if on, stays off for both runs
             plan = plan_or_spec if isinstance(plan_or_spec, Plan) else None
             name = plan.summary() if plan is not None else _spec_name(plan_or_spec)
             return cls(name=name, spec=plan_or_spec, options=options, plan=plan)
@@ -254,18 +259,12 @@ class _Setup:
                          "checkpointing on; pass what to check, e.g. remat.verify(model, batch, 'full') or a "
                          "remat.Plan")
 
-    def treat(self, model: nn.Module, undone: list, copy_of: bool = False) -> None:
+    def treat(self, model: nn.Module, undone: list) -> None:
         """Put the treatment on ``model`` (the untouched one, inside :func:`patches.suspended`)."""
         if self.spec is not None:
-            options = dict(self.options, mask_skip=False) if copy_of else self.options
-            apply(model, self.spec, **options)
+            apply(model, self.spec, **self.options)
         elif self.applied:
-            if copy_of:
-                plan = self.plan
-                apply(model, plan, blocks=list(plan.blocks), strict=False, mask_skip=False,
-                      offload_options=plan.notes.get("offload_options") or _engine_options(undone))
-            else:
-                patches.reinstall(undone)
+            patches.reinstall(undone)
         for name in self.hf:
             model.get_submodule(name).gradient_checkpointing = True
 
@@ -280,15 +279,6 @@ def _spec_name(spec) -> str:
         counts = collections.Counter(spec.values())
         return ", ".join(f"{n}x {t}" for t, n in counts.most_common())
     return str(spec)
-
-
-def _engine_options(undone: list) -> Optional[dict]:
-    """The offload engine settings of the applied plan (a float64 copy's engine takes the same)."""
-    for patch in undone:
-        engine = getattr(patch.state, "engine", None)
-        if engine is not None:
-            return {"min_bytes": engine.min_bytes, "_inline": engine._inline}
-    return None
 
 
 def _layers_checkpointed(model: nn.Module, hf: tuple) -> str:
@@ -404,16 +394,19 @@ class _Runner:
         held = state.held_grad_bytes
         before = _fingerprint(model)
         try:
-            with eager(model), batch_check_held(model), patches.suspended(model) as undone, _hf_off(model):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(eager(model))
+                stack.enter_context(batch_check_held(model))
+                undone = stack.enter_context(patches.suspended(model))
+                stack.enter_context(_hf_off(model))
                 reference = self._step(model, state, keep=True)
                 after_first = _fingerprint(model)
                 setup.treat(model, undone)
+                stack.enter_context(batch_check_held(model))   # a plan for another shape: verify's batch is not it
                 failure = ""
                 try:
                     treated = self._step(model, state, reference=reference)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as error:   # the untouched model ran: a treatment that breaks the step is wrong
+                except CheckpointError as error:   # the recompute computed something else than the forward
                     failure = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
                     treated = None
                 timed = ([self._step(model, state, timed=True) for _ in range(timed_steps)]
@@ -455,8 +448,8 @@ class _Runner:
     def _failed(self, setup: _Setup, failure: str, model, device) -> Verification:
         return Verification(
             verdict="wrong", treatment=setup.name, model=type(model).__name__, tensors=(), float64="not run",
-            why=f"the treated step fails where the untouched one runs ({failure}): the treatment does not compute "
-                "what the model computes", problems=tuple(self.problems),
+            why=f"the treated step fails where the untouched one runs ({failure}): its recompute does not compute "
+                "what its forward computed", problems=tuple(self.problems),
             dtype=str(_working_dtype(model)).replace("torch.", ""), device=str(device), batch=_batch_shape(self.batch))
 
     # a step --------------------------------------------------------------------------------------
@@ -523,23 +516,29 @@ class _Runner:
 
     # float64 -------------------------------------------------------------------------------------
     def _float64(self, setup: _Setup, undone: list, state):
-        """``(note, (reference, treated, lower-precision ops))`` from a float64 copy, or ``(why not, None)``."""
+        """``(note, (reference, treated, lower-precision ops))`` from a float64 copy of the treated model (its
+        reference run with the copy's patches suspended and Hugging Face's checkpointing off), or
+        ``(why not, None)``."""
         model = self.model
         room = _float64_room(model)
         if room is not None:
             return room, None
+        self._reset(model, state)    # no gradients to copy
+        setup.treat(model, undone)
         try:
-            twin = copy.deepcopy(model)
+            twin = copy.deepcopy(model)   # a treated model deep-copies treated on its own parameters
         except Exception as error:   # accelerate hooks, unpicklable state: judged on the gradient scale
             return f"no float64 copy of the model could be made ({type(error).__name__}: {str(error)[:100]})", None
+        finally:
+            setup.untreat(model)
         lower = collections.Counter()
         try:
             twin.double().train()
             twin_state = snapshot(twin)
             twin_state.cpu_rng, twin_state.cuda_rng = state.cpu_rng, state.cuda_rng
             with _float64_everywhere(lower), batch_check_held(twin):
-                reference = self._step(twin, twin_state, keep=True, dtype=torch.float64)
-                setup.treat(twin, undone, copy_of=True)
+                with patches.suspended(twin), _hf_off(twin):
+                    reference = self._step(twin, twin_state, keep=True, dtype=torch.float64)
                 treated = self._step(twin, twin_state, reference=reference, dtype=torch.float64)
         except Exception as error:   # a kernel without float64 (Triton, flash attention), a dtype check
             return (f"the model does not run in float64 ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
