@@ -133,6 +133,7 @@ def test_cli_flags(capsys):
     assert "accelerate's FSDP2 activation checkpointing (full+offload" in out
 
 
+@pytest.mark.slow   # a preset built on the CPU and verified (the help's --verify example runs in make test)
 def test_cli_doctor_verify(capsys):
     status, out, err = _cli(["doctor", "--model", "llama-tiny", "--batch", "1", "--seq", "32", "--dtype", "fp32",
                              "--hf-checkpointing", "--no-preserve-rng", "--dropout", "0.1", "--verify"], capsys)

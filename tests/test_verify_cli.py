@@ -23,6 +23,7 @@ def test_a_spec_on_a_preset(capsys):
     assert status == 0 and "BITWISE" in out.splitlines()[0] and "batch 2 x 32 (float32, cpu)" in out
 
 
+@pytest.mark.slow   # the help's examples run --spec tiled --json in make test; this adds the head and float64
 def test_tiled_and_the_chunked_head_as_json(capsys):
     status, out, _ = _cli(["--model", "llama-tiny", "--seq", "32", "--spec", "full+tiled", "--tile-tokens", "16",
                            "--head", "chunked", "--chunk-tokens", "16", "--json"], capsys)
@@ -31,6 +32,7 @@ def test_tiled_and_the_chunked_head_as_json(capsys):
     assert any(t["verdict"] == "within rounding" for t in result["tensors"])
 
 
+@pytest.mark.slow   # a preset built and verified; doctor(verify=True)'s wrong case is in make test
 def test_a_wrong_treatment_exits_1(capsys, monkeypatch):
     from remat.treat import treatments
     original = treatments.checkpoint

@@ -35,11 +35,11 @@ EXAMPLES = """examples:
   remat doctor --model llama-tiny --batch 2 --seq 128 --budget 4MiB --callback   # the plan RematCallback makes
   remat doctor --model llama-8b --batch 2 --seq 4096 --budget 40GiB --plan plan.json
   remat doctor --model llama-8b --plan plan.json --compile
-  remat doctor --model llama-1b --batch 4 --seq 4096 --budget 30GiB --hf-checkpointing --every-n-layers 2
+  remat doctor --model llama-1b --batch 4 --seq 4096 --budget 48GiB --hf-checkpointing --every-n-layers 2
   remat doctor --model llama-1b --batch 4 --seq 4096 --budget 30GiB --hf-checkpointing --hf-offload
   remat doctor --model llama-1b --batch 4 --seq 4096 --budget 30GiB --fsdp-checkpointing-offload
   remat doctor --model llama-1b --batch 4 --seq 4096 --budget 16GiB --liger --hf-checkpointing
-  remat doctor --model llama-tiny --batch 2 --seq 128 --plan plan.json --verify --dropout 0.1
+  remat doctor --model llama-tiny --batch 2 --seq 128 --dtype fp32 --hf-checkpointing --verify --dropout 0.1
 
 A setup over its budget is an error (exit status 1) with the plan that fits or the floor: for
 --model llama-1b --batch 4 --seq 4096 --budget 20GiB, "[error] does not fit: predicted 53.06 GiB >

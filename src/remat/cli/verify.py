@@ -18,10 +18,9 @@ EXAMPLES = """examples:
   remat verify --model llama-tiny --spec full
   remat verify --model llama-tiny --spec full+tiled --tile-tokens 32 --head chunked --dropout 0.1
   remat verify --model llama-tiny --batch 2 --seq 128 --budget 6MiB      # the plan remat plan makes
-  remat verify --model my-config.json --plan plan.json --batch 1 --seq 1024
   remat verify --model llama-tiny --spec tiled --json
 
-Run it before a long job, on the batch shape you train (a shorter one where the untouched model does
+A saved plan: remat verify --model <config> --plan plan.json --batch 1 --seq 1024. Run it before a long job, on the batch shape you train (a shorter one where the untouched model does
 not fit: a treatment's arithmetic does not depend on the length). Verdicts: bitwise (every tensor
 torch.equal to the untouched model's), within rounding (differences that shrink by orders of magnitude
 in a float64 re-run, or within sqrt(eps) of the gradient scale where float64 cannot run), wrong.
