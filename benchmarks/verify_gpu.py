@@ -142,7 +142,7 @@ def main():
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--budget", default="20GiB")
+    parser.add_argument("--budget", default="8GiB")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/issue45"))
     parser.add_argument("--only", default=None, help="run the rows whose \"model row\" contains this (e.g. llama)")
     parser.add_argument("--cpu", action="store_true", help="a smoke test on the CPU (e.g. --model llama-tiny --seq 64)")
