@@ -8,7 +8,6 @@ import warnings
 from unittest import mock
 
 import pytest
-import torch
 
 import remat
 from remat.diagnosis import doctor

@@ -20,7 +20,8 @@ EXAMPLES = """examples:
   remat verify --model llama-tiny --batch 2 --seq 128 --budget 6MiB      # the plan remat plan makes
   remat verify --model llama-tiny --spec tiled --json
 
-A saved plan: remat verify --model <config> --plan plan.json --batch 1 --seq 1024. Run it before a long job, on the batch shape you train (a shorter one where the untouched model does
+A saved plan: remat verify --model <config> --plan plan.json --batch 1 --seq 1024.
+Run it before a long job, on the batch shape you train (a shorter one where the untouched model does
 not fit: a treatment's arithmetic does not depend on the length). Verdicts: bitwise (every tensor
 torch.equal to the untouched model's), within rounding (differences that shrink by orders of magnitude
 in a float64 re-run, or within sqrt(eps) of the gradient scale where float64 cannot run), wrong.
