@@ -91,4 +91,4 @@ def _reset_accelerate():
 
 
 def test_every_block_is_found():
-    assert [lang for lang, _ in BLOCKS].count("python") == 11 and [lang for lang, _ in BLOCKS].count("bash") == 1
+    assert [lang for lang, _ in BLOCKS].count("python") == 12 and [lang for lang, _ in BLOCKS].count("bash") == 3

@@ -4,6 +4,7 @@
     remat.apply(model, "full")                      # or "selective", "every:2", a Plan ...
     plan = remat.plan(model, batch, budget="24GiB")  # profile + simulate + solve
     remat.apply(model, plan)
+    print(remat.verify(model, batch))                # its gradients against the untouched model's
     remat.remove(model)                              # back to the original modules
 
 Importing remat imports neither torch nor transformers: the public names are resolved on
@@ -26,6 +27,7 @@ _PUBLIC = {
     "profile": ".profiling.profiler",
     "simulate": ".planning.simulator",
     "solve": ".planning.solver",
+    "verify": ".diagnosis.verification",
 }
 # Module and folder names differ from the public function names on purpose: importing a
 # submodule binds its name on the package, so a folder remat/profile/ would shadow

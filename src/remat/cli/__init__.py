@@ -29,6 +29,7 @@ COMMANDS = {
     "plan": ("remat.cli.plan", "the fastest plan that fits a memory budget"),
     "estimate": ("remat.cli.estimate", "predicted peak and speed of every strategy"),
     "doctor": ("remat.cli.doctor", "the problems of a training setup, worst first"),
+    "verify": ("remat.cli.verify", "a treatment's loss and gradients against the untouched model's"),
     "env": ("remat.cli.env", "versions, GPU and host memory limits"),
 }
 # optional dependencies whose absence is the user's to fix, not a bug to show a traceback for

@@ -11,7 +11,9 @@ that only read the setup (its docstring lists every check); :mod:`~remat.diagnos
 the checks of how the model runs (compiled, per block, sharded) against what its plan was made for;
 :mod:`~remat.diagnosis.run_checks` those that cost a step, a profile or a measurement;
 :mod:`~remat.diagnosis.findings` what a finding is and the readings of the model the checks share,
-so that every check imports it and no check imports the entry.
+so that every check imports it and no check imports the entry. :mod:`~remat.diagnosis.verification`
+is :func:`remat.verify` (the untouched and the treated model on one batch, every gradient judged), which
+the doctor runs for ``verify=True`` and the integrations and the command line may call.
 
 Imports run one way: this package uses the API, the planner, profiling, planning, the treatments
 and the head (:mod:`remat.head` also recognises TRL's fused head); it must never import the
@@ -20,5 +22,6 @@ integrations, the bench harness or the command line (:mod:`remat.integrations`, 
 """
 from remat.diagnosis.checkup import doctor
 from remat.diagnosis.findings import SEVERITIES, Finding
+from remat.diagnosis.verification import Verification, verify
 
-__all__ = ["SEVERITIES", "Finding", "doctor"]
+__all__ = ["SEVERITIES", "Finding", "Verification", "doctor", "verify"]

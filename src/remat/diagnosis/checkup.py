@@ -37,6 +37,10 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
   blocks' inputs do not require grad, so the adapters inside get no gradient.
 - ``rng-not-preserved``: ``preserve_rng_state=False`` with dropout: the recomputed forward draws
   other dropout masks than the forward did, and the gradients are wrong.
+- ``rng-not-preserved`` also for accelerate's FSDP2 activation checkpointing on a model with dropout
+  (accelerate 1.15 wraps each block in ``checkpoint_wrapper(preserve_rng_state=False)``).
+- ``wrong-gradients``: (``verify=True``, a batch) :func:`remat.verify` finds the setup's gradients beyond
+  rounding of the untouched model's.
 - ``head-bypassed``: remat's chunked head sits under TRL's fused LM head, which never calls it.
 - ``compile-mismatch``: the applied plan was made for a compiled model (``notes["compile"]``) and
   the model runs uncompiled, or the reverse: the plan's peak and time do not hold (compile changes
@@ -59,7 +63,12 @@ that batch. A good setup gets an empty list. The checks, cheapest to state first
 - ``keep-fits``: checkpointing is on but keeping every activation fits the budget: the
   recomputation (20-30% of a step) buys nothing.
 - ``faster-plan``: another plan fits the same budget with a predicted step time at least 5%
-  shorter than the applied one (Hugging Face checkpointing counts as ``full`` on every block).
+  shorter than the applied one (Hugging Face checkpointing counts as ``full`` on the blocks it
+  checkpoints, ``every_n_layers`` and ``offload=True`` read as they are: see ``setup-vs-plan``).
+- ``setup-vs-plan`` (a note): the setup uses transformers' ``every_n_layers`` or ``offload=True``,
+  accelerate's FSDP2 activation checkpointing (with its offload) or Liger's ``use_liger_kernel``: its
+  predicted peak and step beside remat's plan at the same budget, and how each flag was read
+  (:func:`remat.diagnosis.run_checks.check_plans`).
 - ``prediction-off``: (``run_step=True`` on CUDA, a remat plan applied) the measured peak or
   step time is more than 10% from the plan's prediction.
 - ``plans-not-checked`` (a note): ``keep-fits`` / ``faster-plan`` could not be judged: a segments
@@ -85,14 +94,14 @@ from typing import Optional
 
 import torch.nn as nn
 
-from remat.diagnosis import compile_checks as compiling, run_checks as runs
+from remat.diagnosis import compile_checks as compiling, run_checks as runs, verification
 from remat.diagnosis.findings import (SEVERITIES, Finding, args_checkpointing, compile_scope_of, hf_checkpointing_on,
                                       unwrapped)
 
 
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
            accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
-           compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1) -> list:
+           compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1, verify: bool = False) -> list:
     """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
 
     ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
@@ -105,7 +114,9 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     called on it or its blocks); pass True for a model compiled after this call. ``callback``: the
     :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train the model: the
     setup judged is the plan it makes at its budget (default ``budget``). ``fsdp_world``: the model
-    is sharded over that many FSDP2 ranks (the budget is one rank's). Empty list: nothing found.
+    is sharded over that many FSDP2 ranks (the budget is one rank's). ``verify``: with a batch, also run
+    :func:`remat.verify` on the setup as it is (the applied plan, or Hugging Face's checkpointing):
+    gradients beyond rounding are ``wrong-gradients``. Empty list: nothing found.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
@@ -123,6 +134,7 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
     findings += _check_training_args(training_args, accelerate_config)
     findings += _check_reentrant(inner, training_args, kwargs)
     findings += _check_rng(inner, training_args, kwargs)
+    findings += _check_fsdp_rng(inner, training_args, accelerate_config)
     findings += _check_head_bypassed(inner)
     findings += compiling.check_compile(inner, compiled, scope)
     findings += compiling.check_fsdp_selective(inner, compiled)
@@ -133,11 +145,13 @@ def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = Fa
         findings += runs.check_step(inner, batch, loss_fn)
     if batch is not None and budget is not None:
         findings += runs.check_plans(inner, batch, budget, training_args, loss_fn, gpu, optimizer, compiled,
-                                     callback=callback, fsdp_world=fsdp_world)
+                                     callback=callback, fsdp_world=fsdp_world, accelerate_config=accelerate_config)
     elif budget is not None:
         findings += runs.check_static(inner, budget, optimizer)
     if run_step and batch is not None and _on_cuda(inner):
         findings += runs.check_prediction(model, batch, loss_fn)
+    if verify and batch is not None and not _on_meta(inner):
+        findings += verification.check_gradients(inner, batch, loss_fn)
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), -f.cost))
 
 
@@ -261,6 +275,21 @@ def _check_rng(model, training_args, kwargs) -> list:
         fix="drop preserve_rng_state from activation_checkpointing_kwargs (gradient_checkpointing_kwargs in "
             "transformers 4; the default, True, is right), or use "
             "remat, which always preserves it")]
+
+
+def _check_fsdp_rng(model, training_args, accelerate_config) -> list:
+    from remat.diagnosis.findings import fsdp_checkpointing
+    found = fsdp_checkpointing(training_args, accelerate_config)
+    if found is None or found[0] != 2 or not _has_dropout(model):
+        return []
+    return [Finding(
+        check="rng-not-preserved", severity="error", cost=1.0,
+        what="accelerate's FSDP2 activation checkpointing (fsdp_activation_checkpointing, fsdp_version 2) on a "
+             "model with dropout",
+        why="accelerate wraps each block in checkpoint_wrapper(preserve_rng_state=False): the recomputed forward "
+            "draws other dropout masks than the forward did, so the gradients belong to no forward that ran",
+        fix="turn FSDP's activation checkpointing off and apply remat before fully_shard (remat.apply(model, "
+            "plan), or RematCallback), which checkpoints with the RNG state preserved; or set dropout to 0")]
 
 
 def _check_head_bypassed(model) -> list:

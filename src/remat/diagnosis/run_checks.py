@@ -22,7 +22,7 @@ import time
 import torch
 
 from remat.api import batch_check_held, hf_argument_name
-from remat.diagnosis.findings import Finding, applied_plan, hf_checkpointing_on
+from remat.diagnosis.findings import Finding, applied_plan
 from remat.planning.plans import Plan
 
 FASTER = 0.05      # a plan this much faster than the applied one is worth a finding
@@ -102,13 +102,21 @@ def _hf_checkpointing_off(model):
 
 
 def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, compiled: bool, callback=None,
-                fsdp_world: int = 1) -> list:
+                fsdp_world: int = 1, accelerate_config=None) -> list:
     """The setup's predicted peak against ``budget`` (``does-not-fit``), then whether its recomputation
     is needed (``keep-fits``) or a faster plan fits (``faster-plan``). The setup is, first that applies:
     ``callback`` (the plan a ``RematCallback`` makes for this batch at its budget, or its spec), Hugging
     Face checkpointing (``full`` on every block, the model's own head), the applied remat plan, or the
     model untouched (``keep``, its own head). Its peak is :func:`remat.simulate`'s on the profile that
-    ``remat estimate`` makes of the same model and batch, so the two agree to the byte."""
+    ``remat estimate`` makes of the same model and batch, so the two agree to the byte.
+
+    Checkpointing outside remat is read as it is (:func:`remat.diagnosis.findings.checkpointing_of`):
+    Hugging Face's per-layer flags (``every_n_layers``: remat's ``every:N``), ``offload=True`` and
+    accelerate's FSDP2 checkpoint offload as ``full+offload`` with the host copies on the compute stream
+    (``save_on_cpu`` copies synchronously: their time is added, not hidden), Liger's ``use_liger_kernel``
+    as the chunked head (its fused loss never builds the logits; its other kernels are not modelled). A
+    setup that uses one of these gets a ``setup-vs-plan`` note: its predicted peak and step beside
+    remat's plan at the same budget."""
     from remat.planning.plans import segment_of
     from remat.planning.simulator import simulate
     from remat.units import format_size, parse_budget
@@ -120,32 +128,35 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
             f"on the GPU, remat.plan(model, batch, budget='{format_size(budget)}', compile=True) (remat plan "
             "--compile) gives the fastest plan for a compiled step; compare its notes['predicted_step_s']")]
     prof = _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world)
-    setup, source, refused = _setup(model, batch, prof, budget, training_args, callback)
+    setup, source, refused = _setup(model, batch, prof, budget, training_args, callback, accelerate_config)
     if refused is not None:
         return [refused]
+    side = _side_by_side(model, batch, prof, budget, training_args, accelerate_config, setup, source, callback)
     segmented = any(segment_of(t) is not None for t in setup.blocks.values())
     if segmented:   # not simulated; its time is full's (every block recomputed once), its peak unknown
         setup = Plan(blocks={n: "full" if segment_of(t) is not None else t for n, t in setup.blocks.items()},
                      head=setup.head, chunk_tokens=setup.chunk_tokens, tile_tokens=setup.tile_tokens)
     now = simulate(prof, setup)
+    now_s = now.step_s + (synchronous_copy_s(prof, now) if side is not None and side.offload else 0.0)
     if now.peak_bytes > budget and not segmented:
-        return [_does_not_fit(model, batch, prof, budget, source, now)]
-    if all(t == "keep" for t in setup.blocks.values()):
-        return []
+        return [_does_not_fit(model, batch, prof, budget, source, now)] + side.findings(now, now_s)
+    if all(t == "keep" for t in setup.blocks.values()) or side.liger:
+        # Liger's fused kernels are not timed here: no faster or needless plan is claimed against them
+        return side.findings(now, now_s)
     keep = simulate(prof, Plan(blocks={n: "keep" for n in prof.block_names}, head=setup.head,
                                chunk_tokens=setup.chunk_tokens))
     if keep.peak_bytes <= budget:
-        lost = max(0.0, 1 - keep.step_s / now.step_s) if now.step_s else 0.0
+        lost = max(0.0, 1 - keep.step_s / now_s) if now_s else 0.0
         return [Finding(
             check="keep-fits", severity="warning", cost=lost,
             what=f"{source} recomputes, but keeping every activation fits {format_size(budget)} at this batch "
                  f"(predicted peak {format_size(keep.peak_bytes)})",
             why=f"the recomputation buys nothing here: about {lost:.0%} of the step time is thrown away "
-                f"({now.step_s * 1e3:.1f} ms against {keep.step_s * 1e3:.1f} ms predicted"
+                f"({now_s * 1e3:.1f} ms against {keep.step_s * 1e3:.1f} ms predicted"
                 + (", the segments timed as full: each block recomputed once" if segmented else "") + ")",
             fix=f"turn checkpointing off ({hf_argument_name()}=False / remat.remove(model)), or let remat plan it: "
                 f"remat.auto(model, batch, budget='{format_size(budget)}')",
-            predicted_peak_bytes=keep.peak_bytes, budget_bytes=budget)]
+            predicted_peak_bytes=keep.peak_bytes, budget_bytes=budget)] + side.findings(now, now_s)
     if segmented:
         return [_not_checked(
             "does-not-fit, faster-plan", f"{source} is a segments plan, which remat applies as given and does "
@@ -154,21 +165,21 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
             "blocks recomputed at once)",
             f"to compare, plan per block: remat.plan(model, batch, budget='{format_size(budget)}') gives the "
             "fastest plan that fits with its predicted peak and time")]
-    best = _best_plan(model, batch, prof, budget)
+    best = side.best if side.best is not None else _best_plan(model, batch, prof, budget)
     if best is None:
-        return []
+        return side.findings(now, now_s)
     best_s = best.notes["predicted_step_s"]
-    if now.step_s and best_s < now.step_s * (1 - FASTER):
-        gain = 1 - best_s / now.step_s
+    if now_s and best_s < now_s * (1 - FASTER):
+        gain = 1 - best_s / now_s
         return [Finding(
             check="faster-plan", severity="warning", cost=gain,
             what=f"{source} fits {format_size(budget)} (predicted peak {format_size(now.peak_bytes)}), but the "
                  f"plan {best.summary()} fits it too and is predicted {gain:.0%} faster",
-            why=f"predicted step {now.step_s * 1e3:.1f} ms now against {best_s * 1e3:.1f} ms "
+            why=f"predicted step {now_s * 1e3:.1f} ms now against {best_s * 1e3:.1f} ms "
                 f"(peak {format_size(best.notes['predicted_peak_bytes'])})",
             fix=f"remat.auto(model, batch, budget='{format_size(budget)}') (or RematCallback(budget=...) in a Trainer)",
-            predicted_peak_bytes=now.peak_bytes, budget_bytes=budget)]
-    return []
+            predicted_peak_bytes=now.peak_bytes, budget_bytes=budget)] + side.findings(now, now_s)
+    return side.findings(now, now_s)
 
 
 def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
@@ -183,10 +194,10 @@ def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
     return prof
 
 
-def _setup(model, batch, prof, budget, training_args, callback):
+def _setup(model, batch, prof, budget, training_args, callback, accelerate_config=None):
     """``(plan, words, finding)``: the plan that will run and how to name it, or a finding when the
     setup will refuse to run (a callback whose budget nothing fits)."""
-    from remat.diagnosis.findings import args_checkpointing
+    from remat.diagnosis.findings import checkpointing_of, liger_on
     from remat.planning.plans import resolve
     from remat.planning.solver import NoPlanFits
     from remat.units import format_size
@@ -212,13 +223,100 @@ def _setup(model, batch, prof, budget, training_args, callback):
                 predicted_peak_bytes=e.smallest_peak, budget_bytes=wanted)
         return plan, f"RematCallback's plan at {format_size(wanted)} ({plan.summary()})", None
     applied = applied_plan(model)
-    if hf_checkpointing_on(model) or args_checkpointing(training_args):
-        return (Plan(blocks={name: "full" for name in prof.block_names}, head="plain"),
-                "Hugging Face checkpointing (full on every block)", None)
+    ckpt = checkpointing_of(model, training_args, accelerate_config)
+    liger = liger_on(training_args) and _chunked_head(prof) is not None
+    head = dict(head="chunked", chunk_tokens=_chunked_head(prof)) if liger else dict(head="plain")
+    with_liger = " with Liger's kernels (use_liger_kernel)" if liger else ""
+    if ckpt is not None:
+        treatment = "full+offload" if ckpt.offload else "full"
+        blocks = {name: treatment if ckpt.checkpoints(i, name) else "keep" for i, name in enumerate(prof.block_names)}
+        count = sum(t != "keep" for t in blocks.values())
+        where = "every block" if count == len(blocks) else f"{count} of {len(blocks)} blocks"
+        return (Plan(blocks=blocks, **head),
+                f"{ckpt.source} ({treatment} on {where}{', offloaded synchronously' if ckpt.offload else ''})"
+                f"{with_liger}", None)
     if applied is not None:
         return applied, f"the applied remat plan ({applied.summary()})", None
-    return (Plan(blocks={name: "keep" for name in prof.block_names}, head="plain"),
-            "the model as it is (no checkpointing)", None)
+    return (Plan(blocks={name: "keep" for name in prof.block_names}, **head),
+            f"the model as it is (no checkpointing){with_liger}", None)
+
+
+def _chunked_head(prof):
+    """The chunk of the profile's chunked head (None: the model has none)."""
+    for head in prof.heads:
+        if head.mode == "chunked":
+            return head.chunk_tokens
+    return None
+
+
+def synchronous_copy_s(prof, sim) -> float:
+    """Seconds the host copies of ``sim``'s offloaded bytes add when they run on the compute stream
+    (``save_on_cpu``: down in forward, up in backward, nothing overlapped), beyond what remat's
+    asynchronous engine leaves exposed."""
+    rates = prof.rates
+    return max(0.0, sim.offload_bytes * (1 / rates.d2h_Bps + 1 / rates.h2d_Bps) - sim.exposed_copy_s)
+
+
+class _SideBySide:
+    """The ``setup-vs-plan`` note of a setup that uses one of the new flags: its prediction and remat's."""
+
+    def __init__(self, budget, source, how, best, offload, liger):
+        self.budget, self.source, self.how, self.best, self.offload = budget, source, how, best, offload
+        self.liger = liger
+
+    def findings(self, now, now_s) -> list:
+        from remat.units import format_size as f
+        if self.best is not None:
+            n = self.best.notes
+            plan = (f"remat's plan at {f(self.budget)}: {self.best.summary()}, peak {f(n['predicted_peak_bytes'])}, "
+                    f"step {n['predicted_step_s'] * 1e3:.1f} ms")
+        else:
+            plan = f"remat finds no plan within {f(self.budget)}"
+        return [Finding(
+            check="setup-vs-plan", severity="note", cost=0.0,
+            what=f"{self.source}: predicted peak {f(now.peak_bytes)}, step {now_s * 1e3:.1f} ms; {plan}",
+            why="read as remat models it: " + "; ".join(self.how),
+            fix=("to compare on the kernels that run, patch the model with Liger first (liger_kernel.transformers."
+                 "apply_liger_kernel_to_<family>(...)), then remat.plan(model, batch, budget) on the GPU: remat "
+                 "measures the patched model's own kernels" if self.liger else
+                 f"remat.auto(model, batch, budget='{f(self.budget)}'), or RematCallback(budget='{f(self.budget)}') in "
+                 f"a Trainer with {hf_argument_name()}=False"),
+            predicted_peak_bytes=now.peak_bytes, budget_bytes=self.budget)]
+
+
+class _Silent:
+    """No new flag: no note."""
+    best = None
+    offload = False
+    liger = False
+
+    def findings(self, now, now_s) -> list:
+        return []
+
+
+def _side_by_side(model, batch, prof, budget, training_args, accelerate_config, setup, source, callback):
+    from remat.diagnosis.findings import checkpointing_of, liger_on
+    if callback is not None:
+        return _Silent()
+    ckpt = checkpointing_of(model, training_args, accelerate_config)
+    liger = liger_on(training_args)
+    if not (liger or (ckpt is not None and ckpt.new_flags)):
+        return _Silent()
+    how = []
+    if ckpt is not None and ckpt.every_n_layers != 1:
+        how.append(f"every_n_layers={ckpt.every_n_layers} checkpoints blocks 0, {ckpt.every_n_layers}, "
+                   f"{2 * ckpt.every_n_layers} ... and keeps the rest, remat's 'every:{ckpt.every_n_layers}'")
+    if ckpt is not None and "FSDP2" in ckpt.source:
+        how.append("accelerate wraps every FSDP2 unit (each block) in checkpoint_wrapper: full on every block")
+    if ckpt is not None and ckpt.offload:
+        how.append("the checkpoints' saved inputs go to pinned host memory through save_on_cpu, copied on the "
+                   "compute stream: remat's full+offload with its copies added to the step, not hidden")
+    if liger:
+        how.append("use_liger_kernel: Liger's fused linear cross-entropy never builds the logits, read as remat's "
+                   "chunked head; its fused RMSNorm, SwiGLU and RoPE kernels are not modelled (their memory and "
+                   "speed are Liger's own: the peak is an upper bound, the step a stock-kernel estimate)")
+    best = _best_plan(model, batch, prof, budget)
+    return _SideBySide(budget, source, how, best, offload=bool(ckpt is not None and ckpt.offload), liger=liger)
 
 
 def _plan_profiled(model, batch, prof, budget, heads=None):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -150,11 +151,20 @@ def uninstall(patch: Patch) -> None:
         listed.remove(patch)
         if not listed:
             module.__dict__.pop(_REGISTRY, None)
-    if module.__dict__.get(patch.attribute, _MISSING) is patch.value:
+    if _is_value(module.__dict__.get(patch.attribute, _MISSING), patch):
         if patch.previous is _MISSING:
             module.__dict__.pop(patch.attribute, None)
         else:
             module.__dict__[patch.attribute] = patch.previous
+
+
+def _is_value(current, patch: Patch) -> bool:
+    """Whether ``current`` is what ``patch`` installed. A deep copy of a ``bound=True`` patch can hold
+    another bound ``run`` than its module's ``__dict__`` (deepcopy's memo misses the method it is
+    copying when it reaches it again through the patch): equal, not identical, and still remat's."""
+    if current is patch.value:
+        return True
+    return isinstance(current, types.MethodType) and getattr(current, "__self__", None) is patch and current == patch.value
 
 
 def patches(model: nn.Module, tag: Optional[str] = None) -> list:
