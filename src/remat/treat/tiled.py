@@ -80,6 +80,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
+from remat.treat.refusals import StepRefusal
 from remat.treat.segments import autocast_as, autocast_state
 
 _TAG = "tiled"
@@ -242,7 +243,7 @@ def _tiled_forward(patch: patches.Patch, *args, **kwargs):
     module = patch.module
     if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
         if torch.is_grad_enabled():
-            raise ValueError(
+            raise StepRefusal(
                 f"a tiled {type(module).__name__} must be called with the hidden states alone; it got "
                 f"{len(args)} positional and {sorted(kwargs)} keyword arguments. Use 'full' or 'mlp' for "
                 "this block instead of a tiled treatment.")
