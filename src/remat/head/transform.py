@@ -142,13 +142,33 @@ def _targets(statement) -> set:
 
 
 def _free(statements, defined) -> set:
-    """Names the statements read that they do not assign first and ``defined`` does not hold."""
-    read = set()
-    assigned = set(defined)
-    for statement in statements:
-        read |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - assigned
-        assigned |= _targets(statement)
-    return read
+    """Names the statements read before assigning them, that ``defined`` does not hold (into the bodies
+    of ``if``, ``for``, ``while`` and ``with`` statements, in order)."""
+    free = set()
+
+    def loads(node) -> set:
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+    def visit(block, assigned) -> set:
+        for statement in block:
+            if isinstance(statement, (ast.If, ast.While)):
+                free.update(loads(statement.test) - assigned)
+                assigned = assigned | visit(statement.body, set(assigned)) | visit(statement.orelse, set(assigned))
+            elif isinstance(statement, ast.For):
+                free.update(loads(statement.iter) - assigned)
+                inner = assigned | {n.id for n in ast.walk(statement.target) if isinstance(n, ast.Name)}
+                assigned = assigned | visit(statement.body, inner) | visit(statement.orelse, set(assigned))
+            elif isinstance(statement, ast.With):
+                for item in statement.items:
+                    free.update(loads(item.context_expr) - assigned)
+                assigned = assigned | visit(statement.body, set(assigned))
+            else:
+                free.update(loads(statement) - assigned)
+                assigned = assigned | _targets(statement)
+        return assigned
+
+    visit(statements, set(defined))
+    return free
 
 
 def _needed(statements, names) -> list:

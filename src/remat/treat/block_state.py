@@ -430,11 +430,29 @@ def _withhold(layer, name: str) -> None:
 
         def __reduce_ex__(self, protocol, _kind=kind):  # pickles and deep-copies as the layer it was
             return _rebuild_layer, (_kind, {k: v for k, v in vars(self).items() if k != _WITHHELD_BY})
+        # ``_layer_type`` None: transformers registers every cache layer subclass that names one as the
+        # class its caches build for that layer type (CacheLayerMixin.__init_subclass__)
         _GUARDED[kind] = type(f"Withheld{kind.__name__}", (kind,), {
             "__getattribute__": __getattribute__, "__copy__": __copy__, "__reduce_ex__": __reduce_ex__,
-            "__module__": __name__})
+            "__module__": __name__, "_layer_type": None})
     vars(layer)[_WITHHELD_BY] = name
     layer.__class__ = _GUARDED[kind]
+    _HELD.append((weakref.ref(layer), kind))
+
+
+_HELD: list = []  # (weak layer, its class) of every layer withheld since the last release
+
+
+def release_withheld() -> None:
+    """Make every layer withheld so far an ordinary one again: the model's forward has returned, and
+    what reads the cache it returned (documented to lack the treated blocks) is no longer refused.
+    :func:`remat.apply`'s wrapper of the model's ``forward`` calls this as the forward ends."""
+    while _HELD:
+        layer, kind = _HELD.pop()
+        layer = layer()
+        if layer is not None and _WITHHELD_BY in vars(layer):
+            del vars(layer)[_WITHHELD_BY]
+            layer.__class__ = kind
 
 
 def _rebuild_layer(kind, state):
@@ -711,4 +729,4 @@ def _forced_cache_call(kind: type) -> str:
     return ""
 
 
-__all__ = ["BlockCall", "InputLedger", "cache_reader", "guarded", "has_cache", "own_cache"]
+__all__ = ["BlockCall", "InputLedger", "cache_reader", "guarded", "has_cache", "own_cache", "release_withheld"]
