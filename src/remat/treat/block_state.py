@@ -301,11 +301,15 @@ def _parts(cache) -> list:
 
 def _copy_state(obj):
     """A new object of ``obj``'s class holding the same attribute values, its dicts and lists copied
-    (a layer's ``has_previous_state`` dict must not be shared with the caller's)."""
-    new = copy.copy(obj)
-    for key, value in vars(new).items():
-        if type(value) in (dict, list):
-            vars(new)[key] = type(value)(value)
+    (a layer's ``has_previous_state`` dict must not be shared with the caller's). Made directly, not by
+    ``copy.copy`` (a cache layer is a plain object; this runs for every layer a treated block reads)."""
+    state = getattr(obj, "__dict__", None)
+    if state is None or hasattr(type(obj), "__slots__") and type(obj).__slots__:
+        new = copy.copy(obj)
+        state = vars(new)
+    else:
+        new = object.__new__(type(obj))
+    vars(new).update({k: v.copy() if type(v) in (dict, list) else v for k, v in state.items()})
     return new
 
 
@@ -396,31 +400,31 @@ class _Unread:
                          "Give this block the treatment 'keep', or pass use_cache=False when training.")
 
 
-# what reads or writes a cache layer's contents: refused on a layer a treated block withheld
-_CONTENTS = frozenset({"update", "lazy_initialization", "update_conv_state", "update_recurrent_state", "keys",
-                       "values", "conv_states", "recurrent_states"})
-_WITHHELD_BY = "_remat_withheld_by"
+_WITHHELD_BY = "_remat_withheld_by"  # on a withheld layer: (the block that withheld it, the attributes)
 _GUARDED: dict = {}  # layer class -> its withheld subclass
 
 
-def _withhold(layer, name: str) -> None:
-    """Mark the caller's ``layer`` as one whose contents treated block ``name`` kept in its own copy:
-    reading its keys or updating it raises from now on (its length, and its kind, stay readable).
-    The layer keeps its class's behaviour otherwise (it becomes an instance of a subclass)."""
+def _withhold(layer, name: str, attributes) -> None:
+    """Mark the caller's ``layer`` as one some of whose contents (``attributes``: the keys and values,
+    a state-space layer's states) treated block ``name`` kept in its own copy: reading any of those
+    raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
+    attributes stay readable (its length while it is empty, its kind, another sub-module's states in
+    the same layer object: Zamba2's mamba mixer and its attention share one). The layer keeps its
+    class's behaviour otherwise (it becomes an instance of a subclass) until :func:`release_withheld`."""
     kind = type(layer)
-    if _WITHHELD_BY in vars(layer):
+    if _WITHHELD_BY in vars(layer) or not attributes:
         return
     if kind not in _GUARDED:
         def __getattribute__(self, attribute, _kind=kind):
-            if attribute in _CONTENTS:
-                by = object.__getattribute__(self, "__dict__").get(_WITHHELD_BY)
+            held = object.__getattribute__(self, "__dict__").get(_WITHHELD_BY)
+            if held is not None and attribute in held[1]:
                 raise StepRefusal(
-                    f"the model read or updated a layer of its KV cache ({_kind.__name__}.{attribute}) that {by}, "
-                    "treated by remat, filled in a copy of its own in this training forward: remat keeps a treated "
-                    "block's keys and values out of the model's cache there (as use_cache=False would), and this "
-                    "model reads its cache inside the training forward, so it would attend to an empty layer. remat "
-                    "stops here rather than train on it: pass use_cache=False when training, or give the blocks "
-                    "that fill the cache the treatment 'keep'.")
+                    f"the model read a layer of its KV cache ({_kind.__name__}.{attribute}) that {held[0]}, treated "
+                    "by remat, filled in a copy of its own in this training forward: remat keeps a treated block's "
+                    "keys and values out of the model's cache there (as use_cache=False would), and this model reads "
+                    "its cache inside the training forward, so it would attend to an empty layer. remat stops here "
+                    "rather than train on it: pass use_cache=False when training, or give the blocks that fill the "
+                    "cache the treatment 'keep'.")
             return _kind.__getattribute__(self, attribute)
 
         def __copy__(self):  # a view's copy of it stays withheld
@@ -435,9 +439,28 @@ def _withhold(layer, name: str) -> None:
         _GUARDED[kind] = type(f"Withheld{kind.__name__}", (kind,), {
             "__getattribute__": __getattribute__, "__copy__": __copy__, "__reduce_ex__": __reduce_ex__,
             "__module__": __name__, "_layer_type": None})
-    vars(layer)[_WITHHELD_BY] = name
+    vars(layer)[_WITHHELD_BY] = (name, frozenset(attributes))
     layer.__class__ = _GUARDED[kind]
     _HELD.append((weakref.ref(layer), kind))
+    if len(_HELD) > 4096:  # released at the end of each forward of remat.apply's model; outside one, dead ones go
+        _HELD[:] = [(ref, k) for ref, k in _HELD if ref() is not None]
+
+
+def _changed_contents(new, old) -> set:
+    """The attributes holding tensors (directly or in a dict or list) whose values differ between two of
+    :func:`_copy_state`'s copies of a layer: what a block's update put there."""
+    left, right = vars(new), vars(old)
+    return {key for key in set(left) | set(right)
+            if not _same(left.get(key, _Missing), right.get(key, _Missing))
+            and any(_holds_tensor(v) for v in (left.get(key), right.get(key)))}
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if type(value) in (dict, list):
+        return any(isinstance(v, torch.Tensor) for v in (value.values() if isinstance(value, dict) else value))
+    return False
 
 
 _HELD: list = []  # (weak layer, its class) of every layer withheld since the last release
@@ -510,13 +533,12 @@ class _CacheView:
                     if write_back:
                         caller.layers[index] = layer
                     else:
-                        _withhold(caller.layers[index], self.name)
+                        _withhold(caller.layers[index], self.name, _changed_contents(layer, layers.entry[index][0]))
                 elif write_back:
                     caller.layers.append(layer)
                 elif callable(make):  # a lazily filled cache: in the block's place, an empty layer, withheld
                     empty = make()
-                    if _differs(layer, empty):
-                        _withhold(empty, self.name)
+                    _withhold(empty, self.name, _changed_contents(layer, empty))
                     caller.layers.append(empty)
         if write_back:
             kept = vars(self.kept)
