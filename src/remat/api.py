@@ -42,7 +42,8 @@ from remat.planning.plans import Plan, resolve
 from remat.planning.records import block_records
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
-from remat.treat.block_state import cache_reader, release_withheld
+from remat.treat.block_state import cache_reader
+from remat.treat.cache_views import release_withheld
 from remat.treat.discovery import BlockSelector, discover
 from remat.treat.refusals import UNDONE, StepRefusal
 from remat.treat.segments import segments_of
@@ -222,7 +223,7 @@ def _undo_on_refusal(patch, *args, **kwargs):
     """The model's ``forward``: a :class:`~remat.treat.refusals.StepRefusal` raised inside it (remat
     refusing the model once it runs) takes remat off the model before it reaches the caller; and the
     KV cache layers treated blocks withheld in it are readable again once it returns
-    (:func:`remat.treat.block_state.release_withheld`)."""
+    (:func:`remat.treat.cache_views.release_withheld`)."""
     if _compiling():
         return patch.call_previous(*args, **kwargs)
     try:

@@ -66,11 +66,25 @@ def _compiled(source: str, module: str):
     return _COMPILED[key]
 
 
+_READ: dict = {}  # (LM class, attribute) -> read_transform's answer: a class's source does not change
+
+
 def read_transform(lm: nn.Module, attribute: str) -> Optional[Transform]:
     """``lm``'s logit transform, or None where it cannot be read (the head is not called by a statement
     ``name = ...self.<attribute>(...)...`` at the forward's top level, or what follows reads the step's
-    values); a Transform whose ``text`` is empty is the identity."""
-    forward = inspect.unwrap(type(lm).forward)
+    values); a Transform whose ``text`` is empty is the identity. Read once per class.
+
+    Example: for Gemma-2's ``logits = self.lm_head(hidden_states[:, slice_indices, :])`` followed by its
+    soft-cap, ``read_transform(model, "lm_head").text`` is ``"if self.config.final_logit_softcapping is not
+    None: logits = logits / self.config.final_logit_softcapping ..."``."""
+    key = (type(lm), attribute)
+    if key not in _READ:
+        _READ[key] = _read(type(lm), attribute)
+    return _READ[key]
+
+
+def _read(kind: type, attribute: str) -> Optional[Transform]:
+    forward = inspect.unwrap(kind.forward)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):

@@ -63,6 +63,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from remat.treat import block_state, patches, segments, tiled
+from remat.treat.cache_layout import has_cache, own_cache
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import saves, saves_attention, selective_context
 
@@ -186,10 +187,10 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         _refuse_replica(self, args, kwargs)
     forward = patch.call_previous
     if torch.compiler.is_compiling():
-        if state.writes_cache and block_state.has_cache(args, kwargs):  # its cache views run eagerly
+        if state.writes_cache and has_cache(args, kwargs):  # its cache views run eagerly
             return torch.compiler.disable(_treated_forward, recursive=True)(patch, *args, **kwargs)
         if self.training:
-            forward, args, kwargs = block_state.own_cache(forward, args, kwargs)
+            forward, args, kwargs = own_cache(forward, args, kwargs)
     else:
         forward, args, kwargs = block_state.guarded(forward, args, kwargs, state.inputs, name=type(self).__name__,
                                                     write_back=state.writes_cache or not self.training)
