@@ -11,7 +11,8 @@ stopped after ``--timeout`` seconds, so that one hanging or crashing model canno
 (its unfinished cells are FAIL with the reason). A cell is ``exact`` (``torch.equal`` everywhere
 over two SGD steps, fp32, dropout on), ``~1e-07`` (the chunked head: within fp32 rounding, the
 largest norm-wise relative difference shown), ``refused [n]`` (remat raised a ValueError/TypeError
-before touching the model; footnote n is its first line), ``FAIL [n]`` (anything else) or the
+before touching the model; footnote n is its first line), ``refused late [n]`` (in the first step, with
+remat taken off the model), ``FAIL [n]`` (anything else) or the
 model is listed as not built with the harness's reason.
 
 Writes ``registry.jsonl`` (one record per cell: model, class, head kind, column, head, verdict,
@@ -112,7 +113,7 @@ def _short(cell: dict, notes: Notes) -> str:
         return "exact"
     if verdict == "rounding":
         return f"~{cell['max_rel']:.0e}"
-    label = "refused" if verdict == "refused" else "**FAIL**"
+    label = verdict if verdict in ("refused", "refused late") else "**FAIL**"
     return f"{label} [{notes(cell['detail'])}]"
 
 
@@ -147,10 +148,10 @@ def table(cells, entries) -> str:
             cell = grid.get((column, head))
             if cell is None:
                 return "-"
-            notes = refusals if cell["verdict"] == "refused" else failures
+            notes = refusals if cell["verdict"] in ("refused", "refused late") else failures
             return _short(cell, notes)
         head_alone = grid.get(("keep", "chunked"))
-        chunked_off = head_alone is not None and head_alone["verdict"] == "refused"
+        chunked_off = head_alone is not None and head_alone["verdict"] in ("refused", "refused late")
         row = [model, f"{entry.head} ({entry.class_name})" if entry else "?", text("keep", "chunked")]
         for column in COLUMNS:
             row.append(text(column, "plain") if chunked_off else f"{text(column, 'plain')} · {text(column, 'chunked')}")

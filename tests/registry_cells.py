@@ -17,8 +17,12 @@ steps, same batch and seeds, fp32, dropout on); :func:`run_plan_cell` plans on f
   time), whose mechanism check is that a tiled sub-module was called on more tokens than a chunk
   and never ran on more (:func:`counted_tiles`);
 - ``refused``: remat raised ValueError/TypeError with a ``raise`` of its own (the innermost frame is
-  in remat) before touching the model, or in the first step with one of :data:`RUNTIME_REFUSALS`,
-  and its first line quotes no crash it caught (:data:`WRAPPED_CRASH`); ``detail`` is that line;
+  in remat) before touching the model, and its first line quotes no crash it caught
+  (:data:`WRAPPED_CRASH`); ``detail`` is that line;
+- ``refused late``: the same, raised from inside the first step (a
+  :class:`remat.treat.refusals.StepRefusal`, or one of :data:`RUNTIME_REFUSALS`), where what remat
+  must know is decided by the model's code on its inputs; remat must have taken itself off the
+  model then (no patch of remat's left on it), else the cell is a FAIL;
 - ``FAIL``: anything else -- a crash, a difference beyond rounding, a treatment that did nothing,
   an error raised inside the model under remat.
 """
@@ -69,7 +73,8 @@ class Cell:
     verdict: str
     """``exact`` (``torch.equal`` everywhere), ``rounding`` (within :data:`ROUNDING`, for a
     named reason), ``refused`` (remat raised ValueError/TypeError before touching the model),
-    ``not built`` or ``FAIL`` (anything else)."""
+    ``refused late`` (in the first step, remat taken off the model), ``not built`` or ``FAIL``
+    (anything else)."""
     detail: str = ""
     """The refusal's or failure's first line, the rounding's reason, the plan applied."""
     max_rel: float = 0.0
@@ -91,7 +96,8 @@ def _raised_by_remat(error: BaseException) -> bool:
 # the chunked head sees how the model calls its lm_head and treats its logits only in the forward;
 # a tiled sub-module learns that its block calls it with more than the hidden states only then.
 # Any other error in a step is a failure (GIT's "20 targets for 150 hidden-state rows" among them)
-RUNTIME_REFUSALS = ("modifies in place", "use head='plain'", "with the hidden states alone")
+RUNTIME_REFUSALS = ("modifies in place", "use head='plain'", "with the hidden states alone",
+                    "remat.apply has been undone")
 
 
 # a refusal that quotes a crash it caught ("could not profile X's head: IndexError: ...") is not clear
@@ -234,9 +240,18 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
             _CHUNKED_OPS[id(the_case)] = comparison.ops
         verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles, the_case)
     except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
-        verdict = "refused" if _refusal(error, running=True) else "FAIL"
-        return Cell(the_case.name, spec, head, verdict, rz.first_line(error), seconds=time.perf_counter() - start)
+        detail = rz.first_line(error)
+        verdict = "refused late" if _refusal(error, running=True) else "FAIL"
+        if verdict == "refused late" and _remat_left_on(model):
+            verdict, detail = "FAIL", "refused in the step, but remat is still on the model: " + detail
+        return Cell(the_case.name, spec, head, verdict, detail, seconds=time.perf_counter() - start)
     return Cell(the_case.name, spec, head, verdict, detail, worst, time.perf_counter() - start)
+
+
+def _remat_left_on(model) -> bool:
+    """Whether any patch of remat's is on ``model`` (a refusal from inside a step must take them off)."""
+    from remat.treat import patches
+    return bool(patches.patches(model))
 
 
 def _plan_text(plan) -> str:

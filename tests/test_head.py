@@ -259,6 +259,41 @@ def test_peft_lora_model_is_looked_through():
         enable_chunked_head(with_head)
 
 
+def _scales_its_parents_logits(config):
+    """A Llama whose forward doubles the logits its parent's forward returned: a transform its own
+    source shows no ``lm_head`` call for, so the chunked head cannot read it there."""
+    from transformers import LlamaForCausalLM
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = LlamaForCausalLM.forward(self, input_ids=input_ids, **kwargs)
+        out.logits = out.logits * 2.0
+        if labels is not None:
+            out.loss = self.loss_function(out.logits, labels, self.config.vocab_size)
+        return out
+    return type("ScalesItsParentsLogits", (LlamaForCausalLM,), {"forward": forward})(config)
+
+
+def test_the_logit_transform_is_the_forwards_not_the_configs():
+    """A config field the forward does not use changes nothing (a soft-cap value on a Llama config,
+    which Llama's forward never reads: the chunked loss equals the plain one); fields the forward
+    reads where remat named another meaning are read from the forward (MiniCPM3 divides its hidden
+    states by ``logits_scaling`` before its lm_head, not its logits after it), and what a forward
+    does to its logits and no config field says is reproduced (MuseGlimmer's ``output_multiplier``)."""
+    from remat.head.transform import read_transform
+    from transformers.models.minicpm3.modeling_minicpm3 import MiniCPM3ForCausalLM
+    from transformers.models.muse_glimmer.modeling_muse_glimmer import MuseGlimmerForConditionalGeneration
+    assert read_transform(MiniCPM3ForCausalLM.__new__(MiniCPM3ForCausalLM), "lm_head").text == ""
+    glimmer = read_transform(MuseGlimmerForConditionalGeneration.__new__(MuseGlimmerForConditionalGeneration),
+                             "lm_head").text
+    assert glimmer.startswith("logits = logits * self.config.text_config.output_multiplier;"), glimmer
+    reference = _build("llama", final_logit_softcapping=5.0)
+    model = copy.deepcopy(reference)
+    remat.apply(model, "keep", head="chunked")
+    ids = torch.randint(0, 211, (2, 9))
+    ours, ref = _step(model, ids, ids), _step(reference, ids, ids)
+    _assert_close(ours, ref)
+
+
 def test_refuses_what_it_cannot_reproduce():
     model = build_model(load_config("llama-tiny"), dtype=torch.float32)
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
@@ -268,10 +303,9 @@ def test_refuses_what_it_cannot_reproduce():
         enable_chunked_head(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="positive integer"):
         enable_chunked_head(build_model(load_config("llama-tiny")), chunk_tokens=0)
-    # a transform the config claims but the model does not apply is caught by the probe
-    config = load_config("llama-tiny")
-    config.final_logit_softcapping = 5.0
-    model = build_model(config, dtype=torch.float32)
+    # a transform the forward's source does not show (a subclass scaling the logits its parent's forward
+    # returned) is caught by the probe in the first step
+    model = _scales_its_parents_logits(build_model(load_config("llama-tiny"), dtype=torch.float32).config)
     enable_chunked_head(model)
     ids = torch.randint(0, 512, (2, 9))
     with pytest.raises(ValueError, match="post-processes its logits"):

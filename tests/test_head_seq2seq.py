@@ -229,12 +229,14 @@ def test_refusals_name_what_in_the_loss_differs():
         assert "forward" not in model.__dict__  # refused before anything was changed
 
 
-def test_a_logit_transform_it_does_not_reproduce_is_caught_by_the_probe():
+def test_the_logit_transform_is_read_from_the_forward():
+    """BART adds its ``final_logits_bias`` in its forward, and never reads a config's ``logits_scaling``
+    (Granite's divisor): the chunked head reproduces the bias and ignores the field, as the forward does."""
+    from remat.head import check_chunked_head
     model = _build("bart")
-    model.config.logits_scaling = 4.0  # remat would divide by it; BART does not
-    remat.apply(model, "keep", head="chunked", chunk_tokens=CHUNK)
-    with pytest.raises(ValueError, match="post-processes its logits"):
-        model(**_batch(model, "bart"))
+    model.config.logits_scaling = 4.0
+    _, state = check_chunked_head(model)
+    assert state.transform.text == "lm_logits = lm_logits + self.final_logits_bias.to(lm_logits.device)"
 
 
 def test_plan_chooses_the_chunked_head_where_only_it_fits():

@@ -622,12 +622,12 @@ def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpo
     treatment that did nothing would not put there either."""
     import torch._dynamo
     from torch._higher_order_ops.wrap import TagActivationCheckpoint
-    from remat.treat import treatments
+    from remat.treat import cache_layout
     ids = torch.randint(0, 128, (2, 16))
 
     def compiled(spec):
         """(graph breaks, checkpoints traced into the graphs) of one compiled step."""
-        monkeypatch.setattr(treatments, "_CONSTRUCTOR_PARAMETERS", {})  # as in a new process
+        monkeypatch.setattr(cache_layout, "_CONSTRUCTOR_PARAMETERS", {})  # as in a new process
         torch._dynamo.reset()
         model = remat.apply(_tiny(cache=True).train(), spec)
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)

@@ -48,17 +48,26 @@ def dropout_bug(monkeypatch):
 
 @pytest.fixture
 def stale_cache(monkeypatch):
-    """Each treated block is given a cache that already holds three tokens of keys and values."""
-    original = treatments_module._build_empty
+    """Each treated block is given a cache that already holds three tokens of keys and values (planted
+    where remat hands a treated block its state: ``block_state.guarded``)."""
+    from transformers import Cache, DynamicCache
+    original = treatments_module.block_state.guarded
 
-    def stale(layout):
-        cache = original(layout)
+    def stale():
+        cache = DynamicCache()
         generator = torch.Generator().manual_seed(0)
         for layer in range(2):
             keys = torch.randn(zoo.BATCH, 2, 3, 8, generator=generator)
             cache.update(keys, keys.clone(), layer)
         return cache
-    monkeypatch.setattr(treatments_module, "_build_empty", stale)
+
+    def guarded(forward, args, kwargs, *rest, **options):
+        def with_stale_cache(*call_args, **call_kwargs):   # the block's own forward, handed a stale cache
+            call_kwargs = {k: stale() if v is not None and ("past_key" in k or isinstance(v, Cache)) else v
+                           for k, v in call_kwargs.items()}
+            return forward(*call_args, **call_kwargs)
+        return original(with_stale_cache, args, kwargs, *rest, **options)
+    monkeypatch.setattr(treatments_module.block_state, "guarded", guarded)
 
 
 def test_full_is_bitwise_and_the_model_is_left_exactly_as_it_was():
@@ -183,7 +192,7 @@ def test_a_block_given_a_stale_cache_is_wrong(stale_cache):
 def test_a_recompute_the_checkpoint_refuses_is_wrong(monkeypatch):
     """The caller's cache carried into the recompute (what remat once did): T5's recompute saves other
     tensors and torch's checkpoint refuses it; verify says wrong, with the error, instead of raising."""
-    monkeypatch.setattr(treatments_module, "_own_cache", lambda forward, args, kwargs: (forward, args, kwargs))
+    monkeypatch.setattr(treatments_module.block_state, "guarded", lambda forward, args, kwargs, *a, **k: (forward, args, kwargs))
     model, batch = _case("t5")
     result = _verify(model, batch, "full")
     assert result.verdict == "wrong"

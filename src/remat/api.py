@@ -48,14 +48,18 @@ from remat.planning.records import block_records
 from remat.treat import allocator as _allocator
 from remat.treat import mask_skip as _mask_skip
 from remat.treat import patches
+from remat.treat.block_state import cache_reader
+from remat.treat.cache_views import release_withheld
 from remat.treat.discovery import BlockSelector, discover
 from remat.treat.kernels import check_kernels, install_kernels, liger_targets, refuse_stock, require_liger
 from remat.treat.liger_head import install_liger_head, liger_head_unavailable
+from remat.treat.refusals import UNDONE, StepRefusal
 from remat.treat.segments import segments_of
 from remat.treat.treatments import apply_treatment, check_treatment, treatment_of
 
 _PLAN = "_remat_plan"
 _BATCH_TAG = "batch-check"
+_REFUSAL_TAG = "step-refusal"
 
 
 def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
@@ -97,7 +101,10 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
 
     All or nothing: the spec, the head and every block's treatment are checked before the
     model is touched, and if installing fails anyway the model is put back exactly as it
-    was, its previous plan included.
+    was, its previous plan included. What can only be checked once the model runs (a block that
+    writes in place into an output ``selective`` keeps, a forward that post-processes its logits
+    otherwise than its source says) is refused in the first step that shows it, and that refusal
+    takes remat off the model again (:mod:`remat.treat.refusals`).
     """
     _check_module(model, "apply", "remat.apply(model, spec)")
     _refuse_hf_checkpointing(model)
@@ -136,9 +143,11 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
             options = offload_options if offload_options is not None else plan.notes.get("offload_options")
             engine = OffloadEngine(model, **dict(options or {}))
         segments = segments_of(records)
+        writes_cache = cache_reader(model) is not None  # the model reads its cache in its training forward
         for (name, block), record in zip(named, records):
             install_kernels(block, record.kernel)   # first: a tiled sub-module's chunks run the fused forward
-            apply_treatment(block, record, engine=engine, segment=segments.get(record.segment))
+            apply_treatment(block, record, engine=engine, segment=segments.get(record.segment),
+                            writes_cache=writes_cache)
         if plan.head == "chunked":
             from remat.head import enable_chunked_head
             enable_chunked_head(model, chunk_tokens=plan.chunk_tokens)
@@ -148,6 +157,7 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
         patches.install_value(model, _PLAN, plan, tag="plan")
         if "batch" in plan.notes and "seq" in plan.notes:
             patches.install(model, "forward", _check_batch, tag=_BATCH_TAG, state=_BatchCheck(plan))
+        patches.install(model, "forward", _undo_on_refusal, tag=_REFUSAL_TAG)
     except BaseException:
         patches.remove(model)
         patches.reinstall(previous)
@@ -292,6 +302,22 @@ def _check_batch(patch, *args, **kwargs):
                 "Re-plan at this shape (remat.plan(model, batch, budget)), or let remat.Guard / RematCallback "
                 "plan from the batches that run", UserWarning, stacklevel=3)
     return patch.call_previous(*args, **kwargs)
+
+
+def _undo_on_refusal(patch, *args, **kwargs):
+    """The model's ``forward``: a :class:`~remat.treat.refusals.StepRefusal` raised inside it (remat
+    refusing the model once it runs) takes remat off the model before it reaches the caller; and the
+    KV cache layers treated blocks withheld in it are readable again once it returns
+    (:func:`remat.treat.cache_views.release_withheld`)."""
+    if _compiling():
+        return patch.call_previous(*args, **kwargs)
+    try:
+        return patch.call_previous(*args, **kwargs)
+    except StepRefusal as error:
+        remove(patch.module)
+        raise StepRefusal(str(error) + UNDONE) from error
+    finally:
+        release_withheld()  # the cache the forward returns may be read now (it lacks the treated blocks)
 
 
 def _compiling() -> bool:

@@ -11,7 +11,8 @@ Three layers, as Liger-Kernel splits its fused loss (ops / model glue / patching
 - the Hugging Face model glue, :mod:`~remat.head.hf_model`: what a model's forward does with its
   labels and logits (shifting, ignore_index, num_items_in_batch, soft-caps and scales, logits
   biases, encoder-decoder inputs, router losses), read from the model and checked on a probe,
-  and that loss computed again by the op;
+  and that loss computed again by the op; :mod:`~remat.head.transform` reads the logit transform
+  from the forward's own statements and runs them on each chunk;
 - the patching, :mod:`~remat.head.patching`: :func:`enable_chunked_head` intercepts the model's
   ``lm_head`` call and puts the glue's loss in place of the model's; :func:`disable_chunked_head`
   takes it off. Beside it, :mod:`~remat.head.trl` finds TRL's fused LM head, which replaces the
@@ -20,7 +21,8 @@ Three layers, as Liger-Kernel splits its fused loss (ops / model glue / patching
 Imports: the loss op and kernels import torch (Triton only when a CUDA kernel is made) and nothing
 else of remat; the glue imports the op (transformers only inside a call, to name the model's loss
 function); the patching imports the glue, the TRL check the patching, and both
-:mod:`remat.treat.patches`, the one registry of changes to a user's module. This package must
+:mod:`remat.treat.patches`, the one registry of changes to a user's module (and
+:mod:`remat.treat.refusals`, the error of a refusal from inside a step). This package must
 never import profiling, planning, the planner, the API, offload, the doctor, the integrations or
 the command line: they call the head; the head calls none of them.
 """

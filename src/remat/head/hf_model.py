@@ -44,6 +44,7 @@ as eager ops rather than the fused kernel.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 import textwrap
@@ -55,6 +56,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat.head.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
+from remat.head.transform import Transform, check_transform, read_transform, uncalled_head
+from remat.treat.refusals import StepRefusal
 
 _PROBE = (-48.0, -6.0, -1.5, -0.25, 0.0, 0.5, 3.0, 40.0)  # exact in fp16/bf16
 
@@ -99,6 +102,7 @@ class HeadState:
     aux_coef: bool          # the model adds router_aux_loss_coef * aux_loss when labels are given
     decoder: Optional[DecoderInputs] = None  # an encoder-decoder's labels branch, done by the chunked call
     row_probe: bool = False  # the model adds a logits bias: the probe is one row of vocabulary width
+    transform: Optional[Transform] = None  # the logit transform read from the forward (None: not readable)
     verified: set = field(default_factory=set)
     captured: Optional[list] = None  # during a chunked call: where the lm_head's input goes
 
@@ -123,8 +127,26 @@ def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
         raise ValueError(f"{type(lm).__name__}.forward has no 'labels' parameter; the chunked head "
                          "replaces the loss computed from labels: use head='plain'")
     masked, num_items, aux, decoder = _loss_semantics(lm, signature)
+    uncalled = uncalled_head(lm, head)
+    if uncalled:
+        raise ValueError(f"{type(lm).__name__}'s output embedding is not called as a module ({uncalled}), and the "
+                         "chunked head computes the loss from that call's input: use head='plain' for this model")
+    transform = read_transform(lm, _head_path(lm, head).split(".")[0])
+    if transform is not None and transform.text and not is_fake(head.weight) and head.weight.device.type != "meta":
+        vocab = head.weight.shape[0]
+        row = torch.tensor(_PROBE, dtype=head.weight.dtype, device=head.weight.device)
+        with torch.no_grad():
+            problem = check_transform(lm, transform, row.repeat(-(-vocab // len(_PROBE)))[:vocab].reshape(1, vocab))
+        if problem:
+            raise ValueError(f"{type(lm).__name__}'s logits are not ones the chunked head reproduces ({problem}); "
+                             "use head='plain' for this model")
     return lm, HeadState(signature=signature, chunk_tokens=chunk_tokens, masked=masked, num_items=num_items,
-                          aux_coef=aux, decoder=decoder, row_probe=_logits_bias(lm) is not None)
+                          aux_coef=aux, decoder=decoder, row_probe=_logits_bias(lm) is not None, transform=transform)
+
+
+def _head_path(lm: nn.Module, head: nn.Module) -> str:
+    """The output embedding's name in ``lm`` (``lm_head``, ``cls.predictions.decoder``)."""
+    return next((name for name, module in lm.named_modules() if module is head), "lm_head") or "lm_head"
 
 
 def _find_lm(model: nn.Module) -> nn.Module:
@@ -352,7 +374,11 @@ def model_loss(self, state, out, hidden, head, labels, kwargs):
     The logit transform is checked on the probe ``out`` carries, once per compute dtype."""
     is_tuple = isinstance(out, tuple)
     probe_out = out[0] if is_tuple else out.logits
-    key, transform = _logit_transform(self)
+    if state.transform is not None:  # as the forward's own statements do it (remat.head.transform)
+        key = ("read", state.transform.source)
+        transform = functools.partial(state.transform, self) if state.transform.text else None
+    else:
+        key, transform = _logit_transform(self)
     cd = compute_dtype_of(hidden, head.weight)
     if (cd, key) not in state.verified and not is_fake(hidden):  # fake tensors hold no values
         _verify(self, probe_out, transform, probe(hidden, head.weight.shape[0], state.row_probe, cd))
@@ -390,7 +416,7 @@ def _verify(lm, probe_out, transform, probe_in):
     if not ok:
         got = probe_out.detach().reshape(-1)[:len(_PROBE)].tolist() if torch.is_tensor(probe_out) else probe_out
         want = expected.float().reshape(-1)[:len(_PROBE)].tolist()
-        raise ValueError(
+        raise StepRefusal(
             f"{type(lm).__name__} post-processes its logits in a way the chunked head does not reproduce: "
             f"lm_head outputs {list(_PROBE)} became {got}, expected {want}. "
             "Use head='plain' for this model (and report it: remat should learn the transform).")

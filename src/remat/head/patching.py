@@ -35,6 +35,7 @@ import torch.nn as nn
 from remat.head.chunked_loss import compute_dtype_of
 from remat.head.hf_model import check_chunked_head, model_loss, probe
 from remat.treat import patches
+from remat.treat.refusals import StepRefusal
 
 _TAG = "head"
 
@@ -134,7 +135,7 @@ def _head_loss(self, state, out, captured, labels, kwargs):
     bf16 head in fp32, and its loss and gradients would differ from the plain head's, while ``apply``
     then ``prepare`` matched them."""
     if len(captured) != 1:
-        raise ValueError(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
+        raise StepRefusal(f"{type(self).__name__}.forward called its lm_head {len(captured)} times; the "
                          "chunked head handles one call per forward: use head='plain'")
     head = self.get_output_embeddings()
     hidden, autocast = captured[0]

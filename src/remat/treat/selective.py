@@ -67,6 +67,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from remat.treat.refusals import StepRefusal
+
 _MUST_SAVE, _PREFER_RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -323,7 +325,7 @@ class _KeptOutputGuard(TorchDispatchMode):
                 for value in _written(func, args):
                     key = _storage_key(value)
                     if key in self.kept and (key in self.read or not self.policy.writes_kept(func, args)):
-                        raise ValueError(
+                        raise StepRefusal(
                             f"treatment {self.policy.name!r}: this block modifies in place ({func}) the output "
                             f"of a matmul/attention op that {self.policy.name} keeps for backward, {self._how(key)}; "
                             "recomputing it would apply the change twice and give wrong gradients. Use "

@@ -73,11 +73,13 @@ recorded output must have the tokens as its leading dimension.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import inspect
 import re
 import sys
+import textwrap
 import weakref
 from typing import Optional
 
@@ -90,6 +92,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
+from remat.treat.refusals import StepRefusal
 from remat.treat.segments import autocast_as, autocast_state
 
 _TAG = "tiled"
@@ -126,7 +129,7 @@ def check_tiling(block: nn.Module) -> None:
                          f"{type(block).__name__}, and it has none (children: {children}); use 'full' "
                          "or 'full+offload' for this block")
     for name, target in targets:
-        needs = _needs_more_than_hidden(target)
+        needs = _needs_more_than_hidden(target) or _called_with_more(block, name)
         if needs:
             raise ValueError(f"{type(block).__name__}.{name} ({type(target).__name__}) {needs}, so it cannot be "
                              "tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
@@ -138,6 +141,29 @@ def check_tiling(block: nn.Module) -> None:
 
 
 _PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens, or why it cannot be probed
+_CALLS: dict = {}  # (block class, sub-module name) -> _called_with_more's answer
+
+
+def _called_with_more(block: nn.Module, name: str) -> Optional[str]:
+    """Why ``block``'s forward cannot hand its sub-module ``name`` the hidden states alone, or None: every
+    call of ``self.<name>(...)`` in its source passes more (DeepSeek-V4's decoder layer always calls
+    ``self.mlp(..., input_ids=input_ids)``, which its MoE's signature leaves optional). Read once per
+    block class; where one call passes the hidden states alone, the call made is checked when it runs."""
+    key = (type(block), name)
+    if key not in _CALLS:
+        _CALLS[key] = None
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(block).forward))))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == name and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+        more = [c for c in calls if len(c.args) + len([k for k in c.keywords if not (
+            isinstance(k.value, ast.Constant) and k.value.value is None)]) > 1]
+        if calls and len(more) == len(calls):
+            _CALLS[key] = (f"is called with more than the hidden states ({type(block).__name__}.forward: "
+                           f"`{' '.join(ast.unparse(more[0]).split())}`), and a tiled sub-module runs on chunks of them")
+    return _CALLS[key]
 
 
 def _needs_more_than_hidden(module: nn.Module) -> Optional[str]:
@@ -251,7 +277,7 @@ def _tiled_forward(patch: patches.Patch, *args, **kwargs):
     module = patch.module
     if not torch.is_grad_enabled() or len(args) + len(kwargs) != 1:
         if torch.is_grad_enabled():
-            raise ValueError(
+            raise StepRefusal(
                 f"a tiled {type(module).__name__} must be called with the hidden states alone; it got "
                 f"{len(args)} positional and {sorted(kwargs)} keyword arguments. Use 'full' or 'mlp' for "
                 "this block instead of a tiled treatment.")

@@ -8,8 +8,11 @@ runs the original forward under the treatment. Because the module tree does not 
 exactly what was there (an instance ``forward`` another library set before remat included),
 and a treated model pickles and deep-copies (the copy is treated on its own parameters).
 
-Training forwards never carry the caller's KV cache through a treated block (:func:`_own_cache`),
-and a recompute starts from the buffers its forward started from and leaves them as the forward
+What a block is handed is kept as the untouched block sees it (:mod:`remat.treat.block_state`): a KV
+cache as a view whose recompute sees what its forward read and appends to nothing of the caller's
+(kept out of the model's cache in a training forward unless the model reads its cache there), tensors
+inside its arguments that the model writes into after the call copied for the recompute. A recompute
+starts from the buffers its forward started from and leaves them as the forward
 left them (:func:`_buffers_once`: BatchNorm's running statistics, I-BERT's quantisation ranges),
 so a treated block updates them once per forward, as an untreated one does.
 
@@ -48,13 +51,10 @@ Non-reentrant checkpointing gives parameter gradients even when no input require
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import sys
-import warnings
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -62,7 +62,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from remat.treat import patches, segments, tiled
+from remat.treat import block_state, patches, segments, tiled
+from remat.treat.cache_layout import has_cache, own_cache
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import saves, saves_attention, selective_context
 
@@ -82,6 +83,8 @@ class TreatmentState:
     segment: Any = None       # segment treatments: the Segment shared by the run's blocks
     position: int = 0         # ... and this block's place in it
     guarded: set = field(default_factory=set)  # selective: call structures its in-place guard has passed
+    writes_cache: bool = False  # write a KV cache back into the caller's in training (block_state.cache_reader)
+    inputs: block_state.InputLedger = field(default_factory=block_state.InputLedger)  # learned of its arguments
 
 
 def treatment_of(block: nn.Module) -> str:
@@ -109,7 +112,7 @@ def check_treatment(block: nn.Module, record) -> None:
                          "remat.plan choose)")
 
 
-def apply_treatment(block: nn.Module, record, *, engine=None, segment=None) -> None:
+def apply_treatment(block: nn.Module, record, *, engine=None, segment=None, writes_cache: bool = False) -> None:
     """Treat ``block`` in place as ``record`` says; a block that already has a treatment gets the new one.
 
     ``record``: the block's :class:`remat.planning.records.BlockRecord` (its index is the offload
@@ -117,7 +120,9 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None) -> N
     segment, the :class:`~remat.treat.segments.Segment` its blocks share
     (:func:`remat.treat.segments.segments_of`). Every change goes through
     :mod:`remat.treat.patches`: the block's (or its attention/MLP sub-modules') ``forward``, and a
-    ``_remat`` marker on the block holding the state."""
+    ``_remat`` marker on the block holding the state. ``writes_cache``: the block writes what it adds
+    to a KV cache back into the model's cache in a training forward too (a model that reads its cache
+    there, :func:`remat.treat.block_state.cache_reader`); else it keeps it in a copy of its own."""
     check_treatment(block, record)
     treatment, around, key = record.treatment, record.around, record.index
     if record.offload and engine is None:
@@ -147,7 +152,7 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None) -> N
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
                         state=TreatmentState(state.treatment, state.around, state.engine, state.key, buffers, None,
-                                             *placed))
+                                             *placed, writes_cache=writes_cache))
     patches.install_value(block, _MARK, TreatmentState(treatment, around, engine, key), tag=_TAG)
 
 
@@ -181,8 +186,14 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     if patch.previous is patches._MISSING:
         _refuse_replica(self, args, kwargs)
     forward = patch.call_previous
-    if self.training:
-        forward, args, kwargs = _own_cache(forward, args, kwargs, self)
+    if torch.compiler.is_compiling():
+        if state.writes_cache and has_cache(args, kwargs):  # its cache views run eagerly
+            return torch.compiler.disable(_treated_forward, recursive=True)(patch, *args, **kwargs)
+        if self.training:
+            forward, args, kwargs = own_cache(forward, args, kwargs)
+    else:
+        forward, args, kwargs = block_state.guarded(forward, args, kwargs, state.inputs, name=type(self).__name__,
+                                                    write_back=state.writes_cache or not self.training)
     if state.segment is not None:  # the arguments as given: a segment keeps only its first block's
         if state.segment.size > 1 and _sharded_alone(self):
             raise ValueError(
@@ -405,174 +416,3 @@ def _positional(forward, args: tuple, kwargs: dict):
         values = [constants[i] if s is None else flat[s] for i, s in enumerate(slot)]
         return forward(*values[:count], **rest, **dict(zip(tensor_keys, values[count:])))
     return function, tuple(inputs)
-
-
-def _own_cache(forward, args: tuple, kwargs: dict, block: Optional[nn.Module] = None):
-    """``(forward, args, kwargs)`` in which no KV cache of the caller's reaches the block.
-
-    A training forward must not carry the caller's cache through a treated block: the
-    recompute would append to it a second time (Gemma-2 crashed, Llama's cache grew to twice
-    the sequence) and ``selective`` would save views of it. Dropping it (what Hugging Face
-    does under gradient checkpointing) changes the block's arithmetic on some models (GPT-2
-    attends over the cache's concatenated keys: its gradients moved by 1e-8), so the block
-    gets a new empty cache of the same kind at every call instead, the forward and each
-    recompute alike: it computes exactly what it computes untreated, and the caller's cache
-    is left alone. Any argument that *is* a Hugging Face ``Cache``, whatever its keyword is
-    called in the installed transformers, is replaced. A cache the model built for this forward
-    (``use_cache`` on, as configs default it) holds nothing for ``block`` yet and nothing of it is
-    lost: that is said nowhere. One that already holds tokens for the block (the caller passed
-    ``past_key_values``) is warned of once, in eager mode (under ``torch.compile`` a warning breaks
-    the graph: ``remat doctor``'s ``use-cache`` says it there)."""
-    cache_types = _cache_types()
-    keys = [k for k, v in kwargs.items() if isinstance(v, cache_types)]
-    slots = [i for i, v in enumerate(args) if isinstance(v, cache_types)]
-    if not keys and not slots:
-        return forward, args, kwargs
-    if not torch.compiler.is_compiling():
-        held = max(_tokens_held(v, block) for v in [*(args[i] for i in slots), *(kwargs[k] for k in keys)])
-        if held:
-            _warn_cache_once(held)
-    # the layouts, read here, outside the checkpoint: the body that builds the empty caches only
-    # builds (see _cache_layout); and only the caches' layouts: a segment must not keep its later
-    # blocks' inputs, nor the caller's cache, through this closure
-    layouts = {**{i: _cache_layout(args[i]) for i in slots}, **{k: _cache_layout(kwargs[k]) for k in keys}}
-
-    def with_new_caches(*call_args, **call_kwargs):
-        call_args = tuple(_build_empty(layouts[i]) if i in slots else v for i, v in enumerate(call_args))
-        call_kwargs.update({k: _build_empty(layouts[k]) for k in keys})
-        return forward(*call_args, **call_kwargs)
-    args = tuple(None if i in slots else v for i, v in enumerate(args))
-    kwargs = {k: (None if k in keys else v) for k, v in kwargs.items()}
-    return with_new_caches, args, kwargs
-
-
-class _CacheLayout(NamedTuple):
-    """What :func:`_build_empty` needs to build a new, empty cache laid out as one given: its class,
-    the layouts of an encoder-decoder cache's two parts (None for others), and each layer's class and
-    constructor arguments (None: the cache fills its layers lazily)."""
-    kind: type
-    parts: Optional[tuple]
-    layers: Optional[tuple]
-
-
-def _cache_layout(cache) -> Optional[_CacheLayout]:
-    """How to build a new, empty cache laid out as ``cache`` is; None where a layer's constructor
-    arguments cannot be read back.
-
-    The layout matters: hybrid models (Jamba, Bamba, Falcon-H1, LFM2, Zamba2, Qwen3-Next) build
-    ``DynamicCache(config=...)``, one layer object per layer type (a linear-attention layer for
-    a state-space mixer, a sliding-window layer, ...), and their mixers read their own layer's
-    kind; a bare ``type(cache)()`` fills lazily with plain key/value layers, on which a mamba
-    mixer's ``get_conv_state`` fails. So each layer is rebuilt empty as its own class, from the
-    constructor arguments it keeps as attributes of the same name (``sliding_window``,
-    ``number_of_states``, ``max_cache_len``). An encoder-decoder cache is rebuilt from its two
-    parts.
-
-    Read once per call of the block, before its checkpoint; the forward and each recompute then
-    build from it. Reading fills a module dict on a class's first read, and under
-    ``torch.compile`` a dict written inside a checkpoint's body is a side effect dynamo refuses
-    there: it broke the graph at every checkpoint, and the block ran eager."""
-    parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
-    if all(part is not None for part in parts):
-        part_layouts = tuple(_cache_layout(part) for part in parts)
-        return None if None in part_layouts else _CacheLayout(type(cache), part_layouts, None)
-    layers = getattr(cache, "layers", None)
-    if not (isinstance(layers, list) and layers and getattr(cache, "layer_class_to_replicate", None) is None):
-        return _CacheLayout(type(cache), None, None)
-    # transformers >= 5: built from a config, every layer of its own kind
-    arguments = [_layer_arguments(layer) for layer in layers]
-    if None in arguments:
-        return None
-    return _CacheLayout(type(cache), None, tuple((type(layer), a) for layer, a in zip(layers, arguments)))
-
-
-def _build_empty(layout: Optional[_CacheLayout]):
-    """A new, empty cache built from :func:`_cache_layout`'s ``layout``, or None where none can be
-    built (the block then runs without a cache, as with ``use_cache=False``): a layout that could not
-    be read, or a class that cannot be built without arguments (transformers 4.x's hybrid caches,
-    which its models never build in a training forward anyway)."""
-    if layout is None:
-        return None
-    try:
-        if layout.parts is not None:
-            empty = [_build_empty(part) for part in layout.parts]
-            return layout.kind(*empty) if None not in empty else None
-        fresh = layout.kind()
-        if layout.layers is not None:
-            fresh.layers = [kind(**arguments) for kind, arguments in layout.layers]
-            fresh.layer_class_to_replicate = None
-        return fresh
-    except (TypeError, ValueError):
-        return None
-
-
-def _layer_arguments(layer) -> Optional[dict]:
-    """The arguments ``layer`` was built with, read back from its attributes of the same names, or
-    None if a required one cannot be found."""
-    parameters = _constructor_parameters(type(layer))
-    if parameters is None:
-        return None
-    arguments = {}
-    for name, required in parameters:
-        if hasattr(layer, name):
-            arguments[name] = getattr(layer, name)
-        elif required:
-            return None
-    return arguments
-
-
-_CONSTRUCTOR_PARAMETERS: dict = {}
-
-
-def _constructor_parameters(kind: type) -> Optional[tuple]:
-    """``(name, required)`` of each argument ``kind.__init__`` takes by name (None: its signature
-    cannot be read). Read once per class: each forward and recompute of a treated block rebuilds
-    every layer of the model's cache, so ``inspect.signature`` per layer and call cost host time in
-    the square of the number of layers a step. Kept in a plain dict, not ``functools.lru_cache``,
-    which dynamo warns of (and traces through) in every compiled model with a cache."""
-    if kind not in _CONSTRUCTOR_PARAMETERS:
-        try:
-            parameters = inspect.signature(kind.__init__).parameters.values()
-        except (TypeError, ValueError):
-            _CONSTRUCTOR_PARAMETERS[kind] = None
-        else:
-            _CONSTRUCTOR_PARAMETERS[kind] = tuple((p.name, p.default is p.empty) for p in parameters
-                                                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    return _CONSTRUCTOR_PARAMETERS[kind]
-
-
-def _cache_types() -> tuple:
-    cache_utils = sys.modules.get("transformers.cache_utils")  # imported by any HF model that has one
-    cache = getattr(cache_utils, "Cache", None)
-    return (cache,) if isinstance(cache, type) else ()
-
-
-_WARNED = set()
-_LAYER_INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> its cache layer (or None)
-
-
-def _tokens_held(cache, block: Optional[nn.Module]) -> int:
-    """Tokens ``cache`` holds for ``block``'s layer (its attention's ``layer_idx``, read once per
-    block), 0 where it holds none or the layer cannot be told: a cache built for this forward holds
-    none for a block yet."""
-    if block is None:
-        return 0
-    if block not in _LAYER_INDEX:
-        _LAYER_INDEX[block] = next((m.layer_idx for m in block.modules()
-                                    if isinstance(getattr(m, "layer_idx", None), int)), None)
-    index = _LAYER_INDEX[block]
-    if index is None:
-        return 0
-    try:
-        return int(cache.get_seq_length(index))
-    except Exception:  # a cache type without per-layer lengths (a hybrid's state layer): nothing to tell
-        return 0
-
-
-def _warn_cache_once(held: int) -> None:
-    if "cache" not in _WARNED:
-        _WARNED.add("cache")
-        warnings.warn(f"remat: a KV cache holding {held} tokens reached a treated block in a training forward; "
-                      "remat gives the block an empty cache of its own at each call (a recompute must not "
-                      "append to yours), so the block does not attend over those tokens and the cache the "
-                      "model returns lacks it. Pass no cache (past_key_values) to a training forward.", stacklevel=4)

@@ -1,0 +1,318 @@
+"""A treated block's view of a KV cache: what it reads is the caller's, what it writes its own.
+
+:class:`CacheView` is what :mod:`remat.treat.block_state` hands a treated block in place of a
+transformers ``Cache``: a new cache of the caller's class whose layers are the caller's until the
+block reads one, then a copy of it (:class:`_Layers`: the same tensors, so nothing is copied on the
+device; dicts and lists of a layer copied, so its flags are its own), recorded as it was read. The
+recompute gets a view of those recorded layers as they were (:meth:`CacheView.recompute_cache`), so
+it sees what its forward saw and appends to nothing of the caller's; a layer its forward did not
+read is one that raises if it is read (:class:`_Unread`: the recompute took another path).
+
+After the forward (:meth:`CacheView.after_forward`) what the block changed is written back into the
+caller's cache, or withheld: the caller's layer then refuses reads of the attributes the block
+changed (:func:`_withhold`: its keys and values; a :class:`remat.treat.refusals.StepRefusal` from
+inside the step), while the rest stays readable (an empty layer's length, the mamba states Zamba2's
+attention shares a layer with). :func:`release_withheld`, called as the model's forward returns,
+makes them ordinary layers again: the cache the model returns lacks the treated blocks, as
+documented, and may be read. A layer a treated block wrote in place (a static cache) is refused,
+as its recompute would see the new values.
+
+Why a copy per read layer and not the caller's cache: a recompute that appended to the caller's
+cache would grow it twice; why not a new empty cache: a block then attends to nothing of a prefix
+the caller's cache holds. Limits: a withheld layer's length read back (MPT's attention reads
+layer 0's) is the empty layer's, not refused; a cache whose layers are not a list is not viewed.
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+from remat.treat.refusals import StepRefusal
+
+
+def viewable(cache) -> bool:
+    """Whether ``cache`` can be viewed: its layers are a list (an encoder-decoder cache: both parts')."""
+    parts = _parts(cache)
+    if parts:
+        return all(viewable(part) for _, part in parts)
+    return isinstance(getattr(cache, "layers", None), list)
+
+
+def _parts(cache) -> list:
+    """An encoder-decoder cache's two caches, as ``(attribute, cache)``; [] for others."""
+    parts = [(name, getattr(cache, name, None)) for name in ("self_attention_cache", "cross_attention_cache")]
+    return parts if all(part is not None for _, part in parts) else []
+
+
+def _copy_state(obj):
+    """A new object of ``obj``'s class holding the same attribute values, its dicts and lists copied
+    (a layer's ``has_previous_state`` dict must not be shared with the caller's). Made directly, not by
+    ``copy.copy`` (a cache layer is a plain object; this runs for every layer a treated block reads)."""
+    state = getattr(obj, "__dict__", None)
+    if state is None or hasattr(type(obj), "__slots__") and type(obj).__slots__:
+        new = copy.copy(obj)
+        state = vars(new)
+    else:
+        new = object.__new__(type(obj))
+    vars(new).update({k: v.copy() if type(v) in (dict, list) else v for k, v in state.items()})
+    return new
+
+
+def _tensors(obj) -> list:
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif type(value) in (dict, list):
+            found += [v for v in (value.values() if isinstance(value, dict) else value) if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _same(value, other) -> bool:
+    """Whether two attribute values of :func:`_copy_state`'s copies are the same: by identity, one level
+    into dicts and lists (numbers and strings by value)."""
+    if type(value) in (dict, list) and type(other) is type(value):
+        if len(value) != len(other):
+            return False
+        pairs = ((v, other.get(k, _Missing)) for k, v in value.items()) if isinstance(value, dict) else zip(value, other)
+        return all(_same(a, b) for a, b in pairs)
+    return value is other or (_plain(value) and _plain(other) and value == other)
+
+
+class _Missing:
+    pass
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
+def _differs(a, b) -> bool:
+    left, right = vars(a), vars(b)
+    return left.keys() != right.keys() or any(not _same(v, right[k]) for k, v in left.items())
+
+
+class _Layers(list):
+    """A view's layers: the caller's layer objects until the block reads one, then a copy of it
+    (:func:`_copy_state`), whose state as it was then is kept (``entry``) for the recompute. Every way
+    Python code reads a list item (index, slice, iteration) goes through here."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.count = len(layers)
+        self.entry = {}  # index -> (the layer as first read, its tensors' versions then)
+
+    def _read(self, index: int) -> None:
+        if index < 0:
+            index += len(self)
+        if 0 <= index < self.count and index not in self.entry:
+            layer = list.__getitem__(self, index)
+            kept = _copy_state(layer)
+            self.entry[index] = (kept, [(t, t._version) for t in _tensors(kept)])
+            list.__setitem__(self, index, _copy_state(layer))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            for i in range(*index.indices(len(self))):
+                self._read(i)
+        else:
+            self._read(index)
+        return list.__getitem__(self, index)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            self._read(i)
+        return list.__iter__(self)
+
+    def __reversed__(self):
+        for i in range(len(self)):
+            self._read(i)
+        return list.__reversed__(self)
+
+
+class _Unread:
+    """In a recompute's view: a layer the forward did not read (its state was not kept)."""
+
+    def __init__(self, index: int, name: str):
+        object.__setattr__(self, "_where", (index, name))
+
+    def __getattribute__(self, attribute):
+        if attribute == "__class__":
+            return object.__getattribute__(self, attribute)
+        index, name = object.__getattribute__(self, "_where")
+        raise ValueError(f"the recompute of {name} (treated by remat) read layer {index} of its KV cache, which its "
+                         "forward did not read: it took another path than its forward, so remat stops here. "
+                         "Give this block the treatment 'keep', or pass use_cache=False when training.")
+
+
+_WITHHELD_BY = "_remat_withheld_by"  # on a withheld layer: (the block that withheld it, the attributes)
+_GUARDED: dict = {}  # layer class -> its withheld subclass
+
+
+def _withhold(layer, name: str, attributes) -> None:
+    """Mark the caller's ``layer`` as one some of whose contents (``attributes``: the keys and values,
+    a state-space layer's states) treated block ``name`` kept in its own copy: reading any of those
+    raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
+    attributes stay readable (its length while it is empty, its kind, another sub-module's states in
+    the same layer object: Zamba2's mamba mixer and its attention share one). The layer keeps its
+    class's behaviour otherwise (it becomes an instance of a subclass) until :func:`release_withheld`."""
+    kind = type(layer)
+    if _WITHHELD_BY in vars(layer) or not attributes:
+        return
+    if kind not in _GUARDED:
+        def __getattribute__(self, attribute, _kind=kind):
+            held = object.__getattribute__(self, "__dict__").get(_WITHHELD_BY)
+            if held is not None and attribute in held[1]:
+                raise StepRefusal(
+                    f"the model read a layer of its KV cache ({_kind.__name__}.{attribute}) that {held[0]}, treated "
+                    "by remat, filled in a copy of its own in this training forward: remat keeps a treated block's "
+                    "keys and values out of the model's cache there (as use_cache=False would), and this model reads "
+                    "its cache inside the training forward, so it would attend to an empty layer. remat stops here "
+                    "rather than train on it: pass use_cache=False when training, or give the blocks that fill the "
+                    "cache the treatment 'keep'.")
+            return _kind.__getattribute__(self, attribute)
+
+        def __copy__(self):  # a view's copy of it stays withheld
+            new = object.__new__(type(self))
+            vars(new).update(vars(self))
+            return new
+
+        def __reduce_ex__(self, protocol, _kind=kind):  # pickles and deep-copies as the layer it was
+            return _rebuild_layer, (_kind, {k: v for k, v in vars(self).items() if k != _WITHHELD_BY})
+        # ``_layer_type`` None: transformers registers every cache layer subclass that names one as the
+        # class its caches build for that layer type (CacheLayerMixin.__init_subclass__)
+        _GUARDED[kind] = type(f"Withheld{kind.__name__}", (kind,), {
+            "__getattribute__": __getattribute__, "__copy__": __copy__, "__reduce_ex__": __reduce_ex__,
+            "__module__": __name__, "_layer_type": None})
+    vars(layer)[_WITHHELD_BY] = (name, frozenset(attributes))
+    layer.__class__ = _GUARDED[kind]
+    _HELD.append((weakref.ref(layer), kind))
+    if len(_HELD) > 4096:  # released at the end of each forward of remat.apply's model; outside one, dead ones go
+        _HELD[:] = [(ref, k) for ref, k in _HELD if ref() is not None]
+
+
+def _changed_contents(new, old) -> set:
+    """The attributes holding tensors (directly or in a dict or list) whose values differ between two of
+    :func:`_copy_state`'s copies of a layer: what a block's update put there."""
+    left, right = vars(new), vars(old)
+    return {key for key in set(left) | set(right)
+            if not _same(left.get(key, _Missing), right.get(key, _Missing))
+            and any(_holds_tensor(v) for v in (left.get(key), right.get(key)))}
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if type(value) in (dict, list):
+        return any(isinstance(v, torch.Tensor) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+_HELD: list = []  # (weak layer, its class) of every layer withheld since the last release
+
+
+def release_withheld() -> None:
+    """Make every layer withheld so far an ordinary one again: the model's forward has returned, and
+    what reads the cache it returned (documented to lack the treated blocks) is no longer refused.
+    :func:`remat.apply`'s wrapper of the model's ``forward`` calls this as the forward ends."""
+    while _HELD:
+        layer, kind = _HELD.pop()
+        layer = layer()
+        if layer is not None and _WITHHELD_BY in vars(layer):
+            del vars(layer)[_WITHHELD_BY]
+            layer.__class__ = kind
+
+
+def _rebuild_layer(kind, state):
+    layer = kind.__new__(kind)
+    vars(layer).update(state)
+    return layer
+
+
+class CacheView:
+    """A treated block's view of one caller's cache (module docstring): built for the forward
+    (:meth:`forward_cache`), kept as what the forward read for the recompute (:meth:`recompute_cache`),
+    written back or withheld after the forward (:meth:`after_forward`)."""
+
+    def __init__(self, cache, name: str):
+        self.name = name
+        self.caller = cache
+        self.parts = {attribute: CacheView(part, name) for attribute, part in _parts(cache)}
+        # the cache's own attributes at the call, without its layers (the recompute must not keep them alive)
+        self.kept = _copy_state(cache)
+        for attribute in self.parts:
+            setattr(self.kept, attribute, None)
+        if not self.parts:
+            self.kept.layers = None
+        self.layers = None  # the forward's _Layers
+        self.forward_view = None
+
+    def forward_cache(self):
+        view = _copy_state(self.kept)
+        for attribute, part in self.parts.items():
+            setattr(view, attribute, part.forward_cache())
+        if not self.parts:
+            view.layers = self.layers = _Layers(self.caller.layers)
+        self.forward_view = view
+        return view
+
+    def after_forward(self, write_back: bool) -> None:
+        """Write back what the block changed in the caller's cache, or withhold it; then forget the caller."""
+        view, caller = self.forward_view, self.caller
+        for part in self.parts.values():
+            part.after_forward(write_back)
+        if self.layers is not None:
+            for index, (_, versions) in self.layers.entry.items():
+                if any(t._version != v for t, v in versions):
+                    raise StepRefusal(
+                        f"{self.name} (treated by remat) wrote in place into a tensor of layer {index} of the KV cache "
+                        "it was handed (a static cache?): its recompute would see the new values, so remat stops "
+                        "here. Give this block the treatment 'keep', or use a dynamic cache (or use_cache=False) "
+                        "when training.")
+            layers = self.layers
+            changed = [i for i in range(len(layers)) if i >= layers.count or (
+                i in layers.entry and _differs(list.__getitem__(layers, i), layers.entry[i][0]))]
+            make = getattr(caller, "layer_class_to_replicate", None)
+            for index in changed:
+                layer = list.__getitem__(layers, index)
+                if index < len(caller.layers):
+                    if write_back:
+                        caller.layers[index] = layer
+                    else:
+                        _withhold(caller.layers[index], self.name, _changed_contents(layer, layers.entry[index][0]))
+                elif write_back:
+                    caller.layers.append(layer)
+                elif callable(make):  # a lazily filled cache: in the block's place, an empty layer, withheld
+                    empty = make()
+                    _withhold(empty, self.name, _changed_contents(layer, empty))
+                    caller.layers.append(empty)
+        if write_back:
+            kept = vars(self.kept)
+            for attribute, value in vars(view).items():
+                if attribute != "layers" and attribute not in self.parts and not (
+                        attribute in kept and _same(value, kept[attribute])):
+                    setattr(caller, attribute, value)
+        self.caller = self.forward_view = None  # the recompute needs only what the forward read
+
+    def recompute_cache(self):
+        view = _copy_state(self.kept)
+        for attribute, part in self.parts.items():
+            setattr(view, attribute, part.recompute_cache())
+        if self.layers is not None:
+            layers = []
+            for index in range(self.layers.count):
+                entry = self.layers.entry.get(index)
+                if entry is None:
+                    layers.append(_Unread(index, self.name))
+                    continue
+                kept, versions = entry
+                if any(t._version != v for t, v in versions):
+                    raise ValueError(
+                        f"the model wrote in place into a tensor of layer {index} of the KV cache after {self.name} "
+                        "(treated by remat) read it: its recompute would see other values than its forward saw, so "
+                        "remat stops here. Give this block the treatment 'keep', or pass use_cache=False when training.")
+                layers.append(_copy_state(kept))
+            view.layers = layers
+        return view
