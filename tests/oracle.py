@@ -56,14 +56,14 @@ def model_loss(model: nn.Module, batch) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
 
 
-def _clone(value):
+def clone(value):
     """A fresh copy of a batch: tensors cloned (a leaf that requires grad stays one), containers rebuilt."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
     if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
+        return {k: clone(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
+        return type(value)(clone(v) for v in value)
     return value
 
 
@@ -181,7 +181,8 @@ def _step(model, batch, loss, seed, retain, meter):
 
 
 def compare(treated: nn.Module, reference: nn.Module, batch, loss: Callable[[nn.Module, Any], torch.Tensor] = model_loss,
-            *, steps: int = 1, seed: int = 7, lr: float = 0.0, retain: bool = False, meter: bool = True) -> Comparison:
+            *, steps: int = 1, seed: int = 7, lr: float = 0.0, retain: bool = False, meter: bool = True,
+            buffers: bool = True) -> Comparison:
     """Train ``treated`` and ``reference`` side by side and record every difference.
 
     Args:
@@ -196,6 +197,8 @@ def compare(treated: nn.Module, reference: nn.Module, batch, loss: Callable[[nn.
         lr: with ``lr > 0`` an SGD step follows each step, so later steps compare trained weights.
         retain: backward twice (``retain_graph``): every saved tensor is unpacked twice.
         meter: run each side's first step under a :class:`Meter` (off for a compiled model).
+        buffers: compare the buffers after each step (off only beside a test of its own that
+            says why they differ).
 
     Returns:
         A :class:`Comparison`; check it with :meth:`~Comparison.assert_equal` or
@@ -215,7 +218,7 @@ def compare(treated: nn.Module, reference: nn.Module, batch, loss: Callable[[nn.
     metered = (Meter(treated), Meter(reference)) if meter else (None, None)
     first, found = None, []  # found: (relative difference, step, what)
     for step in range(steps):
-        batches = (_clone(batch), _clone(batch))
+        batches = (clone(batch), clone(batch))
         loss_t, loss_r = (_step(m, b, loss, seed + step, retain, k if step == 0 else None)
                           for m, b, k in zip((treated, reference), batches, metered))
         if not torch.equal(loss_t, loss_r):
@@ -237,8 +240,8 @@ def compare(treated: nn.Module, reference: nn.Module, batch, loss: Callable[[nn.
             if p.grad is not None and not torch.equal(p.grad, q.grad):
                 first = first or f"step {step}: gradient of {name} differs"
                 found.append((_rel(p.grad, q.grad, scale), step, f"gradient of {name}"))
-        ref_buffers = dict(reference.named_buffers())
-        for name, b in treated.named_buffers():
+        ref_buffers = dict(reference.named_buffers()) if buffers else {}
+        for name, b in treated.named_buffers() if buffers else ():
             if not torch.equal(b, ref_buffers[name]):
                 first = first or f"step {step}: buffer {name} differs"
                 found.append((_rel(b, ref_buffers[name]), step, f"buffer {name}"))
@@ -251,18 +254,30 @@ def compare(treated: nn.Module, reference: nn.Module, batch, loss: Callable[[nn.
                       treated=metered[0] and metered[0].result, reference=metered[1] and metered[1].result)
 
 
+WHOLE_BLOCK = ("full", "selective", "attn-saved", "offload", "segment")
+"""Parts of a treatment's name that act on the whole block (``segment:0``: a run of blocks)."""
+
+
 def promises(treatment: str) -> set:
-    """What an installed treatment (a name :func:`remat.api.treatments` reports) must show in a
-    step: ``"saves no more"`` (every one), ``"saves less"`` (every one that treats the whole block:
-    all but ``keep``, ``attention`` and ``mlp``, whose sub-module may save no more than its input,
-    a bare ``nn.Linear``), ``"recomputes"`` (every one but ``keep`` and plain ``offload``),
-    ``"moves"`` (every one that offloads)."""
+    """What an installed treatment (a name :func:`remat.api.treatments` reports: ``full+offload``,
+    ``segment:1``) must show in a step:
+
+    - ``"saves no more"``: every one but ``keep``;
+    - ``"saves less"``: every one with a part of :data:`WHOLE_BLOCK`; a sub-module's alone
+      (``attention``, ``mlp``, ``tiled``) may save just what the untouched block saves (a bare
+      ``nn.Linear`` checkpointed or tiled still saves its input);
+    - ``"recomputes"``: every one but ``keep`` and plain ``offload``;
+    - ``"moves"``: every one that offloads.
+    """
     if treatment == "keep":
         return set()
-    found = {"saves no more"} if treatment in ("attention", "mlp") else {"saves no more", "saves less"}
+    parts = {part.split(":")[0] for part in treatment.split("+")}
+    found = {"saves no more"}
+    if parts & set(WHOLE_BLOCK):
+        found.add("saves less")
     if treatment != "offload":
         found.add("recomputes")
-    if "offload" in treatment.split("+"):
+    if "offload" in parts:
         found.add("moves")
     return found
 
