@@ -80,11 +80,8 @@ def test_kernel_rows_are_few_shapes():
 
 
 @pytest.fixture
-def kernel_state(monkeypatch):
-    """A fresh kernel registry whose compiled function the test supplies."""
-    monkeypatch.setattr(xent_kernel, "KERNEL", {})
-    monkeypatch.setattr(xent_kernel, "OUT_SHAPES", {})
-    monkeypatch.setattr(xent_kernel, "EAGER_SHAPES", {})
+def kernel_state(fresh_caches):
+    """The kernel registry empty, as in a new process; the test supplies the compiled function."""
     return xent_kernel
 
 

@@ -610,7 +610,7 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
 
 
 @pytest.mark.parametrize("spec", ["full", "selective", "attn-saved"])
-def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpoint(spec, monkeypatch):
+def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpoint(spec, fresh_caches):
     """Under ``model.compile()`` a checkpointed block breaks the graph no more than an untouched one,
     on a model at its config's defaults (``use_cache`` on: remat gives each block an empty cache of
     its own) and in a process that has built no such cache before. Each of these broke it once:
@@ -621,12 +621,11 @@ def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpo
     treatment that did nothing would not put there either."""
     import torch._dynamo
     from torch._higher_order_ops.wrap import TagActivationCheckpoint
-    from remat.treat import treatments
     ids = torch.randint(0, 128, (2, 16))
 
     def compiled(spec):
         """(graph breaks, checkpoints traced into the graphs) of one compiled step."""
-        monkeypatch.setattr(treatments, "_CONSTRUCTOR_PARAMETERS", {})  # as in a new process
+        fresh_caches.clear()  # as in a new process
         torch._dynamo.reset()
         model = remat.apply(_tiny(cache=True).train(), spec)
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)

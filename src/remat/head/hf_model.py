@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from remat import caches
 from remat.head.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
 
 _PROBE = (-48.0, -6.0, -1.5, -0.25, 0.0, 0.5, 3.0, 40.0)  # exact in fp16/bf16
@@ -327,7 +328,7 @@ def _scalar_transform(lm: nn.Module):
     return ("identity",), None
 
 
-_PROBES = {}  # (device, dtype) -> _PROBE as a tensor there, uploaded once (an upload waits for the GPU)
+_PROBES = caches.register({}, "head.hf_model._PROBES")  # (device, dtype) -> _PROBE as a tensor there, uploaded once (an upload waits for the GPU)
 
 
 def probe(hidden, vocab, row, dtype):

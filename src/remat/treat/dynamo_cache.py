@@ -45,6 +45,8 @@ from typing import Iterator
 
 import torch
 
+from remat import caches
+
 
 def _trampoline(module, *args, **kwargs):
     return module._call_impl(*args, **kwargs)  # not module(...): its _compiled_call_impl may be this
@@ -55,6 +57,7 @@ def compile_options() -> dict:
     return {"isolate_recompiles": True} if isolating() else {}
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)
 def isolating() -> bool:
     """Whether this torch's ``torch.compile`` keeps a call's entries apart (``isolate_recompiles``)."""
@@ -81,6 +84,22 @@ class Compiled:
 def compiled(**options) -> Compiled:
     """``torch.compile(**options)`` of a fresh trampoline: ``compiled(...).bind(module)(*args)``."""
     return Compiled(**options)
+
+
+_EAGER = caches.register({}, "treat.dynamo_cache._EAGER")  # (module, qualname, recursive) -> wrapper
+
+
+def eager(fn, recursive: bool = True):
+    """``torch.compiler.disable(fn, recursive=recursive)``, made once per function: a frame of
+    remat's that dynamo must not trace (the chunked head's loss, the profiler's stubs). A new
+    wrapper at each call would be a new object for dynamo to guard on; keyed by name, not by the
+    function, so that a compiled forward that calls this looks up a constant. Importing dynamo
+    takes seconds, so callers make theirs on first use, not at import time."""
+    key = (fn.__module__, fn.__qualname__, recursive)
+    wrapped = _EAGER.get(key)
+    if wrapped is None:
+        wrapped = _EAGER[key] = torch.compiler.disable(fn, recursive=recursive)
+    return wrapped
 
 
 def _internals():

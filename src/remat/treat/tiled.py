@@ -78,6 +78,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from remat import caches
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
 from remat.treat.segments import autocast_as, autocast_state
@@ -127,7 +128,7 @@ def check_tiling(block: nn.Module) -> None:
                              "cannot be tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
 
 
-_PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens, or why it cannot be probed
+_PROBED = caches.register(weakref.WeakKeyDictionary(), "treat.tiled._PROBED")  # module -> whether it mixes tokens, or why it cannot be probed
 
 
 def _needs_more_than_hidden(module: nn.Module) -> Optional[str]:
@@ -453,7 +454,7 @@ def _mark_unread(calls: list, outputs) -> None:
         call.unread = not call.records and latest <= call.sequence
 
 
-_SAVES = {}  # built-in node class -> whether it saves tensors
+_SAVES = caches.register({}, "treat.tiled._SAVES")  # built-in node class -> whether it saves tensors
 
 
 def _saves_tensors(node) -> bool:

@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from remat import caches
 from remat.treat import patches, segments, tiled
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import saves, saves_attention, selective_context
@@ -515,7 +516,7 @@ def _layer_arguments(layer) -> Optional[dict]:
     return arguments
 
 
-_CONSTRUCTOR_PARAMETERS: dict = {}
+_CONSTRUCTOR_PARAMETERS: dict = caches.register({}, "treat.treatments._CONSTRUCTOR_PARAMETERS")
 
 
 def _constructor_parameters(kind: type) -> Optional[tuple]:
