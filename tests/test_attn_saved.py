@@ -17,6 +17,8 @@ import torch
 import oracle
 import remat
 import zoo
+# private (_drops_out): on the CPU an attention with dropout takes torch's math path, no kernel to keep;
+# only the GPU test below shows the rule through a model
 from remat.treat.selective import _drops_out, saves, saves_attention
 
 SPECS = ("attn-saved", "attn-saved+offload", "every:2:attn-saved")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# private names of chunked_loss below (_accumulate, _TargetRows ...): the loss op's parts, checked one at a time
 from remat.head import chunked_loss, xent_kernel
 from remat.head.chunked_loss import chunked_cross_entropy
 from remat.head.xent_kernel import eager_kernel, kernel_rows, run_fused, softmax_xent

@@ -65,6 +65,8 @@ def rule_5_17(monkeypatch):
     _release_all()
 
 
+# private (_holders, _forget): models of earlier tests in this process may still hold the wrappers;
+# releasing them all, alive or not, has no public call (release() takes one model)
 def _release_all():
     for finalizer in list(mask_skip._holders.values()):
         finalizer.detach()

@@ -21,6 +21,8 @@ import torch
 
 import remat
 from remat.treat.discovery import discover
+# private (_Inline, engine._pack, _devs ...): the engine's CPU device and bookkeeping, which the test doubles
+# below replace; on the CPU the public path moves nothing
 from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline
 from remat.treat.treatments import engine_of
 from remat.planning.offload_model import gpu_overhead_bytes
@@ -433,9 +435,9 @@ def test_deferred_partial_views_read_from_the_original_storage():
 # -- the memory the engine adds ---------------------------------------------------------------------
 
 def test_the_planner_models_the_engine_defaults():
-    from remat.offload import engine
+    from remat.offload import DEFAULT_WINDOW_RECORDS
     from remat.planning import offload_model
-    assert engine.DEFAULT_WINDOW_RECORDS == offload_model.DEFAULT_WINDOW_RECORDS
+    assert DEFAULT_WINDOW_RECORDS == offload_model.DEFAULT_WINDOW_RECORDS
 
 
 def test_gpu_overhead_bytes_rule():

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import remat
+# private (_Inline, _Packed): the engine's CPU device and its packed handle, doubled and inspected below
 from remat.offload.engine import OffloadEngine, _Inline, _Packed, keep_reason, parameter_storages
 from remat.treat.treatments import engine_of
 import oracle

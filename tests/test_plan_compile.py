@@ -84,6 +84,7 @@ def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment(
     """A compiled step that peaks above its prediction raises the calibrated treatment's kept
     bytes by an equal share per block, so the same plan is then predicted at the measured peak;
     a lower peak changes no byte; times scale by in-step / predicted per phase."""
+    # private: the calibration's arithmetic on a made-up step, which a CPU run cannot measure
     from remat.profiling._compiled import scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     steps = [(2 * (head.pre_fwd_s + head.head_fwd_s + sum(prof.cost(i, "keep").fwd_s for i in range(blocks))),
@@ -103,6 +104,7 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     """After a keep step added 1000 bytes a block, a full step's excess of 300 a block goes to
     ``full``; ``mlp`` and ``attention`` keep part of the block as keep does and get 1000; keep
     and selective are not touched again."""
+    # private: as above
     from remat.profiling._compiled import charged_region_checkpoints, scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     after_keep = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes) + 1000 * blocks)
@@ -275,6 +277,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
 
+    # private: which block runs are compiled is internal to the profile; no public result shows it
     from remat.profiling import _blocks, _compiled, _measure
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -354,6 +357,7 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
     """``compile="blocks"`` (FSDP2's per-block compile): every block cost asked compiled, every
     head cost eager, and the notes say which scope; ``compile=True`` asks the head compiled. Both
     keep every treatment."""
+    # private: as above
     from remat.profiling import _measure
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -392,6 +396,7 @@ def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
     """:func:`compiled_blocks`: inside, each block's call is compiled (the root is not) and the loss
     is eager's; outside, every block is as it was. With ``use_cache`` on, as ``from_pretrained``
     gives a model (the blocks then get the cache object), and off, as trainers set it."""
+    # private: the compiled profile's scope, entered alone (the public profile runs it on a GPU only)
     from remat.profiling._compiled import compiled_blocks
     from remat.treat.discovery import discover
     model = _tiny().train()
@@ -410,7 +415,7 @@ def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
 
 def test_compile_scope_is_checked_and_a_profile_of_another_scope_is_refused():
     from dataclasses import replace
-    from remat.profiling._compiled import compile_scope, profile_scope
+    from remat.profiling import compile_scope, profile_scope
     assert [compile_scope(c) for c in (False, True, "model", "blocks")] == [None, "model", "model", "blocks"]
     with pytest.raises(ValueError, match="'blocks'"):
         compile_scope("layers")
@@ -592,6 +597,7 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
     amount more; a shorter step changes nothing and is noted."""
     from dataclasses import replace
     from remat.planning.solver import plan_seconds
+    # private: the calibration's arithmetic, as above
     from remat.profiling._calibrate import with_residual
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
