@@ -23,9 +23,9 @@ Every treatment test asks two questions, and equal gradients answer only the fir
 :func:`check` is both in one call, which is what a treatment test usually wants.
 
 Limits: the meter is a dispatch mode and saved-tensor hooks, which ``torch.compile`` does not
-trace: a compiled model is compared with ``meter=False``. Saved-tensor hooks skip autograd's
-version-counter check for the tensors they see; only the first step is metered, later steps run
-without them. Exact FLOP accounting of one recompute (``test_mechanism.py``) stays its own test.
+trace: a compiled model is compared with ``meter=False``. Autograd skips its version-counter check
+(a saved tensor changed in place) for a tensor its hooks saw, so the meter's unpack makes the same
+check. Exact FLOP accounting of one recompute (``test_mechanism.py``) stays its own test.
 """
 from __future__ import annotations
 
@@ -109,12 +109,20 @@ class Meter(TorchDispatchMode):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._own:
             self._saved[storage.data_ptr()] = storage.nbytes()
-        return tensor  # the tensor itself: the step runs as without hooks
+        return tensor, tensor._version  # the tensor itself: the step runs as without hooks
+
+    @staticmethod
+    def _unpack(packed):
+        tensor, version = packed
+        if tensor._version != version:  # autograd's own check, which it skips for a hooked tensor
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation (version {version}, now {tensor._version}; oracle.Meter)")
+        return tensor
 
     @contextlib.contextmanager
     def forward(self):
         """Saved-tensor hooks for the ``with`` block (the forward: every saved tensor is alive until backward)."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
         self.result.saved_bytes = sum(self._saved.values())
 

@@ -25,6 +25,9 @@ How remat's entries are taken out and the user's left alone:
   user's entries remat's new ones are invalidated, one by one, as dynamo invalidates an entry
   whose guarded object died (their code is dropped; the emptied entry stays in remat's region).
 
+:func:`eager` is the other side: ``torch.compiler.disable`` of a frame of remat's that dynamo must
+not trace (the chunked head's loss, the profiler's stubs), made once per function.
+
 Limits: outside a region of its own (a torch without ``isolate_recompiles``, or a compile that
 is not remat's trampoline: the bench's stock ``torch.compile(model)`` rows) an invalidated entry
 would still count against the user's recompile limit on that code object, so there a code object
