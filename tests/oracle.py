@@ -82,13 +82,16 @@ def _leaves(value, prefix="input") -> dict:
 class Mechanism:
     """What one side's metered step did (:class:`Meter`)."""
 
-    ops: int = 0
-    """aten ops dispatched in the forward and backward."""
     ops_by_op: collections.Counter = field(default_factory=collections.Counter)
-    """The same, by op overload (``torch.ops.aten.mm.default``: n)."""
+    """aten ops dispatched in the forward and backward, by op overload (``torch.ops.aten.mm.default``: n)."""
     saved_bytes: int = 0
     """Bytes of the distinct storages the forward saved for backward under hooks set outside the
     model, parameters and buffers left out."""
+
+    @property
+    def ops(self) -> int:
+        """aten ops dispatched in the forward and backward."""
+        return sum(self.ops_by_op.values())
 
 
 class Meter(TorchDispatchMode):
@@ -97,12 +100,12 @@ class Meter(TorchDispatchMode):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.result = Mechanism()
+        self._counts = self.result.ops_by_op
         self._own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self._saved = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.result.ops += 1
-        self.result.ops_by_op[func] += 1
+        self._counts[func] += 1
         return func(*args, **(kwargs or {}))
 
     def _pack(self, tensor):
