@@ -126,6 +126,16 @@ KEEP_FAST = {
 }
 
 
+@pytest.fixture
+def fresh_caches():
+    """remat's process caches (:mod:`remat.caches`) empty for the test, as in a new process, and
+    emptied again after it (whatever the test put in them goes). Yields the module."""
+    from remat import caches
+    caches.clear()
+    yield caches
+    caches.clear()
+
+
 def _check_entries():
     """A renamed test must not leave the list pointing at nothing (and the heavy test fast)."""
     here = os.path.dirname(__file__)

@@ -1,14 +1,14 @@
 """The cells of the registry zoo (issue 29): one treatment, or ``remat.plan``, on one model, classified.
 
 :func:`run_cell` applies a treatment with the plain or the chunked head to a fresh copy of a
-:mod:`registry_zoo` case and trains it beside an untouched copy (:func:`zoo.compare`: two SGD
+:mod:`registry_zoo` case and trains it beside an untouched copy (:func:`zoo.compare`, :mod:`oracle`'s: two SGD
 steps, same batch and seeds, fp32, dropout on); :func:`run_plan_cell` plans on fake tensors
 (:func:`zoo.run_plan`), applies the plan of the smallest peak and trains it the same way;
 :func:`run_model` runs every cell of one model type. A :class:`Cell` is
 
 - ``exact``: loss, every gradient and every buffer ``torch.equal``, and the treatment did
   something (a recomputing one ran more aten ops than the same model without it, an offloading
-  one moved bytes: :func:`zoo.check_mechanism`);
+  one moved bytes: :func:`oracle.check_mechanism`);
 - ``rounding``: not bitwise equal for a reason named in ``detail`` and within :data:`ROUNDING`
   (or, beyond it, within :data:`FLOAT64_ROUNDING` when the cell is run again in float64)
   -- only the chunked head (its loss is summed a chunk at a time), so the baseline of its
@@ -38,6 +38,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 
+import oracle
 import registry_zoo as rz
 import torch
 import zoo
@@ -151,11 +152,11 @@ def _in_float64(the_case, spec, head, steps: int = 2):
         return None
 
 
-def _verdict(spec, head, model, comparison, baseline_ops, tiles=None, the_case=None) -> tuple:
+def _verdict(spec, head, model, comparison, baseline_ops, tiles=None, the_case=None, blocks=None) -> tuple:
     """``(verdict, detail, largest difference)`` of a cell; ``the_case``: run it again in float64 where
     fp32 rounding is exceeded for a reason that sums in another order (None: the plan cells, whose
-    plan is not a spec to apply again)."""
-    zoo.check_mechanism(model, spec, comparison.ops, baseline_ops)
+    plan is not a spec to apply again); ``blocks``: the case's, as given to ``remat.apply``."""
+    oracle.check_mechanism(model, comparison, blocks=blocks, reference_ops=baseline_ops)
     if spec in TILED:  # a call of more rows than a chunk, and no sub-module run on more than a chunk
         assert tiles["calls"] and tiles["largest_chunk"] <= TILE_TOKENS < tiles["largest_call"], \
             f"{spec!r} did not run its sub-modules in chunks of {TILE_TOKENS} tokens: {tiles}"
@@ -232,13 +233,14 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
                 return Cell(the_case.name, spec, head, "refused", rz.first_line(error),
                             seconds=time.perf_counter() - start)
             raise
-        zoo.check_installed(the_case, model, spec)
+        oracle.check_installed(model, the_case.blocks)
         with counted_tiles(model) as tiles:
             comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
         baseline = comparison.reference_ops if head == "plain" or spec == "keep" else _CHUNKED_OPS.get(id(the_case))
         if spec == "keep" and head == "chunked":
             _CHUNKED_OPS[id(the_case)] = comparison.ops
-        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles, the_case)
+        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles, the_case,
+                                          the_case.blocks)
     except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
         detail = rz.first_line(error)
         verdict = "refused late" if _refusal(error, running=True) else "FAIL"
@@ -281,7 +283,8 @@ def run_plan_cell(the_case: zoo.Case, steps: int = 2) -> Cell:
         remat.apply(model, smallest, blocks=the_case.blocks, offload_options=zoo.INLINE_OFFLOAD)
         head = smallest.head
         comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
-        verdict, detail, worst = _verdict("plan", head, model, comparison, comparison.reference_ops)
+        verdict, detail, worst = _verdict("plan", head, model, comparison, comparison.reference_ops,
+                                          blocks=the_case.blocks)
         detail = detail or _plan_text(smallest)
     except Exception as error:  # noqa: BLE001
         return Cell(the_case.name, "plan", head, "FAIL", rz.first_line(error), seconds=time.perf_counter() - start)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from cp_worker import LAYERS, RECOMPUTE_ATTENTION, REL, TREATMENTS, tiny_config
-from test_fsdp import _cpu_fsdp2_supported, launch
+from launches import launch
+from test_fsdp import _cpu_fsdp2_supported
 
 
 LAYOUTS = {"cp/": "head-tail", "cp-contiguous/": "contiguous"}

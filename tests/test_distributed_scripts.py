@@ -15,24 +15,16 @@ import types
 
 import pytest
 
-from launches import run_concurrently
-from test_fsdp import _cpu_fsdp2_supported, _free_port
+from launches import TORCHRUN, run_concurrently, torchrun
+from test_fsdp import _cpu_fsdp2_supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def _ddp_planning() -> bool:
     import remat
     return "ddp_world" in inspect.signature(remat.plan).parameters
-
-
-def _torchrun(script, args, port=None):
-    # --standalone picks its own port; the other launches get explicit ones so they never meet
-    where = (["--standalone"] if port is None else
-             ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"])
-    return [TORCHRUN, *where, "--nproc-per-node", "2", script, *args]
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +37,13 @@ def runs(tmp_path_factory):
     tiny = ["--device", "cpu", "--model", "llama-tiny", "--batch", "2", "--seq", "32"]
     commands = {}
     if _cpu_fsdp2_supported():
-        commands["train"] = _torchrun("examples/train_fsdp.py", [*tiny, "--steps", "2", "--budget", "3.4MiB",
-                                                                  "--plan-out", str(out / "plan.json")])
-        commands["bench"] = _torchrun("benchmarks/fsdp_bench.py", [*tiny, "--steps", "1", "--warmup", "1",
-                                                                    "--single", "--trace", "--out", str(out)],
-                                      _free_port())
+        commands["train"] = torchrun("examples/train_fsdp.py", [*tiny, "--steps", "2", "--budget", "3.4MiB",
+                                                                 "--plan-out", str(out / "plan.json")])
+        commands["bench"] = torchrun("benchmarks/fsdp_bench.py", [*tiny, "--steps", "1", "--warmup", "1",
+                                                                   "--single", "--trace", "--out", str(out)])
     if _ddp_planning():
-        commands["ddp"] = _torchrun("benchmarks/ddp_bench.py", [*tiny, "--steps", "1", "--warmup", "1",
-                                                                 "--out", str(out)], _free_port())
+        commands["ddp"] = torchrun("benchmarks/ddp_bench.py", [*tiny, "--steps", "1", "--warmup", "1",
+                                                                "--out", str(out)])
     return run_concurrently(commands, cwd=ROOT, env=env), out
 
 

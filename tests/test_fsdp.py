@@ -7,48 +7,16 @@ are compared exactly in some places and with a tolerance in others, is in the wo
 """
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-WORLD = 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launches import launch
 
 
 def _cpu_fsdp2_supported() -> bool:
     import torch  # torch 2.6's FSDP2 calls Stream.record_event, which its CPU stream lacks
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 7)
-
-
-def launch(script, args, world=WORLD, timeout=600):
-    """Start ``world`` ranks of ``script`` (RANK/WORLD_SIZE/MASTER_* as torchrun sets them), one
-    thread of torch each; returns the finished processes' (returncode, stdout, stderr), rank 0 first."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
 
 
 @pytest.fixture(scope="module")

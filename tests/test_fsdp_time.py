@@ -186,6 +186,7 @@ def test_remat_plan_fsdp_json_includes_the_communication(capsys):
 
 def test_bus_rate_needs_a_process_group():
     """The all-gather timing is a collective on a live NCCL group; without one it measures nothing."""
+    # private: no public call measures the bus without a process group, which is the point here
     from remat.profiling._calibrate import bus_rate
     assert bus_rate() is None
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import remat
+# private names of chunked_loss below: the loss op's parts, checked one at a time on the GPU
 from remat.head import chunked_loss, xent_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -54,6 +54,7 @@ def test_a_failed_compile_falls_back_to_the_blocks_for_good_and_says_why_once(mo
         calls.append(1)
         raise ImportError("no kernel today")
     monkeypatch.setattr(grad_scale, "_eager_is_exact", lambda t: False)  # as on CUDA
+    # private (_KERNEL): the kernel made on first use, replaced by one that fails as a real one can
     monkeypatch.setattr(grad_scale, "_KERNEL", {"fn": broken})
     t = _tensor(torch.bfloat16)
     expected = (t.float() * FACTOR).to(t.dtype)

@@ -286,6 +286,7 @@ def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatc
     existing = [(p, Grad(g)) for p, g in grads]
     measured = [0]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: measured[0])
+    # private: the gradient keeper's fit rule alone, at sizes a CPU step cannot reach
     assert guard_module._fits_beside_plan(model, 11 * nbytes, existing)
     assert not guard_module._fits_beside_plan(model, 11 * nbytes - 1, existing)
     measured[0] = 12 * nbytes   # the allocator saw a higher peak than the plan predicted: that one counts
@@ -295,6 +296,7 @@ def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatc
 
 def test_both_budget_none_callers_use_the_one_default(monkeypatch):
     import remat.guard as guard_module
+    # private: the callbacks' shared planner, reached without a Trainer or Lightning run
     from remat.integrations._planning import BatchPlanner
     asked = []
 
@@ -330,6 +332,7 @@ def test_under_fsdp_every_existing_gradient_is_copied_before_the_step(monkeypatc
 
 
 def test_autograd_accumulates_except_under_fsdp():
+    # private: FSDP's accumulation outside autograd cannot be run on one CPU process
     from remat.guard import _autograd_accumulates
 
     class FSDPLinear(torch.nn.Linear):

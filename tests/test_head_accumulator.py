@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from remat.prove.memtrack import PeakTracker
+# private names of chunked_loss below: unit tests of the accumulator's parts, which a public call runs only together
 from remat.head import chunked_loss
 from remat.head.chunked_loss import _Accumulator, _TargetRows, chunked_cross_entropy
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# private names of chunked_loss below (_accumulate, _TargetRows ...): the loss op's parts, checked one at a time
 from remat.head import chunked_loss, xent_kernel
 from remat.head.chunked_loss import chunked_cross_entropy
 from remat.head.xent_kernel import eager_kernel, kernel_rows, run_fused, softmax_xent
@@ -80,11 +81,8 @@ def test_kernel_rows_are_few_shapes():
 
 
 @pytest.fixture
-def kernel_state(monkeypatch):
-    """A fresh kernel registry whose compiled function the test supplies."""
-    monkeypatch.setattr(xent_kernel, "KERNEL", {})
-    monkeypatch.setattr(xent_kernel, "OUT_SHAPES", {})
-    monkeypatch.setattr(xent_kernel, "EAGER_SHAPES", {})
+def kernel_state(fresh_caches):
+    """The kernel registry empty, as in a new process; the test supplies the compiled function."""
     return xent_kernel
 
 

@@ -57,13 +57,12 @@ def test_doc_block_runs(index, tmp_path, monkeypatch, capsys):
     lang, code = BLOCKS[index]
     monkeypatch.chdir(tmp_path)
     if lang == "bash":
-        from remat.cli import _negative_values, make_parser
+        from remat.cli import main
         for line in code.strip().splitlines():
             argv = shlex.split(line)
             assert argv[0] == "remat"
-            module = __import__(f"remat.cli.{argv[1]}", fromlist=["run"])
-            status = module.run(make_parser(argv[1], module).parse_args(_negative_values(argv[2:])))
-            assert status == 0, capsys.readouterr().out
+            status = main(argv[1:])
+            assert status == 0, capsys.readouterr()
         return
     for library in ("trl", "lightning", "accelerate"):
         if re.search(rf"^(from|import) {library}\b", code, re.M):

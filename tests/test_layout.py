@@ -48,7 +48,7 @@ LAYERS = (
     ("remat.treat",),                                # the patch registry, discovery, block treatments
     ("remat.offload", "remat.parallel"),             # the offload engine; context parallelism
     ("remat.planning", "remat.presets"),             # pure plans, costs, simulator, solver; model configs
-    ("remat.units",),                                # sizes and budgets
+    ("remat.units", "remat.caches"),                 # sizes and budgets; the process caches' registry
 )
 """Top to bottom: each entry's modules import only entries below it (``remat`` is the root ``__init__``)."""
 
@@ -98,10 +98,50 @@ def _absolute(importer: str, modules: dict, level: int, module: str | None) -> s
     return ".".join(base + ([module] if module else []))
 
 
+_NAMED_BY_STRING = {"import_module": 0, "__import__": 0}  # a function that takes a module's name: its argument
+_ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _resolve(dotted: str, modules: dict):
+    """``(module, rest)``: the longest ``remat`` module ``dotted`` starts with, and the names after it."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end]), parts[end:]
+    return None, parts
+
+
 def references(importer: str, modules: dict) -> list:
-    """Every :class:`Import` written in ``importer``'s source, at any depth of the module."""
+    """Every :class:`Import` written in ``importer``'s source, at any depth of the module.
+
+    Statements (``import``, ``from ... import``), and the dynamic forms that reach a module or a
+    name by string or by attribute: ``importlib.import_module("remat.x")`` (relative with a
+    constant package or ``__name__``), ``__import__("remat.x")``, ``sys.modules["remat.x"]`` and
+    ``sys.modules.get("remat.x")``, ``getattr(module, "_name")`` (and ``hasattr``/``setattr``/
+    ``delattr``) on an imported ``remat`` module, and dotted reads through an imported module
+    (``remat.x._y.z`` after ``import remat.x``: an edge to ``remat.x._y``)."""
     tree = ast.parse(modules[importer].read_text(), filename=str(modules[importer]))
     found, aliases = [], {}
+
+    def named(line, dotted):
+        module, rest = _resolve(dotted, modules)
+        if module is not None:
+            found.append(Import(importer, line, module, rest[0] if rest else ""))
+
+    def module_of(node):
+        """The ``remat`` module an expression names (an alias, or dotted through one), with its
+        line's private attribute if one is read on the way; None if it names none."""
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in aliases:
+            return None, []
+        module = aliases[node.id]
+        while chain and f"{module}.{chain[0]}" in modules:
+            module = f"{module}.{chain.pop(0)}"
+        return module, chain
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -109,6 +149,8 @@ def references(importer: str, modules: dict) -> list:
                     found.append(Import(importer, node.lineno, alias.name))
                     if alias.asname:
                         aliases[alias.asname] = alias.name
+                    elif alias.name.split(".")[0] == ROOT:  # ``import remat.x`` binds ``remat``
+                        aliases[ROOT] = ROOT
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(importer, modules, node.level, node.module)
             if source not in modules:
@@ -120,20 +162,65 @@ def references(importer: str, modules: dict) -> list:
                     aliases[alias.asname or alias.name] = submodule
                 else:
                     found.append(Import(importer, node.lineno, source, alias.name))
-    for node in ast.walk(tree):  # alias._name, alias.sub._name: attributes read off an imported module
-        if isinstance(node, ast.Attribute):
-            chain, inner = [node.attr], node.value
-            while isinstance(inner, ast.Attribute):
-                chain.insert(0, inner.attr)
-                inner = inner.value
-            if not isinstance(inner, ast.Name) or inner.id not in aliases:
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:  # each dotted read once, whole
+            module, chain = module_of(node)
+            if module is None:
                 continue
-            module = aliases[inner.id]
-            while chain and f"{module}.{chain[0]}" in modules:
-                module = f"{module}.{chain.pop(0)}"
-            if chain and is_private(chain[0]):
-                found.append(Import(importer, node.lineno, module, chain[0]))
+            private = chain[0] if chain and is_private(chain[0]) else ""
+            if module != aliases[_base(node).id] or private:  # through the alias into a submodule, or a private name
+                found.append(Import(importer, node.lineno, module, private))
+        elif isinstance(node, ast.Call):
+            function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            strings = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
+            if function in _NAMED_BY_STRING and strings and strings[0] is not None:
+                name = _absolute_name(strings[0], node.args[1:], importer, modules)
+                if name is not None:
+                    named(node.lineno, name)
+            elif function in _ATTRIBUTE_FUNCTIONS and len(strings) >= 2 and strings[1] is not None:
+                module, chain = module_of(node.args[0])
+                if module is None or chain:
+                    continue
+                if f"{module}.{strings[1]}" in modules:
+                    found.append(Import(importer, node.lineno, f"{module}.{strings[1]}"))
+                elif is_private(strings[1]):
+                    found.append(Import(importer, node.lineno, module, strings[1]))
+            elif function == "get" and isinstance(node.func, ast.Attribute) and _is_sys_modules(node.func.value) \
+                    and strings and strings[0] is not None:
+                named(node.lineno, strings[0])
+        elif isinstance(node, ast.Subscript) and _is_sys_modules(node.value) and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, str):
+            named(node.lineno, node.slice.value)
     return found
+
+
+def _absolute_name(name: str, rest: list, importer: str, modules: dict):
+    """The absolute module name ``import_module(name, package)`` imports, written in ``importer``
+    (None for a relative name whose package is not a constant, ``__name__`` or ``__package__``)."""
+    if not name.startswith("."):
+        return name
+    package = rest[0] if rest else None
+    if isinstance(package, ast.Constant) and isinstance(package.value, str):
+        base = package.value
+    elif isinstance(package, ast.Name) and package.id in ("__name__", "__package__"):
+        base = importer if package.id == "__name__" else package_of(importer, modules)
+    else:
+        return None
+    level = len(name) - len(name.lstrip("."))
+    parts = base.split(".")
+    return ".".join(parts[:len(parts) - (level - 1)] + ([name.lstrip(".")] if name.lstrip(".") else []))
+
+
+def _base(node):
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node
+
+
+def _is_sys_modules(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "modules" and isinstance(node.value, ast.Name) \
+        and node.value.id == "sys"
 
 
 def import_graph(modules: dict) -> dict:
@@ -204,6 +291,39 @@ def private_crossings(modules: dict) -> list:
     return found
 
 
+_NEVER = re.compile(r"never imports?\b(.*?)(?:\.\s|\.$|;|:\s)", re.S)
+_MODULE_REFERENCE = re.compile(r":mod:`~?(remat(?:\.\w+)*)`")
+
+
+def never_imports(package: str, modules: dict) -> tuple:
+    """The modules ``package``'s ``__init__`` docstring says it must never import: each
+    ``:mod:`remat...``` reference written after "never import(s)", to the end of that sentence
+    (a full stop, a semicolon or a colon ends it). Empty where it states none, or where the
+    sentence names no module ("... which never imports this package": another package's rule)."""
+    doc = ast.get_docstring(ast.parse(modules[package].read_text())) or ""
+    return tuple(name for segment in _NEVER.findall(doc) for name in _MODULE_REFERENCE.findall(segment))
+
+
+def members(package: str, modules: dict) -> list:
+    """The modules of ``package``: its ``__init__`` and every module under it (the root: its own modules)."""
+    if package == ROOT:
+        return [m for m in modules if package_of(m, modules) == ROOT]
+    return [m for m in modules if m == package or m.startswith(package + ".")]
+
+
+def forbidden_imports(modules: dict) -> list:
+    """Each reference from a package's module to a module its package's docstring says it never imports."""
+    found = []
+    for package in (m for m in modules if modules[m].name == "__init__.py"):
+        listed = never_imports(package, modules)
+        for importer in members(package, modules) if listed else ():
+            for ref in references(importer, modules):
+                banned = next((b for b in listed if ref.module == b or ref.module.startswith(b + ".")), None)
+                if banned is not None:
+                    found.append(f"{ref} ({package} never imports {banned})")
+    return found
+
+
 def test_no_import_cycles():
     assert cycles(import_graph(find_modules())) == []
 
@@ -234,6 +354,44 @@ def test_the_scan_sees_deferred_imports_cycles_and_private_crossings(tmp_path):
         "remat.low._impl:2 -> remat.top (remat.low -> remat.top)"]
 
 
+def test_the_scan_sees_dynamic_imports_and_dotted_private_reads(tmp_path):
+    """Each form that reaches another package's private module or name without an import of it."""
+    package = tmp_path / ROOT
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "_impl.py").write_text("helper = 1\n")
+    (package / "top.py").write_text(
+        "import importlib\nimport sys\nimport remat.low\nfrom remat import low\n"
+        "importlib.import_module('remat.low._impl')\n"   # 5
+        "importlib.import_module('._impl', 'remat.low')\n"  # 6
+        "sys.modules['remat.low._impl']\n"               # 7
+        "sys.modules.get('remat.low._impl')\n"           # 8
+        "getattr(low, '_hidden')\n"                       # 9
+        "remat.low._impl.helper\n"                        # 10
+        "getattr(low, 'public'), low.public, remat.low.public\n")  # 11: public, allowed
+    modules = find_modules(tmp_path)
+    assert private_crossings(modules) == [f"remat.top:{line} -> remat.low._impl" for line in (5, 6, 7, 8)] + [
+        "remat.top:9 -> remat.low._hidden", "remat.top:10 -> remat.low._impl"]
+
+
+def test_the_scan_holds_a_package_to_the_modules_its_docstring_never_imports(tmp_path):
+    package = tmp_path / ROOT
+    for name in ("low", "mid"):
+        (package / name).mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "tools.py").write_text("helper = 1\n")
+    (package / "mid" / "__init__.py").write_text(
+        '"""Middle. It must never import :mod:`remat.low.tools` or :mod:`remat.other`: they sit aside."""\n')
+    (package / "mid" / "user.py").write_text("import importlib\n\ndef f():\n"
+                                              "    from remat.low import tools\n"
+                                              "    importlib.import_module('remat.low')\n")
+    modules = find_modules(tmp_path)
+    assert never_imports("remat.mid", modules) == ("remat.low.tools", "remat.other")
+    assert forbidden_imports(modules) == ["remat.mid.user:4 -> remat.low.tools (remat.mid never imports remat.low.tools)"]
+
+
 def readme_layers() -> tuple:
     """:data:`LAYERS` as the README's architecture section draws them: one entry a line of its
     ``src/remat/`` listing, top to bottom, an entry marked "beside" in the layer above it."""
@@ -256,7 +414,13 @@ def test_the_readme_draws_the_layers_this_test_checks():
     assert readme_layers() == LAYERS
 
 
-@pytest.mark.parametrize("package", ["head", "diagnosis"])
+@pytest.mark.parametrize("package", ["remat.head", "remat.diagnosis", "remat.profiling"])
 def test_a_package_says_what_it_holds_and_what_it_never_imports(package):
-    doc = ast.get_docstring(ast.parse((SOURCE / ROOT / package / "__init__.py").read_text()))
-    assert doc and "never import" in doc
+    modules = find_modules()
+    listed = never_imports(package, modules)
+    assert listed, f"{package}'s docstring names no module after 'never import' (write them as :mod:`remat.x`)"
+    assert [name for name in listed if name not in modules] == []  # each names a module that exists
+
+
+def test_no_package_imports_what_its_docstring_says_it_never_imports():
+    assert forbidden_imports(find_modules()) == []

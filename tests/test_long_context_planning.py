@@ -5,6 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.planning.costs import rates_for
+# private: the fake-tensor meter and the config's attention shapes, checked alone at shapes no CPU profile reaches
 from remat.profiling._meters import _Tracker
 from remat.profiling.profiler import _attention_shapes
 

@@ -65,6 +65,8 @@ def rule_5_17(monkeypatch):
     _release_all()
 
 
+# private (_holders, _forget): models of earlier tests in this process may still hold the wrappers;
+# releasing them all, alive or not, has no public call (release() takes one model)
 def _release_all():
     for finalizer in list(mask_skip._holders.values()):
         finalizer.detach()
@@ -233,6 +235,31 @@ def test_only_the_held_models_forward_skips_the_mask(rule_5_17):
     assert _compiled_sdpa_calls(held, input_ids=ids)[0] == [(False, True)] * 2
     assert mask_skip.patches.patches(other, mask_skip.PATCH_TAG) == []
     remat.remove(held)
+
+
+def test_a_held_models_forward_in_another_thread_leaves_this_threads_compile_alone(rule_5_17):
+    """The running flag is per thread: while a held model's eager forward is inside its first block
+    in another thread, a model compiled here (never applied) keeps transformers' answer (the mask)."""
+    import threading
+    ids = torch.randint(0, 128, (2, 16))
+    held = remat.apply(_tiny(), "keep")
+    inside, done = threading.Event(), threading.Event()
+
+    def pause(module, args, kwargs):
+        inside.set()
+        done.wait(timeout=300)  # a bound on a test that broke, not a timing: set just below
+    handle = held.model.layers[0].register_forward_pre_hook(pause, with_kwargs=True)
+    worker = threading.Thread(target=held, kwargs={"input_ids": ids})
+    worker.start()
+    try:
+        assert inside.wait(timeout=300)
+        calls, _ = _compiled_sdpa_calls(_tiny(), input_ids=ids)
+    finally:
+        done.set()
+        worker.join()
+        handle.remove()
+        remat.remove(held)
+    assert calls == [(True, False)] * 2
 
 
 def test_mask_skip_false_wraps_nothing_and_patches_nothing(rule_5_17):

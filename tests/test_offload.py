@@ -21,12 +21,16 @@ import torch
 
 import remat
 from remat.treat.discovery import discover
+# private (_Inline, engine._pack, _devs ...): the engine's CPU device and bookkeeping, which the test doubles
+# below replace; on the CPU the public path moves nothing
 from remat.offload.engine import MiB, OffloadEngine, PinnedPool, _Inline
 from remat.treat.treatments import engine_of
 from remat.planning.offload_model import gpu_overhead_bytes
 from remat.presets import build_model, load_config
 from remat.planning.records import block_record
 from remat.treat.treatments import apply_treatment
+
+import oracle
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -55,22 +59,14 @@ def _ids(device="cpu", batch=2, seq=37):
     return torch.randint(0, 512, (batch, seq), device=device)
 
 
-def _step(model, ids, seed=3, retain=False):
+def _step(model, ids):
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward(retain_graph=retain)
-    if retain:
-        loss.backward()
-    return loss.detach()
+    oracle.model_loss(model, ids).backward()
 
 
-def assert_same_step(treated, reference, ids, **kwargs):
-    loss, ref = _step(treated, ids, **kwargs), _step(reference, ids, **kwargs)
-    assert torch.equal(loss, ref), (loss, ref)
-    ref_params = dict(reference.named_parameters())
-    for name, p in treated.named_parameters():
-        assert torch.equal(p.grad, ref_params[name].grad), f"gradient of {name}"
+def _micro_batches(model, batches):
+    """Gradient accumulation: two forwards, then one backward over both."""
+    return sum(oracle.model_loss(model, ids) for ids in batches)
 
 
 # -- CPU: the public path is a no-op with one warning ------------------------------------------------
@@ -83,8 +79,7 @@ def test_apply_on_cpu_is_a_noop_with_one_warning_and_equal_gradients(spec):
     ids = _ids()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_same_step(model, reference, ids)
-        assert_same_step(model, reference, ids)
+        oracle.compare(model, reference, ids, steps=2).assert_equal()
     ours = [w for w in caught if "remat offload" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert "CUDA is not available" in str(ours[0].message) or "not on a CUDA device" in str(ours[0].message)
@@ -141,11 +136,11 @@ def test_inline_engine_gradients_equal_and_pool_reused(spec):
     reference = copy.deepcopy(model)
     engine = _treat(model, spec, min_bytes=0, _inline=True)
     ids = _ids()
-    assert_same_step(model, reference, ids)
+    oracle.check_mechanism(model, oracle.compare(model, reference, ids).assert_equal())
     first = engine.stats()
     assert first["bytes_d2h"] == first["bytes_h2d"] == first["bytes_packed"] > 0
     assert first["pinned_in_use_bytes"] == 0 and first["live_records"] == 0
-    assert_same_step(model, reference, ids)
+    oracle.compare(model, reference, ids).assert_equal()
     assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # step 2 allocates nothing
     if spec == "full+offload":  # the block inputs (and tensor keywords), plus checkpoint's placeholder on some versions
         blocks = len(discover(model).block_names)
@@ -161,14 +156,8 @@ def test_inline_engine_input_gradients_with_embeds_requiring_grad():
     _treat(model, "offload", min_bytes=0, _inline=True)
     torch.manual_seed(1)
     inputs = make_inputs()
-    ref_inputs = {k: (v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
-                  for k, v in inputs.items()}
-    for m, kw in ((model, inputs), (reference, ref_inputs)):
-        torch.manual_seed(2)
-        m(**kw).loss.backward()
-    assert torch.equal(inputs["inputs_embeds"].grad, ref_inputs["inputs_embeds"].grad)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    assert inputs["inputs_embeds"].requires_grad  # its gradient is compared
+    oracle.check(model, reference, inputs)
 
 
 def test_parameters_and_small_tensors_stay():
@@ -219,7 +208,7 @@ def test_tail_never_moved_when_backward_comes_first():
     engine = _treat(model, "offload", min_bytes=0, _inline=True)
     engine._issue_window = 0
     engine.max_pending_bytes = 1 << 40
-    assert_same_step(model, reference, _ids())
+    oracle.compare(model, reference, _ids()).assert_equal()
     s = engine.stats()
     assert s["bytes_d2h"] == s["bytes_h2d"] == 0 and s["bytes_never_moved"] == s["bytes_packed"] > 0
 
@@ -230,7 +219,7 @@ def test_pending_limit_forces_copies_out():
     engine = _treat(model, "offload", min_bytes=0, _inline=True)
     engine._issue_window = 0
     engine.max_pending_bytes = 0
-    assert_same_step(model, reference, _ids())
+    oracle.compare(model, reference, _ids()).assert_equal()
     s = engine.stats()
     assert s["bytes_never_moved"] == 0 and s["bytes_d2h"] == s["bytes_packed"] > 0
 
@@ -269,7 +258,7 @@ def test_copies_in_flight_at_backward_are_used_from_the_gpu():
     _use(engine, Lagging())
     engine.max_pending_bytes = 1 << 40
     for _ in range(2):
-        assert_same_step(model, reference, _ids())
+        oracle.compare(model, reference, _ids()).assert_equal()
     s = engine.stats()
     assert 0 < s["bytes_h2d"] < s["bytes_d2h"] == s["bytes_packed"]  # some came back without a copy
     assert s["pinned_in_use_bytes"] == 0 and s["live_records"] == 0
@@ -279,15 +268,8 @@ def test_retain_graph_and_gradient_accumulation():
     model = _tiny()
     reference = copy.deepcopy(model)
     engine = _treat(model, "offload", min_bytes=0, _inline=True)
-    assert_same_step(model, reference, _ids(), retain=True)  # every saved tensor unpacked twice
-    # two micro-batches forward, then one backward over both
-    for m in (model, reference):
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(5)
-        losses = [m(input_ids=_ids(seq=s), labels=_ids(seq=s)).loss for s in (19, 23)]
-        (losses[0] + losses[1]).backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    oracle.check(model, reference, _ids(), retain=True)  # every saved tensor unpacked twice
+    oracle.check(model, reference, (_ids(seq=19), _ids(seq=23)), loss=_micro_batches)
     assert engine.stats()["pinned_in_use_bytes"] == 0
 
 
@@ -419,18 +401,13 @@ def test_deferred_copies_gradients_equal_and_no_hazards(spec, window, progress):
     engine = _treat(model, spec, min_bytes=0, _inline=True, max_pending_bytes=window)
     dev = _use(engine, Deferred(seed=len(spec) + progress, progress=progress))
     ids = _ids()
-    assert_same_step(model, reference, ids)
+    oracle.compare(model, reference, ids).assert_equal()
     first = engine.stats()
     if window == 0:  # everything went through the host: each slot's fetch was waited for
         assert first["bytes_d2h"] == first["bytes_h2d"] == first["bytes_packed"]
         assert first["compute_waits"] >= first["slots"]
-    assert_same_step(model, reference, ids, retain=True)
-    for m in (model, reference):  # gradient accumulation: two forwards, one backward
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(5)
-        (m(input_ids=_ids(seq=19), labels=_ids(seq=19)).loss + m(input_ids=ids, labels=ids).loss).backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    oracle.compare(model, reference, ids, retain=True).assert_equal()
+    oracle.compare(model, reference, (_ids(seq=19), ids), loss=_micro_batches).assert_equal()
     s = engine.stats()
     assert not dev.hazards, dev.hazards[:3]
     assert s["bytes_h2d"] > 0 and s["pinned_in_use_bytes"] == 0 and s["live_records"] == 0
@@ -458,9 +435,9 @@ def test_deferred_partial_views_read_from_the_original_storage():
 # -- the memory the engine adds ---------------------------------------------------------------------
 
 def test_the_planner_models_the_engine_defaults():
-    from remat.offload import engine
+    from remat.offload import DEFAULT_WINDOW_RECORDS
     from remat.planning import offload_model
-    assert engine.DEFAULT_WINDOW_RECORDS == offload_model.DEFAULT_WINDOW_RECORDS
+    assert DEFAULT_WINDOW_RECORDS == offload_model.DEFAULT_WINDOW_RECORDS
 
 
 def test_gpu_overhead_bytes_rule():
@@ -563,15 +540,15 @@ def test_gpu_gradients_equal_no_offload(spec, mode):
                 "slow_copies_waited": {"_delay": 2_000_000, "max_pending_bytes": 0}}[mode]
     model, reference, engine = _gpu_pair(spec, **settings)
     ids = _ids("cuda", batch=4, seq=128)
-    assert_same_step(model, reference, ids)
+    oracle.compare(model, reference, ids).assert_equal()
     first = engine.stats()
     assert first["bytes_packed"] > 0 and first["pinned_in_use_bytes"] == 0
     if mode == "slow_copies_waited":  # every slot went through the host and was waited for
         assert first["bytes_d2h"] == first["bytes_h2d"] == first["bytes_packed"]
         assert first["compute_waits"] >= first["slots"]
-    assert_same_step(model, reference, ids)
+    oracle.compare(model, reference, ids).assert_equal()
     assert engine.stats()["pinned_allocations"] == first["pinned_allocations"]  # pool reused in step 2
-    assert_same_step(model, reference, ids, retain=True)
+    oracle.compare(model, reference, ids, retain=True).assert_equal()
 
 
 @pytest.mark.gpu
@@ -585,7 +562,6 @@ def test_gpu_bf16_sdpa_bench_shapes_small():
     remat.apply(model, "offload")
     engine = engine_of(model)
     ids = _ids("cuda", batch=4, seq=512)
-    for _ in range(2):
-        assert_same_step(model, reference, ids)
+    oracle.check(model, reference, ids, steps=2)
     s = engine.stats()
     assert s["bytes_d2h"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0

@@ -12,8 +12,6 @@ import copy
 import gc
 import os
 import pickle
-import socket
-import subprocess
 import sys
 import threading
 import weakref
@@ -23,9 +21,12 @@ import torch
 import torch.nn as nn
 
 import remat
+# private (_Inline, _Packed): the engine's CPU device and its packed handle, doubled and inspected below
 from remat.offload.engine import OffloadEngine, _Inline, _Packed, keep_reason, parameter_storages
 from remat.treat.treatments import engine_of
-from test_offload import Deferred, _Compute, _ids, _tiny, _use, assert_same_step
+import oracle
+from launches import launch
+from test_offload import Deferred, _Compute, _ids, _tiny, _use
 
 INPLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -310,20 +311,13 @@ def test_keep_reason_by_storage_identity():
     assert keep_reason(torch.empty(0), params) == "other"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_fsdp_worker(device):
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)  # cwd changes below
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=path)
-    result = subprocess.run([sys.executable, __file__, "fsdp", device], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=os.path.dirname(__file__))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "OK", result.stdout
+    [(code, out, err)] = launch(__file__, ["fsdp", device], world=1, timeout=300, cpu_only=device == "cpu",
+                                cwd=os.path.dirname(__file__), env={"PYTHONPATH": path})
+    assert code == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "OK", out
 
 
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7),
@@ -344,12 +338,13 @@ def _fsdp_worker(device):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import workers
     from families import FAMILIES
 
     on_gpu = device == "cuda"
     if on_gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
+    workers.init("nccl" if on_gpu else "gloo")
     model, make_inputs = FAMILIES["llama"]()
     inputs = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in make_inputs().items()}
     model.to(device)
@@ -397,7 +392,7 @@ def test_deepcopy_after_remat_apply_offload():
     remat.apply(model, "offload", offload_options={"_inline": True, "min_bytes": 0})
     clone = copy.deepcopy(model)
     assert engine_of(clone)._model_ref is clone and engine_of(clone) is not engine_of(model)
-    assert_same_step(clone, model, _ids())
+    oracle.compare(clone, model, _ids()).assert_equal()
     assert engine_of(clone).stats()["slots"] > 0
 
 

@@ -15,8 +15,6 @@ issue's acceptance criterion; a timing, so it belongs to this GPU check, not to 
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 
 import pytest
 import torch
@@ -84,6 +82,7 @@ def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment(
     """A compiled step that peaks above its prediction raises the calibrated treatment's kept
     bytes by an equal share per block, so the same plan is then predicted at the measured peak;
     a lower peak changes no byte; times scale by in-step / predicted per phase."""
+    # private: the calibration's arithmetic on a made-up step, which a CPU run cannot measure
     from remat.profiling._compiled import scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     steps = [(2 * (head.pre_fwd_s + head.head_fwd_s + sum(prof.cost(i, "keep").fwd_s for i in range(blocks))),
@@ -103,6 +102,7 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     """After a keep step added 1000 bytes a block, a full step's excess of 300 a block goes to
     ``full``; ``mlp`` and ``attention`` keep part of the block as keep does and get 1000; keep
     and selective are not touched again."""
+    # private: as above
     from remat.profiling._compiled import charged_region_checkpoints, scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     after_keep = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes) + 1000 * blocks)
@@ -276,6 +276,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
 
+    # private: which block runs are compiled is internal to the profile; no public result shows it
     from remat.profiling import _blocks, _compiled, _measure
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -355,6 +356,7 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
     """``compile="blocks"`` (FSDP2's per-block compile): every block cost asked compiled, every
     head cost eager, and the notes say which scope; ``compile=True`` asks the head compiled. Both
     keep every treatment."""
+    # private: as above
     from remat.profiling import _measure
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -393,6 +395,7 @@ def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
     """:func:`compiled_blocks`: inside, each block's call is compiled (the root is not) and the loss
     is eager's; outside, every block is as it was. With ``use_cache`` on, as ``from_pretrained``
     gives a model (the blocks then get the cache object), and off, as trainers set it."""
+    # private: the compiled profile's scope, entered alone (the public profile runs it on a GPU only)
     from remat.profiling._compiled import compiled_blocks
     from remat.treat.discovery import discover
     model = _tiny().train()
@@ -411,7 +414,7 @@ def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
 
 def test_compile_scope_is_checked_and_a_profile_of_another_scope_is_refused():
     from dataclasses import replace
-    from remat.profiling._compiled import compile_scope, profile_scope
+    from remat.profiling import compile_scope, profile_scope
     assert [compile_scope(c) for c in (False, True, "model", "blocks")] == [None, "model", "model", "blocks"]
     with pytest.raises(ValueError, match="'blocks'"):
         compile_scope("layers")
@@ -445,8 +448,9 @@ def _bench_like():
     return build_model(config, device="cuda", dtype=torch.bfloat16)
 
 
-def _measure_compiled(model, ids, steps=7):
-    """(peak bytes, median step seconds) of ``model`` compiled, as the bench runs a step."""
+def _measure_compiled(model, ids, steps=3):
+    """The peak bytes of ``model`` compiled, over ``steps`` steps as the bench runs them (a step's time
+    is judged in ``benchmarks/compiled_plan_validate.py``, not in a test)."""
     import torch._dynamo
     torch._dynamo.reset()
     model.compile()
@@ -454,20 +458,16 @@ def _measure_compiled(model, ids, steps=7):
         for _ in range(3):  # compile and warm up
             model.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids).loss.backward()
-        times = []
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             del loss
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return torch.cuda.max_memory_allocated(), statistics.median(times)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
     finally:
         model.zero_grad(set_to_none=True)
         model._compiled_call_impl = None
@@ -483,9 +483,10 @@ def compiled_profile():
 
 @_gpu
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
-def test_gpu_compiled_plan_predicts_peak_and_time(compiled_profile, where):
+def test_gpu_compiled_plan_predicts_its_peak(compiled_profile, where):
     """Budgets from the least compiled peak (0.0) to the keep plan's (1.0): the plan the solver
-    picks, applied and compiled, measures within 5% (peak) and 10% (step time) of its prediction."""
+    picks, applied and compiled, peaks within 5% of its prediction (its step time against the
+    prediction: ``benchmarks/compiled_plan_validate.py``)."""
     from remat.planning.simulator import simulate
     from remat.planning.solver import solve
     model, ids, prof = compiled_profile
@@ -497,13 +498,12 @@ def test_gpu_compiled_plan_predicts_peak_and_time(compiled_profile, where):
     plan = solve(prof, budget)
     remat.apply(model, plan)
     try:
-        peak, step_s = _measure_compiled(model, ids)
+        peak = _measure_compiled(model, ids)
     finally:
         remat.remove(model)
-    predicted_peak, predicted_s = plan.notes["predicted_peak_bytes"], plan.notes["predicted_step_s"]
-    summary = (plan.summary(), peak, predicted_peak, step_s, predicted_s, prof.notes.get("calibration"))
+    predicted_peak = plan.notes["predicted_peak_bytes"]
+    summary = (plan.summary(), peak, predicted_peak, prof.notes.get("calibration"))
     assert abs(peak - predicted_peak) / predicted_peak <= 0.05, summary
-    assert abs(step_s - predicted_s) / predicted_s <= 0.10, summary
 
 
 @_gpu
@@ -533,7 +533,7 @@ def test_gpu_verified_plan_peaks_as_the_users_flow_and_leaves_the_model_as_found
     assert isinstance(note, dict) and note["peak_bytes"] <= budget, note
     remat.apply(model, chosen)
     try:
-        peak, _ = _measure_compiled(model, ids)
+        peak = _measure_compiled(model, ids)
     finally:
         remat.remove(model)
     assert abs(peak - note["peak_bytes"]) <= 0.02 * peak, (chosen.summary(), peak, note)
@@ -547,7 +547,7 @@ def test_gpu_compiled_profile_predicts_uniform_plans(compiled_profile, spec):
     model, ids, prof = compiled_profile
     remat.apply(model, spec, head="plain")
     try:
-        peak, _ = _measure_compiled(model, ids)
+        peak = _measure_compiled(model, ids)
     finally:
         remat.remove(model)
     predicted = simulate(prof, spec, head="plain").peak_bytes
@@ -563,9 +563,8 @@ def test_gpu_plan_compile_end_to_end_flow():
     assert plan.notes["compile"] is True and plan.notes["compile_backend"] == "inductor"
     assert not set(plan.blocks.values()) & set(OFFLOADING_TREATMENTS)
     remat.apply(model, plan)
-    peak, step_s = _measure_compiled(model, ids)
+    peak = _measure_compiled(model, ids)
     assert peak <= 30 * 2**30 and abs(peak - plan.notes["predicted_peak_bytes"]) / peak <= 0.05
-    assert abs(step_s - plan.notes["predicted_step_s"]) / step_s <= 0.10, (plan.summary(), step_s)
 
 
 @_gpu
@@ -593,6 +592,7 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
     amount more; a shorter step changes nothing and is noted."""
     from dataclasses import replace
     from remat.planning.solver import plan_seconds
+    # private: the calibration's arithmetic, as above
     from remat.profiling._calibrate import with_residual
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
@@ -611,7 +611,7 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
 
 
 @pytest.mark.parametrize("spec", ["full", "selective", "attn-saved"])
-def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpoint(spec, monkeypatch):
+def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpoint(spec, fresh_caches):
     """Under ``model.compile()`` a checkpointed block breaks the graph no more than an untouched one,
     on a model at its config's defaults (``use_cache`` on: remat gives each block an empty cache of
     its own) and in a process that has built no such cache before. Each of these broke it once:
@@ -622,12 +622,11 @@ def test_checkpointed_blocks_compile_without_breaking_the_graph_at_their_checkpo
     treatment that did nothing would not put there either."""
     import torch._dynamo
     from torch._higher_order_ops.wrap import TagActivationCheckpoint
-    from remat.treat import cache_layout
     ids = torch.randint(0, 128, (2, 16))
 
     def compiled(spec):
         """(graph breaks, checkpoints traced into the graphs) of one compiled step."""
-        monkeypatch.setattr(cache_layout, "_CONSTRUCTOR_PARAMETERS", {})  # as in a new process
+        fresh_caches.clear()  # as in a new process
         torch._dynamo.reset()
         model = remat.apply(_tiny(cache=True).train(), spec)
         explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)

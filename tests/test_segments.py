@@ -1,7 +1,8 @@
 """``segments:K`` / ``segments:sqrt``: K consecutive blocks checkpointed as one unit.
 
 Each model against an untouched copy (same weights, inputs and RNG; fp32, dropout on): loss,
-input gradients and every parameter gradient ``torch.equal``. Models are built as users
+input gradients and every parameter gradient ``torch.equal``, more ops and fewer bytes saved
+(:mod:`oracle`). Models are built as users
 get them: Hugging Face configs with their defaults (``use_cache`` on), and a root
 ``nn.Sequential`` of residual blocks with BatchNorm. The mechanism is checked too: what a
 segment keeps after its forward, and how often each block runs.
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import oracle
 import remat
 from remat.api import treatments
 from remat.planning.plans import Plan, resolve
@@ -62,35 +64,14 @@ def _lm_inputs(model):
     return {"inputs_embeds": embeds, "labels": labels}
 
 
-def _lm_step(model, inputs):
-    inputs = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items()}
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(7)
+def _lm_loss(model, inputs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # remat's one KV-cache notice
-        loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach(), inputs["inputs_embeds"].grad
+        return model(**inputs).loss
 
 
-def _sequential_step(model, x):
-    x = x.detach().clone().requires_grad_()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(7)
-    loss = model(x).square().mean()
-    loss.backward()
-    return loss.detach(), x.grad
-
-
-def assert_same(treated, reference, step, inputs):
-    (loss, grad), (ref_loss, ref_grad) = step(treated, inputs), step(reference, inputs)
-    assert torch.equal(loss, ref_loss), (loss, ref_loss)
-    assert torch.equal(grad, ref_grad), "input gradient"
-    ref_params = dict(reference.named_parameters())
-    for name, p in treated.named_parameters():
-        assert (p.grad is None) == (ref_params[name].grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, ref_params[name].grad), f"gradient of {name}"
+def _square_loss(model, x):
+    return model(x).square().mean()
 
 
 @pytest.mark.parametrize("spec", ["segments:2", "segments:sqrt", "segments:3", "segments:9"])
@@ -99,14 +80,14 @@ def test_llama_exact_with_default_cache(spec):
     reference = copy.deepcopy(model)
     remat.apply(model, spec)
     assert all(t.startswith("segment:") for t in treatments(model).values())
-    assert_same(model, reference, _lm_step, _lm_inputs(model))
+    oracle.check(model, reference, _lm_inputs(model), _lm_loss)
 
 
 def test_gpt2_exact():
     model = _gpt2()
     reference = copy.deepcopy(model)
     remat.apply(model, "segments:2")
-    assert_same(model, reference, _lm_step, _lm_inputs(model))
+    oracle.check(model, reference, _lm_inputs(model), _lm_loss)
 
 
 def test_segments_mixed_with_other_treatments_exact():
@@ -115,7 +96,7 @@ def test_segments_mixed_with_other_treatments_exact():
     names = remat.discover(model).block_names
     remat.apply(model, {names[0]: "segment:0", names[1]: "segment:0", names[2]: "full",
                         names[3]: "selective", names[4]: "segment:1"})
-    assert_same(model, reference, _lm_step, _lm_inputs(model))
+    oracle.check(model, reference, _lm_inputs(model), _lm_loss)
 
 
 def test_root_sequential_batchnorm_exact_and_stats_updated_once():
@@ -124,10 +105,8 @@ def test_root_sequential_batchnorm_exact_and_stats_updated_once():
     remat.apply(model, "segments:2")
     assert remat.current_plan(model).blocks == {"0": "segment:0", "1": "segment:0", "2": "segment:1",
                                                 "3": "segment:1", "4": "segment:2"}
-    assert_same(model, reference, _sequential_step, x)
-    ref_buffers = dict(reference.named_buffers())
+    oracle.check(model, reference, x.requires_grad_(), _square_loss)  # buffers equal too
     for name, buffer in model.named_buffers():
-        assert torch.equal(buffer, ref_buffers[name]), name
         if name.endswith("num_batches_tracked"):
             assert buffer.item() == 1, name
 
@@ -187,7 +166,7 @@ def test_remove_restores_everything():
     assert set(treatments(model).values()) == {"keep"}
     assert patches.patches(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert_same(model, reference, _lm_step, _lm_inputs(model))
+    oracle.check_untouched(oracle.compare(model, reference, _lm_inputs(model), _lm_loss).assert_equal())
 
 
 def test_plan_json_round_trip_and_reapply(tmp_path):
@@ -202,7 +181,7 @@ def test_plan_json_round_trip_and_reapply(tmp_path):
     other = copy.deepcopy(reference)
     remat.apply(other, loaded)
     assert treatments(other) == treatments(model)
-    assert_same(other, reference, _lm_step, _lm_inputs(other))
+    oracle.check(other, reference, _lm_inputs(other), _lm_loss)
 
 
 def test_compiled_model_runs_segments_eagerly_and_exact():
@@ -210,7 +189,19 @@ def test_compiled_model_runs_segments_eagerly_and_exact():
     reference = copy.deepcopy(model)
     remat.apply(model, "segments:2")
     model.compile(backend="aot_eager")
-    assert_same(model, reference, _sequential_step, x)
+    # (buffers: the next test)
+    oracle.compare(model, reference, x.requires_grad_(), _square_loss, meter=False, buffers=False).assert_equal()
+
+
+@pytest.mark.xfail(strict=True, reason="a known bug: under compile _treated_forward skips _buffers_once "
+                   "(treat/treatments.py) while segments.call runs the segment eagerly, so the recompute "
+                   "updates BatchNorm's running statistics a second time; full and selective update them once")
+def test_compiled_segments_update_batchnorm_statistics_once():
+    model, x = _sequential(4), torch.randn(6, 8)
+    reference = copy.deepcopy(model)
+    remat.apply(model, "segments:2")
+    model.compile(backend="aot_eager")
+    oracle.compare(model, reference, x, _square_loss, meter=False).assert_equal()
 
 
 def test_treated_model_deepcopies():
@@ -220,7 +211,7 @@ def test_treated_model_deepcopies():
     remat.remove(reference)
     twin = copy.deepcopy(model)
     assert treatments(twin) == treatments(model)
-    assert_same(twin, reference, _sequential_step, x)
+    oracle.check(twin, reference, x.requires_grad_(), _square_loss)
 
 
 def test_segments_stay_within_each_block_list():

@@ -12,11 +12,10 @@ import sys
 
 import pytest
 
-from launches import run_concurrently
+from launches import TORCHRUN, run_concurrently, torchrun
 from test_fsdp import _cpu_fsdp2_supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 EXAMPLE = "examples/train_long.py"
 CPU = ["--device", "cpu", "--model", "llama-tiny", "--steps", "2", "--same-init"]
 
@@ -30,14 +29,11 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train_long")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
-
-    def torchrun(ranks, *args):
-        return [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), EXAMPLE, *args]
     commands = {
-        "cp": torchrun(2, *CPU, "--cp", "2", "--budget", "3MiB", "--plan-out", str(out / "plan.json")),
-        "one": torchrun(1, *CPU, "--cp", "1", "--plan", "keep"),
-        "contiguous": torchrun(2, *CPU, "--cp", "2", "--contiguous", "--plan", "full"),
-        "nofit": torchrun(2, *CPU, "--cp", "2", "--budget", "100KiB"),
+        "cp": torchrun(EXAMPLE, [*CPU, "--cp", "2", "--budget", "3MiB", "--plan-out", str(out / "plan.json")]),
+        "one": torchrun(EXAMPLE, [*CPU, "--cp", "1", "--plan", "keep"], nproc=1),
+        "contiguous": torchrun(EXAMPLE, [*CPU, "--cp", "2", "--contiguous", "--plan", "full"]),
+        "nofit": torchrun(EXAMPLE, [*CPU, "--cp", "2", "--budget", "100KiB"]),
     }
     return run_concurrently(commands, cwd=ROOT, env=env), out
 

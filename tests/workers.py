@@ -1,8 +1,9 @@
 """What the gloo worker processes share (tests/fsdp_worker.py, tests/cp_worker.py): joining the
 process group, collecting every rank's problems, and rank 0's report.
 
-A worker runs as one process per rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the test
-or by torchrun), checks its cases, and ends with :func:`finish`: rank 0 prints ``OK`` or every
+A worker runs as one process per rank (RANK and WORLD_SIZE set by :func:`launches.launch`, which
+also hands it a rendezvous file; or MASTER_ADDR and MASTER_PORT by hand or by torchrun), joins with
+:func:`init`, checks its cases, and ends with :func:`finish`: rank 0 prints ``OK`` or every
 rank's problems (the test reads its last lines) and, with a record path, writes the cases'
 measurements as JSON beside the versions they were measured with.
 """
@@ -14,6 +15,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from launches import RENDEZVOUS
 
 
 class Worker:
@@ -27,13 +30,23 @@ class Worker:
         self.problems.append(f"rank {self.rank} {case}: {message}")
 
 
+def init(backend: str = "gloo") -> None:
+    """``init_process_group(backend)`` at the launch's rendezvous file (:data:`launches.RENDEZVOUS`),
+    or from MASTER_ADDR and MASTER_PORT where none is given (a worker started by hand or torchrun)."""
+    if os.environ.get(RENDEZVOUS):
+        dist.init_process_group(backend, init_method=os.environ[RENDEZVOUS], rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend)
+
+
 def start() -> tuple:
     """Joins the gloo group on the CPU: ``(rank, world)``. One torch thread a rank (the ranks share
     a CPU: more threads only contend); warnings off (offload's no-CUDA note and torch's deprecations
     would repeat once per case)."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo")
+    init("gloo")
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -12,12 +12,12 @@ output. Non-Hugging-Face entries cover ``nn.TransformerEncoder``, a residual CNN
 BatchNorm, a UNet whose blocks change shape (named with ``blocks=``), a model that is an
 ``nn.Sequential`` of residual blocks and, where ``timm`` imports, timm models.
 
-:func:`run_treatment` and :func:`run_plan` are the checks; :mod:`test_zoo` asserts them
-case by case and ``benchmarks/zoo_table.py`` prints them as a table.
+:func:`run_treatment` and :func:`run_plan` are the checks (the comparison and the mechanism
+are :mod:`oracle`'s); :mod:`test_zoo` asserts them case by case and ``benchmarks/zoo_table.py``
+prints them as a table.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import re
@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+
+import oracle
 
 DROPOUT = 0.1
 VOCAB = 256
@@ -404,117 +405,11 @@ def build(case) -> nn.Module:
 
 # ----------------------------------------------------------------------------- the check
 
-def _clone(batch):
-    if isinstance(batch, torch.Tensor):
-        return batch.clone()
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops a step runs: a recomputing treatment runs more of them than the
-    untouched model (the proof that the recompute happened, which equal gradients cannot give)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _step(case: Case, model: nn.Module, batch, seed: int, counter: Optional[OpCounter] = None) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with counter if counter is not None else contextlib.nullcontext():
-        loss = case.loss(model, batch)
-        loss.backward()
-    return loss.detach()
-
-
-# a gradient whose norm is under this fraction of the step's largest is compared against that
-# largest instead: its exact value is ~zero (a key projection's bias: softmax ignores a bias
-# shared by every key), so both sides hold rounding noise and a relative error of it means nothing
-NOISE_FLOOR = 1e-3
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """A treated model trained beside an untouched copy (:func:`compare`)."""
-
-    first_difference: Optional[str]
-    """The first loss, gradient or buffer that is not ``torch.equal``, worded as
-    :func:`check_exact` raises it; None when every one is bitwise equal."""
-    max_rel: float
-    """The largest norm-wise relative difference, ``||treated - untouched|| / ||untouched||``,
-    over the losses, gradients and buffers of every step (0.0 when bitwise equal)."""
-    ops: int
-    """aten ops the treated model's first step ran."""
-    reference_ops: int
-    """aten ops the untouched model's first step ran."""
-    worst: str = ""
-    """Where ``max_rel`` was found (``"step 1: gradient of lm_head.weight"``)."""
-    max_rel_by_step: tuple = ()
-    """``max_rel`` of each step alone: the first step's compares the same weights, a later one's
-    also carries what the earlier steps' differences did to the weights."""
-
-
-def _rel(value: torch.Tensor, reference: torch.Tensor, scale: float = 0.0) -> float:
-    if not value.is_floating_point():
-        return 0.0 if torch.equal(value, reference) else float("inf")
-    value, reference = value.double(), reference.double()
-    if value.shape != reference.shape or not bool(torch.isfinite(value).all() and torch.isfinite(reference).all()):
-        return float("inf")
-    denominator = max(float(reference.norm()), NOISE_FLOOR * scale, 1e-30)
-    return float((value - reference).norm()) / denominator
-
-
-def compare(case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> Comparison:
-    """Train ``treated`` and ``reference`` side by side for ``steps`` SGD steps (same batch, same
-    seed before each forward) and record every difference: the loss, every parameter gradient,
-    and every buffer (BatchNorm running statistics) after the step. Raises AssertionError for a
-    difference no tolerance can accept (parameter names, a gradient present on one side only)."""
+def compare(case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> oracle.Comparison:
+    """:func:`oracle.compare` on the case's batch and loss: ``steps`` SGD steps (lr 0.1, seed 100
+    before the first), every loss, gradient and buffer recorded, the first step metered."""
     case = case_of(case)
-    batch = case.batch(reference)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (treated, reference)]
-    counters = (OpCounter(), OpCounter())
-    first, found = None, []  # found: (relative difference, step, what)
-    for step in range(steps):
-        loss, ref_loss = (_step(case, m, _clone(batch), seed=100 + step, counter=c if step == 0 else None)
-                          for m, c in zip((treated, reference), counters))
-        if not torch.equal(loss, ref_loss):
-            first = first or f"step {step}: loss {loss.item()!r} != {ref_loss.item()!r}"
-            found.append((_rel(loss, ref_loss), step, "loss"))
-        params, ref_params = dict(treated.named_parameters()), dict(reference.named_parameters())
-        assert params.keys() == ref_params.keys(), "parameter names differ"
-        scale = max((float(q.grad.double().norm()) for q in ref_params.values() if q.grad is not None), default=0.0)
-        for name, p in params.items():
-            q = ref_params[name]
-            assert (p.grad is None) == (q.grad is None), f"step {step}: gradient of {name} is None on one side"
-            if p.grad is not None and not torch.equal(p.grad, q.grad):
-                first = first or f"step {step}: gradient of {name} differs"
-                found.append((_rel(p.grad, q.grad, scale), step, f"gradient of {name}"))
-        ref_buffers = dict(reference.named_buffers())
-        for name, b in treated.named_buffers():
-            if not torch.equal(b, ref_buffers[name]):
-                first = first or f"step {step}: buffer {name} differs"
-                found.append((_rel(b, ref_buffers[name]), step, f"buffer {name}"))
-        for opt in opts:
-            opt.step()
-    worst = max(found, default=(0.0, 0, ""))
-    return Comparison(first_difference=first, max_rel=worst[0], ops=counters[0].count,
-                      reference_ops=counters[1].count, worst=f"step {worst[1]}: {worst[2]}" if found else "",
-                      max_rel_by_step=tuple(max((r for r, s, _ in found if s == step), default=0.0)
-                                            for step in range(steps)))
-
-
-def check_exact(case, treated: nn.Module, reference: nn.Module, steps: int = 2) -> tuple:
-    """:func:`compare`, raising AssertionError at the first difference: the loss, every
-    parameter gradient and every buffer must be ``torch.equal``.
-    Returns the aten ops the first step ran, ``(treated, reference)``."""
-    result = compare(case, treated, reference, steps)
-    assert result.first_difference is None, result.first_difference
-    return result.ops, result.reference_ops
+    return oracle.compare(treated, reference, case.batch(reference), case.loss, steps=steps, seed=100, lr=0.1)
 
 
 def _one_thread(function):
@@ -535,7 +430,6 @@ def _one_thread(function):
 # buffer and back synchronously (its whole pack/unpack bookkeeping), so that an offload cell
 # tests a move that really happened rather than the no-op the engine is on a CPU otherwise
 INLINE_OFFLOAD = {"_inline": True, "min_bytes": 0}
-RECOMPUTING = ("full", "selective", "attention", "mlp", "every:2", "full+offload", "segments:2", "attn-saved")
 
 
 @_one_thread
@@ -546,8 +440,7 @@ def run_treatment(name, spec: str, steps: int = 2) -> str:
     Returns ``"exact"``, or ``"refused"`` when the blocks lack the sub-module ``spec`` names
     and ``remat.apply`` refused with a ValueError saying so. Raises anything else: an
     unexpected error, an AssertionError for a difference, for a refusal that should (not)
-    have happened, or for a treatment that did nothing (a recomputing treatment whose step
-    ran no more ops than the untouched model's, an offloading one that moved no bytes).
+    have happened, or for a treatment that did nothing (:func:`oracle.check_mechanism`).
     :class:`Unavailable` when the case cannot be built here."""
     import remat
     case = case_of(name)
@@ -562,33 +455,10 @@ def run_treatment(name, spec: str, steps: int = 2) -> str:
             return "refused"
         raise
     assert not missing, f"{spec!r} was accepted, but {name}'s blocks have no {spec} sub-module"
-    check_installed(case, model, spec)
-    ops, reference_ops = check_exact(case, treated=model, reference=reference, steps=steps)
-    check_mechanism(model, spec, ops, reference_ops)
+    oracle.check_installed(model, case.blocks)
+    result = compare(case, treated=model, reference=reference, steps=steps).assert_equal()
+    oracle.check_mechanism(model, result, blocks=case.blocks)
     return "exact"
-
-
-def check_installed(case: Case, model: nn.Module, spec) -> None:
-    """AssertionError unless every block carries the treatment the applied plan gives it:
-    "exact" must not come from a block left untreated."""
-    import remat
-    from remat.api import treatments
-    planned = remat.current_plan(model).blocks
-    installed = treatments(model, case.blocks)
-    assert installed == {block: planned.get(block, "keep") for block in installed}, \
-        f"{spec!r}: the blocks carry {installed}, the plan says {dict(planned)}"
-
-
-def check_mechanism(model: nn.Module, spec: str, ops: int, baseline_ops: int) -> None:
-    """AssertionError for a treatment that did nothing: a recomputing one whose step ran no
-    more aten ops than ``baseline_ops`` (the same model untreated), an offloading one whose
-    engine moved no bytes."""
-    from remat.treat.treatments import engine_of
-    if spec in RECOMPUTING:
-        assert ops > baseline_ops, f"{spec!r} recomputed nothing: {ops} ops per step, untouched {baseline_ops}"
-    if "offload" in spec:
-        moved = engine_of(model).stats()["bytes_d2h"]
-        assert moved > 0, f"{spec!r} moved no saved tensor to the host"
 
 
 @_one_thread

@@ -24,6 +24,7 @@ import torch
 from remat.api import batch_check_held, hf_argument_name
 from remat.diagnosis.findings import Finding, applied_plan
 from remat.planning.plans import Plan
+from remat.treat import patches
 
 FASTER = 0.05      # a plan this much faster than the applied one is worth a finding
 OFF = 0.10         # measured vs predicted
@@ -33,14 +34,8 @@ OFF = 0.10         # measured vs predicted
 def eager(model):
     """``model`` with every in-place compile (``Module.compile()``) set aside: its modules run eagerly."""
     compiled = [m for m in model.modules() if m.__dict__.get("_compiled_call_impl") is not None]
-    held = [m._compiled_call_impl for m in compiled]
-    for m in compiled:
-        m._compiled_call_impl = None
-    try:
+    with patches.compiled_calls((m, None) for m in compiled):
         yield
-    finally:
-        for m, impl in zip(compiled, held):
-            m._compiled_call_impl = impl
 
 
 def step_loss(model, batch, loss_fn):

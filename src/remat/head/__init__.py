@@ -18,13 +18,15 @@ Three layers, as Liger-Kernel splits its fused loss (ops / model glue / patching
   takes it off. Beside it, :mod:`~remat.head.trl` finds TRL's fused LM head, which replaces the
   model's and never calls a chunked head put under it.
 
-Imports: the loss op and kernels import torch (Triton only when a CUDA kernel is made) and nothing
-else of remat; the glue imports the op (transformers only inside a call, to name the model's loss
-function); the patching imports the glue, the TRL check the patching, and both
-:mod:`remat.treat.patches`, the one registry of changes to a user's module (and
-:mod:`remat.treat.refusals`, the error of a refusal from inside a step). This package must
-never import profiling, planning, the planner, the API, offload, the doctor, the integrations or
-the command line: they call the head; the head calls none of them.
+Imports: the loss op and kernels import torch (Triton only when a CUDA kernel is made) and of remat
+only :mod:`remat.caches`, where their kernels are registered; the glue imports the op (transformers
+only inside a call, to name the model's loss function); the patching imports the glue, the TRL
+check the patching, and both :mod:`remat.treat.patches`, the one registry of changes to a user's
+module (the patching also :mod:`remat.treat.dynamo_cache`, for the frames dynamo skips, and
+:mod:`remat.treat.refusals`, the error of a refusal from inside a step). This
+package must never import :mod:`remat.profiling`, :mod:`remat.planning`, :mod:`remat.planner`,
+:mod:`remat.api`, :mod:`remat.offload`, :mod:`remat.diagnosis`, :mod:`remat.integrations` or
+:mod:`remat.cli`: they call the head; the head calls none of them.
 """
 from remat.head.chunked_loss import chunked_cross_entropy, default_chunk_tokens
 from remat.head.hf_model import check_chunked_head

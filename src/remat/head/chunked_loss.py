@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from remat import caches
 from remat.head.grad_scale import times
 from remat.head.xent_kernel import (ROUND, eager_kernel, fused_kernel, kernel_rows, padded_logits, row_losses,
                                    shape_kernel)
@@ -402,7 +403,7 @@ def _accumulate(acc, a, b):
         acc.add_(torch.mm(a, b))
 
 
-_FP32_OUT = {}  # device type -> whether addmm(out_dtype=float32) works there
+_FP32_OUT = caches.register({}, "head.chunked_loss._FP32_OUT")  # device type -> whether addmm(out_dtype=float32) works there
 
 
 def _fp32_out(device) -> bool:

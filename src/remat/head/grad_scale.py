@@ -28,13 +28,14 @@ import functools
 
 import torch
 
+from remat import caches
 from remat.head import xent_triton
 from remat.head.xent_kernel import compile_failure
 
 BLOCK_BYTES = 2 ** 27   # the fp32 block the eager CUDA path makes at a time
 ELEMENTS = 16384        # elements a program of the kernel scales
 
-_KERNEL = {}            # "fn": the kernel's launcher, made on first use; None where it cannot be
+_KERNEL = caches.register({}, "head.grad_scale._KERNEL")  # "fn": the kernel's launcher, made on first use; None where it cannot be
 
 
 def times(t, factor, out):
@@ -84,6 +85,7 @@ def _launch(out, t, factor):
                                                BLOCK=ELEMENTS, num_warps=8)
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)
 def _triton_kernel():
     import triton

@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from remat import caches
 from remat.head.chunked_loss import chunked_cross_entropy, compute_dtype_of, is_fake
 from remat.head.transform import Transform, check_transform, read_transform, uncalled_head
 from remat.treat.refusals import StepRefusal
@@ -349,7 +350,7 @@ def _scalar_transform(lm: nn.Module):
     return ("identity",), None
 
 
-_PROBES = {}  # (device, dtype) -> _PROBE as a tensor there, uploaded once (an upload waits for the GPU)
+_PROBES = caches.register({}, "head.hf_model._PROBES")  # (device, dtype) -> _PROBE as a tensor there, uploaded once (an upload waits for the GPU)
 
 
 def probe(hidden, vocab, row, dtype):

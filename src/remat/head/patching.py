@@ -36,6 +36,7 @@ from remat.head.chunked_loss import compute_dtype_of
 from remat.head.hf_model import check_chunked_head, model_loss, probe
 from remat.treat import patches
 from remat.treat.refusals import StepRefusal
+from remat.treat.dynamo_cache import eager
 
 _TAG = "head"
 
@@ -51,7 +52,7 @@ def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) ->
     """
     lm, state = check_chunked_head(model, chunk_tokens)
     for fn, recursive in _EAGER_FRAMES:  # made now, so a compiled forward only looks them up
-        _eager(fn, recursive)
+        eager(fn, recursive)
     disable_chunked_head(lm)
     patches.install(lm, "forward", _chunked_forward, tag=_TAG, state=state)
     patches.install(lm.get_output_embeddings(), "forward", _capture, tag=_TAG, state=state)
@@ -72,7 +73,7 @@ def has_chunked_head(module: nn.Module) -> bool:
 def _chunked_forward(patch, *args, **kwargs):
     """The LM's ``forward``: as a frame ``torch.compile`` does not trace (see the module
     docstring); the model's own forward, which it calls, is traced."""
-    return _eager(_forward, recursive=False)(patch, *args, **kwargs)
+    return eager(_forward, recursive=False)(patch, *args, **kwargs)
 
 
 def _forward(patch, *args, **kwargs):
@@ -89,7 +90,7 @@ def _forward(patch, *args, **kwargs):
         out = patch.call_previous(*bound.args, **bound.kwargs)
     finally:
         captured, state.captured = state.captured, None
-    return _eager(_head_loss)(patch.module, state, out, captured, labels, kwargs)
+    return eager(_head_loss)(patch.module, state, out, captured, labels, kwargs)
 
 
 def _capture(patch, hidden, *args, **kwargs):
@@ -97,7 +98,7 @@ def _capture(patch, hidden, *args, **kwargs):
     returns a small probe instead of the logits (see :mod:`~remat.head.hf_model`); else the lm_head."""
     if patch.state.captured is None:
         return patch.call_previous(hidden, *args, **kwargs)
-    return _eager(_keep)(patch.state, hidden, patch.module.weight)
+    return eager(_keep)(patch.state, hidden, patch.module.weight)
 
 
 def _keep(state, hidden, weight):
@@ -146,13 +147,3 @@ def _head_loss(self, state, out, captured, labels, kwargs):
 
 # frames torch.compile must not trace: (function, recursive); see the module docstring
 _EAGER_FRAMES = ((_forward, False), (_keep, True), (_head_loss, True))
-_EAGER = {}
-
-
-def _eager(fn, recursive=True):
-    """``torch.compiler.disable(fn, recursive)``, made once (importing dynamo takes seconds,
-    so not at import time; a Hugging Face model has imported it already)."""
-    wrapped = _EAGER.get(fn.__name__)
-    if wrapped is None:
-        wrapped = _EAGER[fn.__name__] = torch.compiler.disable(fn, recursive=recursive)
-    return wrapped

@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch.nn as nn
 
+from remat import caches
+
 _Z = "__remat_logits"
 
 
@@ -53,7 +55,7 @@ class Transform:
         return _compiled(self.source, self.module)(lm, logits)
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = caches.register({}, "head.transform._COMPILED")
 
 
 def _compiled(source: str, module: str):
@@ -66,7 +68,7 @@ def _compiled(source: str, module: str):
     return _COMPILED[key]
 
 
-_READ: dict = {}  # (LM class, attribute) -> read_transform's answer: a class's source does not change
+_READ: dict = caches.register({}, "head.transform._READ")  # (LM class, attribute) -> read_transform's answer: a class's source does not change
 
 
 def read_transform(lm: nn.Module, attribute: str) -> Optional[Transform]:

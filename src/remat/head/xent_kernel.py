@@ -31,6 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from remat import caches
 from remat.head import xent_triton
 
 ROUND = 128  # the fewest rows the kernel is compiled for (and the chunk sizes' multiple)
@@ -153,9 +154,9 @@ def padded_logits(hc, w, b, rows: int):
     return z
 
 
-KERNEL = {}         # "fn" / "out": the compiled softmax_xent / softmax_xent_out, made on first use
-OUT_SHAPES = {}     # (shape, dtype, device) -> why the in-place kernel is not used for it
-EAGER_SHAPES = {}   # (shape, dtype, device) -> why no compiled kernel is used for it
+KERNEL = caches.register({}, "head.xent_kernel.KERNEL")  # "fn" / "out": the compiled softmax_xent / softmax_xent_out, made on first use
+OUT_SHAPES = caches.register({}, "head.xent_kernel.OUT_SHAPES")  # (shape, dtype, device) -> why the in-place kernel is not used for it
+EAGER_SHAPES = caches.register({}, "head.xent_kernel.EAGER_SHAPES")  # (shape, dtype, device) -> why no compiled kernel is used for it
 
 
 def fused_kernel(device):

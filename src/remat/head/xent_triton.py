@@ -35,6 +35,8 @@ import functools
 
 import torch
 
+from remat import caches
+
 GATHER_BLOCK = 1024    # target columns copied per step of the gather loop
 
 
@@ -85,6 +87,7 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The Triton kernel, defined on first use (importing Triton only where it runs)."""

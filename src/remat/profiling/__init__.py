@@ -14,8 +14,8 @@ saved bytes and roofline costs), and ``remat.profile(..., kernels=...)`` measure
 with each kernel asked.
 
 Imports run downward: this package uses the head, the treatments, offload and planning, and
-never imports the API, the planner or anything above them (the function that applies a plan is
-handed to :func:`measure_compiled` by its caller).
+never imports :mod:`remat.api`, :mod:`remat.planner` or anything above them (the function that
+applies a plan is handed to :func:`measure_compiled` by its caller).
 """
 from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE, compile_scope, profile_scope
 from remat.profiling._fake import padded_mask

@@ -59,6 +59,7 @@ from dataclasses import replace
 import torch
 
 from remat.planning.costs import Profile
+from remat.treat import patches
 from remat.treat.dynamo_cache import compiled, own_compiles
 
 BACKEND = "inductor"
@@ -132,12 +133,8 @@ def compiled_model(model, backend: str):
     taken out of dynamo's cache at the end); yields the counter."""
     with own_compiles("remat's compiled profile"):
         counter = CountingBackend(backend)
-        previous = model.__dict__.get("_compiled_call_impl")
-        model._compiled_call_impl = compiled(backend=counter, dynamic=False).bind(model)
-        try:
+        with patches.compiled_calls([(model, compiled(backend=counter, dynamic=False).bind(model))]):
             yield counter
-        finally:
-            model._compiled_call_impl = previous
 
 
 @contextlib.contextmanager
@@ -147,25 +144,9 @@ def compiled_blocks(named, backend: str):
     dynamo's cache at the end); yields the counter."""
     with own_compiles("remat's compiled profile"):
         counter = CountingBackend(backend)
-        previous = [block.__dict__.get("_compiled_call_impl") for _, block in named]
         call = compiled(backend=counter, dynamic=False)
-        for _, block in named:
-            block._compiled_call_impl = call.bind(block)
-        try:
+        with patches.compiled_calls((block, call.bind(block)) for _, block in named):
             yield counter
-        finally:
-            for (_, block), before in zip(named, previous):
-                block._compiled_call_impl = before
-
-
-_EAGER = {}
-
-
-def eager(fn):
-    """``torch.compiler.disable(fn)``, made once per function (a new wrapper would recompile)."""
-    if fn not in _EAGER:
-        _EAGER[fn] = torch.compiler.disable(fn)
-    return _EAGER[fn]
 
 
 def calibrate_compiled(model, batch, loss_fn, named, prof: Profile, say, backend: str = BACKEND,

@@ -113,7 +113,7 @@ class _Stubs(contextlib.ExitStack):
         super().__enter__()
         function = _stub_forward
         if self.compiled:
-            from remat.profiling._compiled import eager
+            from remat.treat.dynamo_cache import eager
             function = eager(_stub_forward)
         for index, (_, block) in enumerate(self.named):
             self.enter_context(patches.temporarily(block, "forward", function, tag=STUB_TAG, state=(self, index)))

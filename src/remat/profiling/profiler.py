@@ -456,8 +456,8 @@ def value_reader(error: BaseException, model: nn.Module) -> tuple:
     seen.append(out.loss.item()))"``, or ``"net.py:30 in forward (...)"``), and whether it is one of
     ``model``'s forward hooks; ``(None, False)`` where the read was inside those libraries."""
     import traceback
-    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["remat"])
-                      if getattr(m, "__file__", None))
+    remat_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # src/remat
+    libraries = (os.path.dirname(torch.__file__) + os.sep, remat_dir + os.sep)
     transformers = sys.modules.get("transformers")
     if getattr(transformers, "__file__", None):
         libraries += (os.path.dirname(transformers.__file__) + os.sep,)

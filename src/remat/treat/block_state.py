@@ -63,6 +63,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from remat import caches
 from remat.treat.cache_layout import cache_types, warn_cache_once
 from remat.treat.cache_views import CacheView, viewable
 from remat.treat.refusals import StepRefusal
@@ -102,6 +103,15 @@ def guarded(forward, args: tuple, kwargs: dict, ledger: "InputLedger", *, write_
     return call.wrap(forward), args, kwargs
 
 
+def _holds_tokens(cache) -> bool:
+    """Whether ``cache`` held tokens when handed to a block (one the caller passed in, not one the model
+    built for this forward, empty so far; a cache type without a length counts as holding none)."""
+    try:
+        return int(cache.get_seq_length()) > 0
+    except Exception:  # noqa: BLE001 - a hybrid's state layers may have no length to give
+        return False
+
+
 class BlockCall:
     """One call of a treated block (:func:`guarded`): what it was handed, read at the call (its caches'
     views, the tensors and containers inside its arguments), and :meth:`wrap`, the function the
@@ -119,15 +129,17 @@ class BlockCall:
         self.snapshots = {}   # id(container) -> its contents at the call
         self.direct = []      # (key, weak reference, version) of each tensor argument
         self.containers = {}  # argument key -> the container given (the recompute rebuilds it)
+        held = False          # a cache passed in with tokens: the caller may read the one returned
         for key, value in _arguments(args, kwargs):
             if isinstance(value, torch.Tensor):
                 self.direct.append((key, weakref.ref(value), value._version))
             elif kinds and isinstance(value, kinds) and viewable(value):
                 self.views[key] = CacheView(value, name)
+                held = held or _holds_tokens(value)
             elif isinstance(value, (tuple, list, MutableMapping)):
                 if self._walk(value, key, 0):
                     self.containers[key] = value
-        if self.views and not write_back and not torch.compiler.is_compiling():
+        if held and not write_back and not torch.compiler.is_compiling():
             warn_cache_once()
 
     def _walk(self, value, path, depth) -> bool:
@@ -252,7 +264,7 @@ def _describe(path) -> str:
 
 # ----------------------------------------------------------------------------- tensors inside arguments
 
-_COPIES: dict = {}  # id(tensor) -> (weak tensor, version, weak copy): one copy per tensor and version
+_COPIES: dict = caches.register({}, "treat.block_state._COPIES")  # id(tensor) -> (weak tensor, version, weak copy): one copy per tensor and version
 
 
 class _Watched(NamedTuple):
@@ -284,7 +296,7 @@ def _copy_of(tensor: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- models that read their cache
 
-_READERS: dict = {}  # class -> the call in its forward that asks for a cache, or ""
+_READERS: dict = caches.register({}, "treat.block_state._READERS")  # class -> the call in its forward that asks for a cache, or ""
 
 
 def cache_reader(model: nn.Module) -> Optional[str]:

@@ -18,6 +18,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from remat import caches
+
 def own_cache(forward, args: tuple, kwargs: dict):
     """``(forward, args, kwargs)`` in which each KV cache argument is a new empty cache of its layout,
     at the forward and at every recompute (the compiled path, module docstring). Any argument that *is*
@@ -124,7 +126,7 @@ def _layer_arguments(layer) -> Optional[dict]:
     return arguments
 
 
-_CONSTRUCTOR_PARAMETERS: dict = {}
+_CONSTRUCTOR_PARAMETERS: dict = caches.register({}, "treat.cache_layout._CONSTRUCTOR_PARAMETERS")
 
 
 def _constructor_parameters(kind: type) -> Optional[tuple]:
@@ -156,7 +158,8 @@ _WARNED = set()
 
 
 def warn_cache_once() -> None:
-    """Say once per process that the cache a model returns from a training forward lacks the treated blocks."""
+    """Say once per process that the cache a model returns from a training forward lacks the treated blocks
+    (eager mode: where the cache was passed in holding tokens, so the caller may read the one returned)."""
     if "cache" not in _WARNED:
         _WARNED.add("cache")
         warnings.warn("remat: a KV cache reached a treated block in a training forward; remat keeps what the "

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from remat import caches
 from remat.treat.refusals import StepRefusal
 
 
@@ -148,7 +149,7 @@ class _Unread:
 
 
 _WITHHELD_BY = "_remat_withheld_by"  # on a withheld layer: (the block that withheld it, the attributes)
-_GUARDED: dict = {}  # layer class -> its withheld subclass
+_GUARDED: dict = caches.register({}, "treat.cache_views._GUARDED")  # layer class -> its withheld subclass
 
 
 def _withhold(layer, name: str, attributes) -> None:

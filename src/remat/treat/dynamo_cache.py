@@ -25,6 +25,9 @@ How remat's entries are taken out and the user's left alone:
   user's entries remat's new ones are invalidated, one by one, as dynamo invalidates an entry
   whose guarded object died (their code is dropped; the emptied entry stays in remat's region).
 
+:func:`eager` is the other side: ``torch.compiler.disable`` of a frame of remat's that dynamo must
+not trace (the chunked head's loss, the profiler's stubs), made once per function.
+
 Limits: outside a region of its own (a torch without ``isolate_recompiles``, or a compile that
 is not remat's trampoline: the bench's stock ``torch.compile(model)`` rows) an invalidated entry
 would still count against the user's recompile limit on that code object, so there a code object
@@ -45,6 +48,8 @@ from typing import Iterator
 
 import torch
 
+from remat import caches
+
 
 def _trampoline(module, *args, **kwargs):
     return module._call_impl(*args, **kwargs)  # not module(...): its _compiled_call_impl may be this
@@ -55,6 +60,7 @@ def compile_options() -> dict:
     return {"isolate_recompiles": True} if isolating() else {}
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)
 def isolating() -> bool:
     """Whether this torch's ``torch.compile`` keeps a call's entries apart (``isolate_recompiles``)."""
@@ -81,6 +87,22 @@ class Compiled:
 def compiled(**options) -> Compiled:
     """``torch.compile(**options)`` of a fresh trampoline: ``compiled(...).bind(module)(*args)``."""
     return Compiled(**options)
+
+
+_EAGER = caches.register({}, "treat.dynamo_cache._EAGER")  # (module, qualname, recursive) -> wrapper
+
+
+def eager(fn, recursive: bool = True):
+    """``torch.compiler.disable(fn, recursive=recursive)``, made once per function: a frame of
+    remat's that dynamo must not trace (the chunked head's loss, the profiler's stubs). A new
+    wrapper at each call would be a new object for dynamo to guard on; keyed by name, not by the
+    function, so that a compiled forward that calls this looks up a constant. Importing dynamo
+    takes seconds, so callers make theirs on first use, not at import time."""
+    key = (fn.__module__, fn.__qualname__, recursive)
+    wrapped = _EAGER.get(key)
+    if wrapped is None:
+        wrapped = _EAGER[key] = torch.compiler.disable(fn, recursive=recursive)
+    return wrapped
 
 
 def _internals():

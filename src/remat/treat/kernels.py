@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from remat import caches
 from remat.treat import patches
 
 TAG = "kernels"
@@ -98,7 +99,7 @@ def require_liger(what: str = "kernels='liger'") -> None:
         raise ValueError(f"{what} needs liger-kernel, which does not import here ({why}): {EXTRA}")
 
 
-_LIGER = {}  # what the installed forwards call: Liger's objects, looked up once per import of liger-kernel
+_LIGER = caches.register({}, "treat.kernels._LIGER")  # what the installed forwards call: Liger's objects, looked up once per import of liger-kernel
 
 
 def liger_objects() -> dict:
@@ -346,7 +347,7 @@ def _rope_refused(attention: nn.Module) -> Optional[str]:
     return None
 
 
-_ROPE = {}  # attention class -> its forward calling Liger's rotary embedding
+_ROPE = caches.register({}, "treat.kernels._ROPE")  # attention class -> its forward calling Liger's rotary embedding
 
 
 def _rope_forward(cls: type):

@@ -57,28 +57,40 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
+from remat import caches
 from remat.treat import patches
 
 _holders: dict = {}    # id(model) -> weakref.finalize of a model that holds the wrappers
 _originals: dict = {}  # function name in masking_utils -> (transformers' own function, remat's wrapper)
-_NEEDED: dict = {}     # id(a masking_utils function) -> (the function, whether dynamo answers otherwise than eager)
+_NEEDED: dict = caches.register({}, "treat.mask_skip._NEEDED")  # id(a masking_utils function) -> (the function, whether dynamo answers otherwise than eager)
 _DEFER = object()      # a decision's "ask transformers"
 PATCH_TAG = "mask-skip"
 
 
-class _Running:
+class _Running(threading.local):
     """Set while a held model's forward runs (traced by dynamo as part of it), read by the wrappers.
 
     ``held``: inside a held model's forward; ``generated``: inside its base model's forward, which
-    made its own position ids (the caller passed none)."""
-    held = False
-    generated = False
+    made its own position ids (the caller passed none). Per thread: a held model's forward in one
+    thread leaves another thread's compile with transformers' own answer. Not a ``ContextVar``
+    (tiled.py's choice, outside any traced code): dynamo cannot trace ``ContextVar.get``/``set``
+    (torch 2.13: "Unsupported method call", a graph break in the model's forward), while it traces
+    a ``threading.local``'s attributes as it does any object's. Set in each thread's instance
+    (never read from the class), so that what dynamo guards on exists before the forward sets it."""
+
+    def __init__(self):
+        self.held = False
+        self.generated = False
+
+
+_RUNNING = _Running()
 
 
 def _causal_skip(arguments: dict):
@@ -99,7 +111,7 @@ def _bidirectional_skip(arguments: dict):
 
 
 def _no_packing(arguments: dict):
-    return None if _Running.generated else _DEFER
+    return None if _RUNNING.generated else _DEFER
 
 
 # masking_utils function -> (decision, parameters it must have, one of which it must have)
@@ -129,7 +141,7 @@ def _wrapper(original: Callable, decide: Callable) -> Callable:
     @functools.wraps(original)
     def as_in_eager(*args, **kwargs):
         # a pass-through outside a held model's forward, and once unwrapped under another's wrapper
-        if _Running.held and _originals and compiling_not_exporting():
+        if _RUNNING.held and _originals and compiling_not_exporting():
             arguments = dict(zip(names, args))
             arguments.update(kwargs)
             decided = decide(arguments)
@@ -265,15 +277,15 @@ def _note_running(patch, *args, **kwargs):
     """A held model's ``forward`` (``state`` None) or its base model's (``state``: where its
     ``position_ids`` argument sits): :class:`_Running` says so while it runs."""
     index = patch.state
-    held, generated = _Running.held, _Running.generated
-    _Running.held = True
+    held, generated = _RUNNING.held, _RUNNING.generated
+    _RUNNING.held = True
     if index is not None:
         given = kwargs.get("position_ids", args[index] if len(args) > index else None)
-        _Running.generated = given is None
+        _RUNNING.generated = given is None
     try:
         return patch.call_previous(*args, **kwargs)
     finally:
-        _Running.held, _Running.generated = held, generated
+        _RUNNING.held, _RUNNING.generated = held, generated
 
 
 def release(model: nn.Module) -> None:

@@ -38,6 +38,13 @@ filters dataset columns by it).
 afterwards (the planner profiles a model that already has a plan, and must leave it as
 it found it).
 
+:func:`compiled_calls` is the one way remat sets a module's in-place compile
+(``Module.compile()``'s ``_compiled_call_impl``) for a while: the compiled profile compiles
+the model or its blocks in place, the doctor sets a user's compile aside to run a step eagerly.
+It is not a :class:`Patch` on purpose: a patch is remat's change to the user's model, which
+:func:`suspended` and :func:`remove` take off, while this is a scope around remat's own work
+inside which those run (the doctor profiles under :func:`suspended` with the compile set aside).
+
 Limits: ``nn.DataParallel`` replicas copy ``__dict__`` shallowly, so a replica's patched
 forward would run on the original module; treatments refuse that at forward time (see
 :mod:`remat.treat.treatments`).
@@ -206,6 +213,39 @@ def temporarily(module: nn.Module, attribute: str, function: Callable, *, tag: s
         yield patch
     finally:
         uninstall(patch)
+
+
+@contextlib.contextmanager
+def compiled_calls(calls) -> Iterator[None]:
+    """Each module's in-place compile set for the ``with`` block, and put back at its end.
+
+    Args:
+        calls: ``(module, call)`` pairs: ``call`` takes the place ``Module.compile()`` gives its
+            compiled call (``module(*args)`` then runs ``call(*args)``); None runs the module eagerly.
+
+    At the end each module gets back the compiled call it had (none: the class's default).
+
+    Example::
+
+        compiled = [m for m in model.modules() if m.__dict__.get("_compiled_call_impl") is not None]
+        with compiled_calls((m, None) for m in compiled):
+            loss = model(**batch).loss  # eager
+    """
+    calls = list(calls)
+    before = [module.__dict__.get(_COMPILED, _MISSING) for module, _ in calls]
+    for module, call in calls:
+        module.__dict__[_COMPILED] = call
+    try:
+        yield
+    finally:
+        for (module, _), previous in zip(reversed(calls), reversed(before)):
+            if previous is _MISSING:
+                module.__dict__.pop(_COMPILED, None)
+            else:
+                module.__dict__[_COMPILED] = previous
+
+
+_COMPILED = "_compiled_call_impl"  # where Module.compile() puts its compiled call
 
 
 @contextlib.contextmanager

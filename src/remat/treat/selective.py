@@ -67,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from remat import caches
 from remat.treat.refusals import StepRefusal
 
 _MUST_SAVE, _PREFER_RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
@@ -89,6 +90,7 @@ _LIBRARY_ATTENTION = frozenset({"torch_attn::_varlen_attn", "flash_attn::_flash_
 _LIBRARY_OPS = frozenset({"transformers::grouped_mm_fallback"}) | _LIBRARY_ATTENTION
 
 
+@caches.register
 @functools.lru_cache(maxsize=1)
 def saved_ops() -> frozenset:
     """The aten ops whose outputs the ``selective`` policy keeps: every functional overload of each
@@ -113,6 +115,7 @@ def saves(func) -> bool:
     return func in saved_ops() or func.name() in _LIBRARY_OPS
 
 
+@caches.register
 @functools.lru_cache(maxsize=1)
 def attention_ops() -> frozenset:
     """Every functional overload of the attention kernels the installed torch has."""
@@ -135,6 +138,7 @@ def _drops_out(func, args, kwargs) -> bool:
     return isinstance(value, (int, float)) and value > 0
 
 
+@caches.register
 @functools.lru_cache(maxsize=None)
 def _dropout_position(func):
     """Where ``func``'s schema takes ``dropout_p`` (None: it takes none); asked per kept op, so cached."""
@@ -146,7 +150,7 @@ def _dropout_position(func):
 # what a policy does with an op (:func:`_decision`): recompute its output, keep it, keep it unless
 # the call draws dropout (an attention kernel), or look closer, as the op writes in place
 _RECOMPUTE, _KEEP, _KEEP_UNLESS_DROPOUT, _WRITES = "recompute", "keep", "keep unless dropout", "writes"
-_DECISIONS = collections.defaultdict(dict)  # per policy (``keeps``): {id(op): (op, decision)}
+_DECISIONS = caches.register(collections.defaultdict(dict), "treat.selective._DECISIONS")  # per policy (``keeps``): {id(op): (op, decision)}
 
 
 def _decision(keeps, func) -> str:

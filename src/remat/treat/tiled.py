@@ -90,6 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from remat import caches
 from remat.treat import patches
 from remat.treat.discovery import find_submodules
 from remat.treat.refusals import StepRefusal
@@ -140,8 +141,8 @@ def check_tiling(block: nn.Module) -> None:
                              "cannot be tiled. Use 'full', 'mlp' or 'full+offload' for this block.")
 
 
-_PROBED = weakref.WeakKeyDictionary()  # module -> whether it mixes tokens, or why it cannot be probed
-_CALLS: dict = {}  # (block class, sub-module name) -> _called_with_more's answer
+_PROBED = caches.register(weakref.WeakKeyDictionary(), "treat.tiled._PROBED")  # module -> whether it mixes tokens, or why it cannot be probed
+_CALLS: dict = caches.register({}, "treat.tiled._CALLS")  # (block class, sub-module name) -> _called_with_more's answer
 
 
 def _called_with_more(block: nn.Module, name: str) -> Optional[str]:
@@ -509,7 +510,7 @@ def _mark_unread(calls: list, outputs) -> None:
         call.unread = not call.records and latest <= call.sequence
 
 
-_SAVES = {}  # built-in node class -> whether it saves tensors
+_SAVES = caches.register({}, "treat.tiled._SAVES")  # built-in node class -> whether it saves tensors
 
 
 def _saves_tensors(node) -> bool:
