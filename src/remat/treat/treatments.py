@@ -201,7 +201,7 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
                 f"{state.segment.size} blocks: the segment's backward recomputes its earlier blocks after "
                 "FSDP2 has resharded their parameters. Use 'full' (the same recompute, one block at a "
                 "time), or call fully_shard on groups of the segment's blocks instead of on each block.")
-        if state.buffers and not torch.compiler.is_compiling():
+        if state.buffers:   # compiled too: segments.call runs the segment (and its recompute) eagerly
             forward = _buffers_once(forward, state)
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
