@@ -48,6 +48,8 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from remat.profiling._meters import tensors_of
+
 
 @contextlib.contextmanager
 def _cuda_attention(packed: bool, padded: bool = False):
@@ -284,11 +286,12 @@ class ValuedFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = tensors_of((args, kwargs))
         has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
-        if any(has_values) and _makes_new(func) and torch.Tag.nondeterministic_seeded not in func.tags:
+        makes_new, seeded = _kind(func)
+        if any(has_values) and makes_new and not seeded:
             return self._with_values(func, types, args, kwargs, tensors, all(has_values))
-        if not tensors and torch.Tag.nondeterministic_seeded in func.tags:
+        if not tensors and seeded:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() <= _RANDOM_LIMIT:
                 return self._drawn_high(out)
@@ -404,6 +407,18 @@ def _makes_new(func) -> bool:
     """Whether ``func`` returns new tensors (no view of, nor write to, its inputs)."""
     schema = func._schema
     return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+_KINDS = {}
+
+
+def _kind(func) -> tuple:
+    """``(makes new tensors, draws random numbers)`` of an op (:func:`_makes_new`, its
+    ``nondeterministic_seeded`` tag), read once per op: :class:`ValuedFakeMode` asks on every op."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = (_makes_new(func), torch.Tag.nondeterministic_seeded in func.tags)
+    return kind
 
 
 def fake_attributes_restored(model: nn.Module):
