@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -366,22 +367,36 @@ class ValuedFakeMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def _tensors_of_values():
+def _tensors_of_values(mode: Optional["ValuedFakeMode"] = None):
     """``torch.tensor`` of a list that holds tensors with values (Qwen2-VL's
     ``torch.tensor([positions.max() + 1 - length, ...])``) reads their values as numbers first:
-    ``torch.tensor`` copies its elements' memory directly, which a fake tensor does not have."""
+    ``torch.tensor`` copies its elements' memory directly, which a fake tensor does not have.
+    With ``mode``, a ``tolist()`` of one of its tensors with values reads them at once (one read
+    recorded, where the model asked) instead of element by element: ``FakeTensor.tolist`` calls
+    ``.item()`` per element, each a value read through every dispatch mode (Qwen2-VL's M-RoPE
+    positions: 12,000 of them a step), and each its own ``.item()`` of the same value."""
     original = torch.tensor
+    original_tolist = FakeTensor.tolist
 
     def tensor(data, *args, **kwargs):
         if isinstance(data, (list, tuple)):
             data = tree_map(lambda v: v.tolist() if isinstance(v, FakeTensor) and v.constant is not None else v, data)
         return original(data, *args, **kwargs)
 
+    def tolist(self):
+        if mode is not None and self.fake_mode is mode and self.constant is not None:
+            mode._read()
+            with no_dispatch():
+                return self.constant.tolist()
+        return original_tolist(self)
+
     torch.tensor = tensor
+    FakeTensor.tolist = tolist
     try:
         yield
     finally:
         torch.tensor = original
+        FakeTensor.tolist = original_tolist
 
 
 @contextlib.contextmanager

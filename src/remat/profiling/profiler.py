@@ -434,7 +434,7 @@ def _profile_fake(model, batch, loss_fn, named, request) -> Profile:
     restore_attributes = fake_attributes_restored(model)
     try:
         # Liger's Triton kernels never see a fake tensor: stand-ins of their shapes, saved bytes and costs
-        with fake_mode, _KernelStandIns(), _tensors_of_values(), _conversions_in_place(), liger_stand_ins():
+        with fake_mode, _KernelStandIns(), _tensors_of_values(fake_mode), _conversions_in_place(), liger_stand_ins():
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(request.rates)
