@@ -386,6 +386,6 @@ def _compile_failure(error: BaseException) -> bool:
     """An error of dynamo or inductor (not an OOM, not the model's own error in eager code)."""
     if isinstance(error, torch.OutOfMemoryError):
         return False
-    import torch._dynamo.exc
-    return isinstance(error, torch._dynamo.exc.TorchDynamoException) or "Inductor" in type(error).__name__
+    from torch._dynamo.exc import TorchDynamoException  # (``import torch._dynamo.exc`` here made ``torch`` local)
+    return isinstance(error, TorchDynamoException) or "Inductor" in type(error).__name__
 
