@@ -9,7 +9,9 @@ engine. :func:`dp` walks the blocks in forward order over
 states (previous treatment, whether any earlier block offloaded) x kept-bytes levels (rounded
 *up* to ``scale / resolution``), keeping per state the best value of an objective and a back
 pointer. Two objectives share the states, transitions and memory terms: :class:`MinTime` (the
-least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak).
+least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak). Each block's
+step works on the kept-bytes levels below the highest that some plan reaches so far (and those its
+kept bytes move them to): the levels above hold no plan, and the early blocks reach few.
 
 The recompute margin (``margin``): :class:`MinTime` minimises the score, each block's seconds
 plus, for a treatment other than ``keep``, ``margin`` times the block's ``keep`` seconds. A

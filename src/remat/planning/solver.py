@@ -60,7 +60,10 @@ this: docs/history.md). The plan's reported time is the simulator's.
 One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
 least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;
 one DP per head option, and one more per offload window (without offload, with
-``full+offload`` only, with both).
+``full+offload`` only, with both). A head option another beats whatever the blocks do (no more
+bytes in any phase, fewer seconds) cannot be in the best plan, nor in the smallest, and is
+dropped before any of it (:func:`undominated_heads`: a large model's plain head against a chunked
+one, the largest chunk against a smaller; 5 head options became 3 for an 8B model at 4 x 4096).
 
 Blocks called several times a step (ALBERT's shared layer group: :mod:`remat.planning.calls`): a
 treatment is installed on a module, so all of a block's calls get one. :func:`_tied` solves the

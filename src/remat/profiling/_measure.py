@@ -1,6 +1,7 @@
 """The profiling runs, in order: capture the blocks, each block configuration per treatment, then the head per mode.
 
-How (:func:`_profile_body`): one forward without gradients (:mod:`remat.profiling._capture`)
+How (:func:`_profile_body`, every setting read from one
+:class:`~remat.profiling._request.ProfileRequest`): one forward without gradients (:mod:`remat.profiling._capture`)
 records every block's configuration and output shape, and keeps the inputs of the first
 block of each configuration. Each configuration is then run alone per treatment
 (:mod:`remat.profiling._blocks`); the offload treatments (``DERIVED``) are not run but derived
@@ -31,7 +32,8 @@ other compiled graphs stay.
 Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
 costs; a head mode the model refuses is noted and left out, and a model whose embeddings
 and head run in no mode is a ``ValueError``; a missing loss (:class:`MissingLoss`) is raised,
-never swallowed.
+never swallowed. Which error leaves what out, noted or warned, and which is raised, is one
+function's table (:func:`refusal`), for the treatments, the head modes and the kernels alike.
 """
 from __future__ import annotations
 
@@ -72,12 +74,13 @@ def _profile_body(model, batch, loss_fn, named, meter, request: ProfileRequest) 
     capture = _capture(model, batch, loss_fn, named)
     firsts, block_class = _block_classes(capture, len(named))
     notes = {}   # treatments and heads left out, and why; then the profile's own notes
-    classes = _measure_classes(model, named, capture, firsts, block_class, meter, request, notes)
+    classes = _measure_classes(model, named, capture, firsts, block_class, meter=meter, request=request,
+                               skipped=notes)
     if request.backend is not None:
         from remat.profiling._compiled import OFFLOAD_UNDER_COMPILE
         notes.update(compile=True, compile_scope=request.scope, compile_backend=request.backend,
                      offload=OFFLOAD_UNDER_COMPILE)
-    heads = _head_costs(model, batch, loss_fn, named, capture, meter, request, notes)
+    heads = _head_costs(model, batch, loss_fn, named, capture, meter=meter, request=request, notes=notes)
     notes["profile_seconds"] = round(time.perf_counter() - started, 2)
     # a block called more than once a step (ALBERT's shared layer group): the calls, in order
     repeated = len(capture.calls) != len(named)
@@ -116,7 +119,7 @@ class _Classes(NamedTuple):
     """Per class, ``{kernel: class index}``."""
 
 
-def _measure_classes(model, named, capture, firsts, block_class, meter, request, skipped) -> _Classes:
+def _measure_classes(model, named, capture, firsts, block_class, *, meter, request, skipped) -> _Classes:
     """Every block class (its first block, on its captured inputs) per treatment, once per kernel the
     request asks (none: as the block is); ``skipped`` collects what was left out and why."""
     params = {id(p.untyped_storage()) for p in model.parameters()}  # never offloadable
@@ -318,7 +321,7 @@ def _kernel_costs(block, args, kwargs, *, kernel, **measure):
     return costs
 
 
-def _head_costs(model, batch, loss_fn, named, capture, meter, request, notes) -> tuple:
+def _head_costs(model, batch, loss_fn, named, capture, *, meter, request, notes) -> tuple:
     """A :class:`HeadCost` per head mode the request asks (the chunked head per chunk option); a mode
     the model cannot run is noted in ``notes`` (:func:`refusal`) and warned, unless no mode ran and a
     fake tensor's value was read, which is raised (the fake profile names the code that read it)."""

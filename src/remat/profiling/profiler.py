@@ -65,7 +65,8 @@ bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), its step's temporari
 optimizer's implementation (:func:`~remat.planning.costs.optimizer_temp_bytes`).
 
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
-``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
+``progress=`` printer); what one call measures and how is one frozen
+:class:`~remat.profiling._request.ProfileRequest`, built here and handed down. The numbers it returns are in :mod:`remat.planning.costs`; the meters in
 :mod:`remat.profiling._meters`; the fake-tensor swap and CUDA-attention stand-in in
 :mod:`remat.profiling._fake`; the runs in :mod:`remat.profiling._measure` (the flow),
 :mod:`~remat.profiling._capture`, :mod:`~remat.profiling._blocks` and :mod:`~remat.profiling._head`;
