@@ -144,9 +144,10 @@ def run_case(case: str, src: str, profile_path=None) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--child", name] + (
             ["--profile-to", profile_path] if profile_path else [])
     else:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        config = os.path.join(tempfile.gettempdir(), "gemma2-2b-like.json")  # one name: it is in what the command prints
+        with open(config, "w") as f:
             json.dump(GEMMA2, f)
-        args = [a.replace("{gemma2}", f.name) for a in CLI[name]]
+        args = [a.replace("{gemma2}", config) for a in CLI[name]]
         script = os.path.join(tempfile.gettempdir(), "remat_plan_cli.py")
         with open(script, "w") as s:
             s.write("import sys\nfrom remat.cli import main\nsys.exit(main(sys.argv[1:]))\n")
