@@ -99,20 +99,24 @@ def tensors_of(value) -> list:
     """The tensors in an op's arguments or outputs (nested tuples, lists and dicts), in the order
     ``torch.utils._pytree.tree_flatten`` lists them: what an aten op takes and returns holds no
     other container, and this walk costs a tenth of the general one, on every op of a fake profile."""
+    if isinstance(value, torch.Tensor):
+        return [value]
     found = []
-    _collect(value, found)
+    if isinstance(value, (tuple, list, dict)):
+        _collect(value.values() if isinstance(value, dict) else value, found)
     return found
 
 
-def _collect(value, found: list) -> None:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
+def _collect(items, found: list) -> None:
+    """The tensors among ``items`` and the containers they hold, appended to ``found`` in order (a call
+    per container, not per element: an op's arguments hold lists of sizes)."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
             _collect(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _collect(item, found)
+        elif isinstance(item, dict):
+            _collect(item.values(), found)
 
 
 _MUTABLE = {}
