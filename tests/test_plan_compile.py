@@ -278,6 +278,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
 
     # private: which block runs are compiled is internal to the profile; no public result shows it
     from remat.profiling import _blocks, _compiled, _measure
+    from remat.profiling._request import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
     from remat.treat.discovery import discover
@@ -311,8 +312,9 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     users = torch.compile(users_function, backend=lambda gm, inputs: users_graphs.append(gm) or gm.forward)
     users(torch.ones(3))
     before = _live_compiled_code()  # the user's, and whatever tests before this one left compiled
-    body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"), ("plain", "chunked"),
-                                  (1024,), 0, said.append, repeats=3, backend="aot_eager")
+    request = ProfileRequest(rates=rates_for("cpu"), chunk_candidates=(1024,), min_offload_bytes=0, say=said.append,
+                             repeats=3, backend="aot_eager", scope="model")
+    body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), request)
     assert body.notes["compile"] is True and "saved_tensors_hooks" in body.notes["offload"]
     assert len(body.classes) == 1
     treatments = set(body.classes[0])
@@ -356,8 +358,11 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
     """``compile="blocks"`` (FSDP2's per-block compile): every block cost asked compiled, every
     head cost eager, and the notes say which scope; ``compile=True`` asks the head compiled. Both
     keep every treatment."""
+    from dataclasses import replace
+
     # private: as above
     from remat.profiling import _measure
+    from remat.profiling._request import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
     from remat.treat.discovery import discover
@@ -368,20 +373,20 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
     asked = {"block": [], "head": []}
     real_block, real_head = _measure._block_cost, _measure._head_cost
 
-    def block_cost(*args, backend=None, **kwargs):  # measured eager here: what matters is what was asked
-        asked["block"].append(backend)
-        return real_block(*args, backend=None, **kwargs)
+    def block_cost(*args, request, **kwargs):  # measured eager here: what matters is what was asked
+        asked["block"].append(request.backend)
+        return real_block(*args, request=replace(request, backend=None), **kwargs)
 
-    def head_cost(*args):
-        asked["head"].append(args[-1])
-        return real_head(*args[:-1], None)
+    def head_cost(*args, backend, **kwargs):
+        asked["head"].append(backend)
+        return real_head(*args, backend=None, **kwargs)
     monkeypatch.setattr(_measure, "_block_cost", block_cost)
     monkeypatch.setattr(_measure, "_head_cost", head_cost)
     for scope, head_backend in (("blocks", None), ("model", "aot_eager")):
         asked = {"block": [], "head": []}
-        body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), rates_for("cpu"),
-                                      ("plain", "chunked"), (1024,), 0, lambda s: None, backend="aot_eager",
-                                      scope=scope)
+        request = ProfileRequest(rates=rates_for("cpu"), chunk_candidates=(1024,), min_offload_bytes=0,
+                                 backend="aot_eager", scope=scope)
+        body = _measure._profile_body(model, batch, loss_fn, named, _NullMeter(), request)
         assert body.notes["compile"] is True and body.notes["compile_scope"] == scope
         assert asked["block"] and set(asked["block"]) == {"aot_eager"}, scope
         assert asked["head"] and set(asked["head"]) == {head_backend}, scope

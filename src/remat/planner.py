@@ -86,77 +86,94 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
          blocks=None, fsdp_world: int = 1, device: Optional[str] = None, progress=None,
          compile=False, profiled: Optional[Profile] = None, ddp_world: int = 1, verify: bool = True,
          host_memory=None, cp_world: int = 1, cp_balance: bool = True, kernels=None) -> Plan:
-    """The fastest plan for ``model`` on ``batch`` whose predicted peak is within ``budget``
-    (a block left untouched, and the model's own head, unless changing it gains more than 1%
-    of what it replaces or the budget needs it: :data:`remat.planning.solver.RECOMPUTE_MARGIN`).
+    """The fastest plan for ``model`` training on ``batch`` whose predicted peak fits ``budget``.
 
-    ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training
-    (values do not matter, but a batch a real step would crash on is refused before anything is
-    profiled: token ids or labels outside the vocabulary, sequences past a position table; see
-    :func:`check_batch`; a ``model`` that is not an ``nn.Module`` is a TypeError).
-    ``loss_fn(model, batch) -> scalar loss``: one training step's loss.
-    Without it, a dict batch means a Hugging Face model, ``model(**batch).loss`` (``labels``
-    default to ``input_ids``), a tensor of integer ids a causal LM trained on them
-    (``labels=ids``); any other batch raises TypeError asking for ``loss_fn``. A model with no
-    LM head plans with the plain head only. The model is left exactly as it was found (an
-    applied plan, gradients, buffers, RNG ...; see :func:`remat.profile`). ``budget``: bytes or "24GiB".
-    ``gpu``: rates to plan for when the model is not on a GPU (h100, h200, a100).
-    ``optimizer``: "none" (the bench protocol: forward+backward only), "adamw" (two states per
-    trainable parameter, in its dtype, as ``torch.optim.AdamW`` keeps them) or "adamw8bit". Raises ValueError (``NoPlanFits``)
-    naming the smallest achievable peak when nothing fits. ``fsdp_world``: plan for one of
-    that many FSDP2 ranks (``fully_shard`` after ``remat.apply``; see :mod:`remat.planning.sharding`).
-    ``ddp_world``: plan for one of that many ``DistributedDataParallel`` ranks (wrapped after
-    ``remat.apply``, DDP's default arguments; see :mod:`remat.planning.replication`); not with ``fsdp_world``.
-    ``device``: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline
-    times); default: measured on the GPU when the model is there (see :func:`remat.profile`).
-    ``compile``: plan for the model compiled after ``remat.apply`` (``model.compile()`` or
-    ``torch.compile(model)``): costs measured compiled, on the GPU only, no offload; the plan's
-    ``notes["compile"]`` is True (see the module doc). Raises ValueError for a model off the GPU.
-    remat's own compiles (each block alone, the model around stubs, the verifying steps) are taken
-    back out of dynamo's cache when measured, so your ``model.compile()`` starts clean, and only they:
-    what else this process compiled stays compiled (:mod:`remat.treat.dynamo_cache` says how, and where
-    an old torch cannot drop one graph of a function it warns and names the functions reset).
-    ``compile="blocks"``: plan for each block compiled alone with the embeddings and head eager
-    (``block.compile()`` on every block, as FSDP2 is compiled before ``fully_shard``);
-    ``notes["compile_scope"]`` says which.
-    ``verify`` (compiled plans): the plan is applied, compiled and run for four steps on this GPU
-    before it is returned (tens of seconds: a compile), and solved again if it peaked over the
-    budget (:func:`verified`; ``notes["verified"]`` has the measured peak and step). Off: the
-    prediction alone, which the whole compiled graph can exceed by more than the margin.
-    Plans for FSDP or DDP ranks are not measured (one GPU does not run them).
-    Where a block is tiled (sequences of 16k tokens or more), the plan also says in chunks of how
-    many tokens, per block (``plan.tile_tokens``: one size, or a ``{block: size}`` mapping; see
-    :mod:`remat.planning.solver`).
-    ``profiled``: a :func:`remat.profile` of this model and batch shape made earlier (with the same
-    ``compile``/``optimizer``): solved for ``budget`` without profiling again, so one profile
-    serves many budgets.
-    ``cp_world``: plan for one of that many context-parallel ranks splitting each sequence
-    (:mod:`remat.parallel`, torch's ring attention on the GPU): the model is profiled on one rank's
-    ``seq / cp_world`` tokens of ``batch`` (the whole sequences) and each block charged the
-    attention over the rest of the sequence, its exchange and buffers
-    (:mod:`remat.planning.context`); with ``fsdp_world``, parameters, gradients and optimizer
-    state sharded over that many ranks (the CP ranks included when FSDP2 shards over all of them).
-    ``cp_balance``: the sequence is cut head-tail, as :func:`remat.parallel.shard_sequence` cuts it
-    by default and torch's ``context_parallel`` does (every rank an equal share of attention), or,
-    False, into contiguous pieces (``shard_sequence(..., balance=False)``: the last rank's share,
-    the largest, is charged). The model must run attention through SDPA (Hugging Face:
-    ``attn_implementation="sdpa"``) and the sequence divide by ``2 x cp_world`` (``cp_world`` with
-    ``cp_balance=False``): ValueError otherwise, before anything is profiled. ``profiled`` is then a
-    profile of one rank's share. Not with ``ddp_world``.
-    ``host_memory``: pinned host memory the offloaded tensors may take (bytes or "100GiB"; default,
-    for a profile measured on this machine's GPU: what the offload engine's pool takes by default
-    here, 60% of the available memory, divided among the ranks torchrun started on this host; for a fake-tensor profile, made for another machine: no
-    limit): a plan offloads no more than that (``notes["host_bytes"]`` says how much it does), or
-    the ``NoPlanFits`` names the host as the limit.
-    ``kernels``: None (the model's modules as they are; where liger-kernel patched the model, its
-    kernels are measured, stood in for on fake tensors, and recorded in the plan), ``"stock"``,
-    ``"liger"`` (liger-kernel's fused norms, gated MLP and rotary embedding per block, installed by
-    :func:`remat.apply` through remat's patch registry, and the head mode ``"liger"``, its fused linear
-    cross-entropy, among the heads), or ``("stock", "liger")``: each block class and the head profiled
-    both ways, and the kernels whose plan is fastest chosen per block class with the treatments
-    (:mod:`remat.planning.kernels`). The plan's ``kernels`` records them; blocks Liger cannot serve keep
-    their modules and are named in ``notes["kernels_stock"]``. ValueError for ``"liger"`` without
-    liger-kernel (``pip install remat[kernels]``), and for ``"stock"`` on a model liger-kernel patched.
+    A block is left untouched, and the model's own head kept, unless changing it gains more than 1%
+    of what it replaces or the budget needs it (:data:`remat.planning.solver.RECOMPUTE_MARGIN`). The
+    model is profiled (:func:`remat.profile`; on its GPU where it is there, else with fake tensors at
+    ``gpu``'s rates) and left exactly as it was found (an applied plan, gradients, buffers, RNG ...).
+
+    Args:
+        model: the ``nn.Module`` to train.
+        batch: a tensor, a tuple/list or a dict of any keys, with the shapes of training. Values do not
+            matter, but a batch a real step would crash on is refused before anything is profiled
+            (token ids or labels outside the vocabulary, sequences past a position table: :func:`check_batch`).
+        budget: the memory of one device, in bytes or as ``"24GiB"``; a budget above the card is
+            planned for the card (warned). A plan's peak is kept below it less what the caching
+            allocator reserves above its peak (:func:`allocator_reserve`).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``, one training step's loss. Without it a dict
+            batch is a Hugging Face model's, ``model(**batch).loss`` (``labels`` default to ``input_ids``),
+            and a tensor of integer ids a causal LM's trained on them (``labels=ids``). A model with no LM
+            head plans with the plain head only.
+        gpu: the rates to plan for when the model is not on a GPU (h100, h200, a100).
+        optimizer: ``"none"`` (forward and backward only, as ``remat bench``), ``"adamw"`` (two states per
+            trainable parameter in its dtype, as ``torch.optim.AdamW``), ``"adamw-fused"``,
+            ``"adamw-forloop"`` or ``"adamw8bit"``.
+        treatments: the treatments a plan may use (default: every one profiled, less offload where it
+            cannot run: a CPU, no offload engine, a compiled plan).
+        heads: the head modes a plan may use (default: every one profiled).
+        blocks: which modules are the blocks (default: :func:`remat.treat.discovery.discover`'s).
+        fsdp_world: plan for one of that many FSDP2 ranks (``fully_shard`` after ``remat.apply``:
+            :mod:`remat.planning.sharding`).
+        device: ``"fake"`` profiles a GPU model with fake tensors (no GPU memory used, roofline times);
+            default: measured on the GPU when the model is there.
+        progress: ``progress(message)``, told each stage as it starts (``remat.profiling.profiler.progress_printer``).
+        compile: plan for the model compiled after ``remat.apply`` (``True``: ``model.compile()`` or
+            ``torch.compile(model)``; ``"blocks"``: ``block.compile()`` on every block, the embeddings
+            and head eager, as FSDP2 is compiled before ``fully_shard``): costs measured compiled, on the
+            GPU only, no offload; ``notes["compile"]`` and ``notes["compile_scope"]`` say so. remat's
+            own compiles are taken back out of dynamo's cache when measured and only they
+            (:mod:`remat.treat.dynamo_cache`), so your ``model.compile()`` starts clean.
+        profiled: a :func:`remat.profile` of this model and batch shape made earlier (with the same
+            ``compile``, ``optimizer`` and ``kernels``): solved for ``budget`` without profiling again,
+            so one profile serves many budgets (under ``cp_world``: a profile of one rank's share).
+        ddp_world: plan for one of that many ``DistributedDataParallel`` ranks (wrapped after
+            ``remat.apply``, DDP's default arguments: :mod:`remat.planning.replication`).
+        verify: for a compiled plan, apply, compile and run it for four steps on this GPU before it is
+            returned (tens of seconds), and solve again if it peaked over the budget (:func:`verified`;
+            ``notes["verified"]``); False: the prediction alone. Plans for several ranks are not measured.
+        host_memory: the pinned host memory offloaded tensors may take (bytes or ``"100GiB"``); default,
+            for a profile measured on this machine's GPU, what the offload engine's pool takes here
+            (60% of the available memory, divided among the ranks torchrun started on this host), and
+            no limit for a fake-tensor profile, made for another machine. ``notes["host_bytes"]`` says
+            how much a plan pins.
+        cp_world: plan for one of that many context-parallel ranks splitting each sequence
+            (:mod:`remat.parallel`): the model profiled on one rank's ``seq / cp_world`` tokens and each
+            block charged the attention over the rest of the sequence, its exchange and buffers
+            (:mod:`remat.planning.context`); with ``fsdp_world``, parameters, gradients and optimizer
+            state sharded over that many ranks. The model must run attention through SDPA.
+        cp_balance: the sequence is cut head-tail (every rank an equal share of attention, as
+            :func:`remat.parallel.shard_sequence` and torch's ``context_parallel`` cut it), or, False,
+            into contiguous pieces (the last rank's share, the largest, is charged).
+        kernels: None (the model's modules as they are; a model liger-kernel patched is measured with
+            its kernels), ``"stock"``, ``"liger"`` (liger-kernel's fused norms, gated MLP and rotary
+            embedding per block, installed by :func:`remat.apply`, and Liger's fused loss among the head
+            modes) or ``("stock", "liger")``: both profiled, the fastest chosen per block class
+            (:mod:`remat.planning.kernels`); the plan's ``kernels`` records them.
+
+    Returns:
+        A :class:`~remat.planning.plans.Plan`: a treatment per block, the head mode and chunk, the
+        tiled blocks' chunk (``plan.tile_tokens``), and in ``plan.notes`` the prediction (peak, step
+        time, where the peak is set, GPU, batch shape) and how it was made (``card_bytes``: the
+        smallest card it is made for; ``host_bytes``, ``compile``, ``verified``, ``kernels_stock``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; a batch whose loss cannot be told without ``loss_fn``.
+        ValueError: a batch a real step would crash on; a bad budget; ``cp_world`` not a whole number,
+            with ``ddp_world``, a model without SDPA attention or a sequence that does not divide by
+            ``2 x cp_world`` (``cp_world`` with ``cp_balance=False``); ``fsdp_world`` with
+            ``ddp_world``; offload treatments with ``compile``; a ``profiled`` made with another
+            ``compile`` or without the ``kernels`` asked; ``compile`` for a model off the GPU;
+            ``kernels="liger"`` without liger-kernel (``pip install remat[kernels]``) and ``"stock"`` on a
+            model liger-kernel patched; and everything :func:`remat.profile` raises.
+        remat.NoPlanFits: nothing fits the budget (a ValueError); its message and ``smallest_peak``
+            name the smallest budget that fits, with that ``plan``, or the host's pinned memory as the limit.
+
+    Example:
+        >>> ids = torch.randint(0, model.config.vocab_size, (4, 4096))   # doctest: +SKIP
+        >>> chosen = remat.plan(model, {"input_ids": ids}, "24GiB")     # doctest: +SKIP
+        >>> chosen.summary(), chosen.notes["predicted_peak_bytes"]      # doctest: +SKIP
+        >>> remat.apply(model, chosen)                                  # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat.plan expects a torch.nn.Module as its first argument, got {type(model).__name__} "
@@ -165,19 +182,48 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     check_batch(model, batch, labels=loss_fn is None)
     on_gpu = _measured_on_gpu(model, device)
     budget_bytes = within_card(budget_bytes, model if on_gpu else None, gpu)
-    if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
-        raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
-    if cp_world != 1:
-        if ddp_world != 1:
-            raise ValueError(f"cp_world={cp_world} with ddp_world={ddp_world} is not modelled: shard the model over "
-                             "the ranks with fsdp_world instead (as torchtitan does under context parallelism)")
-        shape = attention_shape(model)
-        if profiled is None:
-            batch = cp_piece(model, batch, cp_world, balance=cp_balance)
+    shape = _context_shape(model, cp_world, ddp_world)
+    if cp_world != 1 and profiled is None:
+        batch = cp_piece(model, batch, cp_world, balance=cp_balance)
     if fsdp_world != 1 and ddp_world != 1:
         raise ValueError(f"fsdp_world={fsdp_world!r} and ddp_world={ddp_world!r}: a model is either sharded (FSDP2) or "
                          "replicated (DDP) over its ranks, not both; pass one of them (HSDP is not modelled)")
     scope = compile_scope(compile)
+    _check_reuse(scope, compile=compile, treatments=treatments, profiled=profiled, kernels=kernels)
+    with _within_budget(model, budget_bytes, on_gpu and profiled is None):
+        prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
+                                    blocks=blocks, progress=progress, compile=compile, kernels=kernels)
+    prof = replace(prof, host_limit=_host_limit(prof, host_memory))
+    prof = _ranked(model, prof, budget_bytes, treatments=treatments, heads=heads, shape=shape, cp_world=cp_world,
+                   cp_balance=cp_balance, fsdp_world=fsdp_world, ddp_world=ddp_world)
+    allowed = allowed_treatments(prof, treatments)
+    if not (scope and verify):
+        return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
+    if fsdp_world != 1 or ddp_world != 1 or cp_world != 1:
+        return _noted(solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads),
+                      f"not measured: planned for one of {max(fsdp_world, ddp_world, cp_world)} ranks, which one "
+                      "GPU alone does not run")
+    with _within_budget(model, budget_bytes, on_gpu):
+        return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
+                        blocks=blocks, progress=progress)
+
+
+def _context_shape(model: nn.Module, cp_world, ddp_world: int) -> Optional[AttentionShape]:
+    """:func:`plan`'s ``cp_world`` checked (a whole number, not with ``ddp_world``), and the attention a
+    context-parallel rank exchanges (None without context parallelism)."""
+    if isinstance(cp_world, bool) or not isinstance(cp_world, int) or cp_world < 1:
+        raise ValueError(f"cp_world must be a whole number >= 1 (ranks splitting each sequence), got {cp_world!r}")
+    if cp_world == 1:
+        return None
+    if ddp_world != 1:
+        raise ValueError(f"cp_world={cp_world} with ddp_world={ddp_world} is not modelled: shard the model over "
+                         "the ranks with fsdp_world instead (as torchtitan does under context parallelism)")
+    return attention_shape(model)
+
+
+def _check_reuse(scope, *, compile, treatments, profiled, kernels) -> None:
+    """What :func:`plan` refuses of its compile, treatments and ``profiled`` before profiling: offload
+    treatments under compile, a profile made with another compile scope or without the kernels asked."""
     if scope and treatments is not None:
         offloading = [t for t in treatments if t in OFFLOADING_TREATMENTS]
         if offloading:
@@ -191,14 +237,21 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
     if profiled is not None and kernel_options(kernels) and not profiled.kernel_variants:
         raise ValueError(f"kernels={kernels!r} with profiled=: that profile was made without kernels; profile "
                          f"again with remat.profile(..., kernels={kernels!r})")
-    with _within_budget(model, budget_bytes, on_gpu and profiled is None):
-        prof = profiled or _profile(model, batch, loss_fn=loss_fn, gpu=gpu, device=device, optimizer=optimizer,
-                                    blocks=blocks, progress=progress, compile=compile, kernels=kernels)
-    # the host that trains: this one when the profile was measured here on its GPU, else unknown
-    # unless given (a plan made on a laptop for an H100 box must not take the laptop's memory)
-    host = parse_budget(host_memory) if host_memory is not None else (
-        host_share(default_host_limit()) if prof.device == "cuda" else None)
-    prof = replace(prof, host_limit=host)
+
+
+def _host_limit(prof: Profile, host_memory) -> Optional[int]:
+    """The pinned host bytes a plan of ``prof`` may offload: ``host_memory`` where given, else this host's
+    share when the profile was measured here on its GPU, else unknown (a plan made on a laptop for an
+    H100 box must not take the laptop's memory)."""
+    if host_memory is not None:
+        return parse_budget(host_memory)
+    return host_share(default_host_limit()) if prof.device == "cuda" else None
+
+
+def _ranked(model: nn.Module, prof: Profile, budget_bytes: int, *, treatments, heads, shape, cp_world: int,
+            cp_balance: bool, fsdp_world: int, ddp_world: int) -> Profile:
+    """``prof`` as one rank trains it (context-parallel, FSDP2-sharded, DDP-replicated as asked), for
+    the kernels whose plan within ``budget_bytes`` is fastest where it was profiled with several."""
     candidates = []
     for choice in kernel_choices(prof):   # one, unless profiled with several kernels
         candidate = with_kernels(prof, choice)
@@ -209,17 +262,7 @@ def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = 
         if ddp_world != 1:
             candidate = replicated(candidate, model, ddp_world)
         candidates.append(candidate)
-    prof = fastest_kernels(candidates, budget_bytes, treatments, heads)
-    allowed = allowed_treatments(prof, treatments)
-    if not (scope and verify):
-        return solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads)
-    if fsdp_world != 1 or ddp_world != 1 or cp_world != 1:
-        return _noted(solve_profiled(prof, budget_bytes, treatments=allowed, heads=heads),
-                      f"not measured: planned for one of {max(fsdp_world, ddp_world, cp_world)} ranks, which one "
-                      "GPU alone does not run")
-    with _within_budget(model, budget_bytes, on_gpu):
-        return verified(model, batch, prof, budget_bytes, loss_fn=loss_fn, treatments=allowed, heads=heads,
-                        blocks=blocks, progress=progress)
+    return fastest_kernels(candidates, budget_bytes, treatments, heads)
 
 
 def _measured_on_gpu(model: nn.Module, device: Optional[str]) -> bool:

@@ -9,7 +9,9 @@ engine. :func:`dp` walks the blocks in forward order over
 states (previous treatment, whether any earlier block offloaded) x kept-bytes levels (rounded
 *up* to ``scale / resolution``), keeping per state the best value of an objective and a back
 pointer. Two objectives share the states, transitions and memory terms: :class:`MinTime` (the
-least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak).
+least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak). Each block's
+step works on the kept-bytes levels below the highest that some plan reaches so far (and those its
+kept bytes move them to): the levels above hold no plan, and the early blocks reach few.
 
 The recompute margin (``margin``): :class:`MinTime` minimises the score, each block's seconds
 plus, for a treatment other than ``keep``, ``margin`` times the block's ``keep`` seconds. A
@@ -227,13 +229,16 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
     chunk_back = np.zeros((L, S, N), dtype=np.int8)     # the variant (chunk) of the state's treatment
     cols = np.arange(N)
     for i in range(L):
-        reached = np.flatnonzero(np.isfinite(value).any(axis=1))  # states some plan reaches
+        finite = np.isfinite(value)
+        reached = np.flatnonzero(finite.any(axis=1))  # states some plan reaches
+        # levels at or past ``hi`` hold no plan yet: the work below runs on the levels under it only
+        hi = int(np.flatnonzero(finite[reached].any(axis=0))[-1]) + 1 if reached.size else 0
         prev_off = tab.off[i - 1, p_of[reached]] if i else np.zeros(reached.size)
         res_f, res_b = engine_states(tab.window, tab.largest, prev_off, f_of[reached], tab.prefetch)
         flag = f_of[reached].astype(bool) | (prev_off > 0)     # the next state's flag
         groups = [(f, np.flatnonzero(flag == f)) for f in (0, 1)]
         new = np.full((S, N), np.inf)
-        values, p = value[reached], p_of[reached]
+        values, p = value[reached, :hi], p_of[reached]
         for t in range(T):
             if not tab.allowed[i, t]:
                 continue
@@ -243,7 +248,7 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
             for z in variants:  # largest chunk first: it keeps a tie
                 phase = np.maximum(live.forward_base() + tab.fwd[i, p, t, z] + res_f,
                                    live.backward_base() + tab.after[i] + tab.bwd[i, p, t, z] + res_b)
-                value_z = objective.step(values, levels, phase, tab.score[i, p, t, z])
+                value_z = objective.step(values, levels[:hi], phase, tab.score[i, p, t, z])
                 if candidate is None:
                     candidate = value_z
                 else:
@@ -251,20 +256,23 @@ def dp(profile, options, head, objective, scale, resolution, margin: float = 0.0
                     np.copyto(candidate, value_z, where=better)
                     which[better] = z
             step = np.ceil(np.maximum(tab.d[i, p, t], 0.0) / q).astype(np.int64)
-            shifted = np.full(candidate.shape, np.inf)  # a state's values moved up by its kept bytes
+            width = int(min(N, hi + step.max())) if step.size else 0  # the levels a plan can reach now
+            shifted = np.full((len(reached), width), np.inf)  # a state's values moved up by its kept bytes
             for row, k in enumerate(step):
-                if k < N:
-                    shifted[row, k:] = candidate[row, :N - k]
+                if k < width:
+                    shifted[row, k:k + hi] = candidate[row, :width - k]
+            columns = cols[:width]
             for f, rows in groups:
                 if rows.size == 0:
                     continue
                 sub = shifted[rows]
-                k = np.argmin(sub, axis=0) if rows.size > 1 else np.zeros(N, dtype=np.int64)
+                k = np.argmin(sub, axis=0) if rows.size > 1 else np.zeros(width, dtype=np.int64)
                 state = 2 * t + f
-                new[state] = sub[k, cols]
-                before = np.clip(cols - step[rows[k]], 0, N - 1)
-                back[i, state] = reached[rows[k]] * N + before
-                chunk_back[i, state] = variants[0] if which is None else which[rows[k], before]
+                new[state, :width] = sub[k, columns]
+                before = np.clip(columns - step[rows[k]], 0, N - 1)
+                back[i, state, :width] = reached[rows[k]] * N + before
+                chunk_back[i, state, :width] = variants[0] if which is None else \
+                    which[rows[k], np.minimum(before, max(hi - 1, 0))]
         value = new
     resident, _ = engine_states(tab.window, tab.largest, tab.off[L - 1, p_of], f_of, tab.prefetch)
     total = objective.finish(value, levels, live.head_peak() + resident)

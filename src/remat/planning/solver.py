@@ -60,7 +60,10 @@ this: docs/history.md). The plan's reported time is the simulator's.
 One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
 least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;
 one DP per head option, and one more per offload window (without offload, with
-``full+offload`` only, with both).
+``full+offload`` only, with both). A head option another beats whatever the blocks do (no more
+bytes in any phase, fewer seconds) cannot be in the best plan, nor in the smallest, and is
+dropped before any of it (:func:`undominated_heads`: a large model's plain head against a chunked
+one, the largest chunk against a smaller; 5 head options became 3 for an 8B model at 4 x 4096).
 
 Blocks called several times a step (ALBERT's shared layer group: :mod:`remat.planning.calls`): a
 treatment is installed on a module, so all of a block's calls get one. :func:`_tied` solves the
@@ -151,6 +154,7 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
     if not head_options:
         raise ValueError(f"no head mode left to plan with: asked for {list(heads)}, profiled "
                          f"{sorted({h.mode for h in profile.heads})}")
+    head_options = undominated_heads(profile, head_options, recompute_margin)
     exact = _uniform(profile, options, head_options, offload_margin, recompute_margin)
     best = _best(profile, options, head_options, budget, resolution, offload_margin, exact, recompute_margin)
     if best is not None and _over_host(profile, best):
@@ -166,6 +170,33 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
             f"or sequence, or free static memory (static alone is {format_size(profile.static_bytes)}).",
             smallest, plan)
     return _plan(profile, best, budget)
+
+
+HEAD_BYTES = ("pre_peak", "pre_end", "head_fwd_peak", "head_fwd_end", "head_bwd_peak", "head_bwd_end",
+              "pre_bwd_peak", "pre_bwd_end")
+"""The fields of a :class:`~remat.planning.costs.HeadCost` that a step's bytes add (:mod:`remat.planning.memory`)."""
+TIE_S = 1e-9
+"""Seconds by which a head must beat another to drop it (:func:`undominated_heads`): far above the
+rounding of a step's sums, far below any difference a profile measures."""
+
+
+def undominated_heads(profile, heads, recompute_margin: float = RECOMPUTE_MARGIN) -> list:
+    """``heads`` less those another of them beats whatever the blocks do: no more bytes in any phase
+    (:data:`HEAD_BYTES`) and fewer seconds, its recompute margin and what it can expose of the last
+    block's offload copy included (a head whose forward is shorter hides less of that copy: up to the
+    difference). Every plan with a dropped head fits wherever the same blocks with the other head fit
+    and scores more, so the search finds the same plan without it; on a tie both stay.
+
+    Why: the solver runs one dynamic programme per head option and offload window, most of its time
+    on a large model, and a model's plain head is often beaten so by a chunked one, the largest chunk
+    by a smaller one."""
+    def seconds(head):
+        return head_seconds(profile, head) + head_margin(profile, head, recompute_margin)
+
+    def beats(a, b):
+        return (all(getattr(a, f) <= getattr(b, f) for f in HEAD_BYTES)
+                and seconds(a) + max(0.0, b.head_fwd_s - a.head_fwd_s) + TIE_S < seconds(b))
+    return [b for b in heads if not any(a is not b and beats(a, b) for a in heads)]
 
 
 TIED_CHOICES = 64
@@ -334,7 +365,7 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
     take one treatment only (a call :func:`_tied` pinned) takes it in every such plan.
     """
     L = len(profile.block_names)
-    out, seen = [], set()
+    out, seen, tables = [], set(), {}
     for t in options:
         only = [profile.treatments(i) for i in range(L)]
         chosen = [t if t in own else own[0] if len(own) == 1 else None for own in only]
@@ -349,7 +380,8 @@ def _uniform(profile, options, head_options, margin, recompute_margin) -> list:
                 bound = simulate(profile, chosen, head=head.mode, chunk_tokens=head.chunk_tokens,
                                  tile_tokens=tiles).bound_bytes
                 out.append((_need(bound, offloads, margin),
-                            _Found(plan_score(profile, chosen, head, recompute_margin, tiles), chosen, head, tiles)))
+                            _Found(_score(profile, chosen, head, recompute_margin, tiles, tables), chosen, head,
+                                   tiles)))
     return out
 
 
@@ -419,6 +451,18 @@ def plan_score(profile, treatments, head, recompute_margin: float = RECOMPUTE_MA
     :func:`plan_seconds` plus the recompute margin (its blocks' and its head's)."""
     profile, treatments, tiles = _calls(profile, treatments, tiles)
     return _evaluate(profile, treatments, head, margin=recompute_margin, tiles=tiles)[2]
+
+
+def _score(profile, treatments, head, recompute_margin, tiles, tables: dict) -> float:
+    """:func:`plan_score`, the DP's tables of each set of options and head built once in ``tables``
+    (a plan's chunks change which entries it reads, not the tables)."""
+    profile, treatments, tiles = _calls(profile, treatments, tiles)
+    options = sorted(set(treatments), key=list(profile.treatments()).index)
+    key = (tuple(options), id(head))
+    if key not in tables:
+        tables[key] = Tables(profile, options, head, recompute_margin)
+    return _evaluate(profile, treatments, head, options=options, margin=recompute_margin, tiles=tiles,
+                     tables=tables[key])[2]
 
 
 def plan_bound(profile, treatments, head, tiles=None) -> float:

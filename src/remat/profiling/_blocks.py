@@ -7,7 +7,7 @@ sink (:class:`_Sink`) that hands back a fresh output gradient, a backward, with 
 each boundary (forward peak and kept + output; kept for backward; backward peak and gradients
 left). Saved-tensor hooks on the warm-up run record
 which storages it saves: whether it keeps its input, and the bytes the offload engine would
-move (``offloadable``: saved storages of at least ``min_bytes``, parameters excluded). On a
+move (``offloadable``: saved storages of at least the request's ``min_offload_bytes``, parameters excluded). On a
 GPU the seconds come from :func:`_block_seconds` instead: several forwards in a row, then
 their backwards, as a step queues them. Compiled (``backend`` given), every run goes through
 the block's compiled call (:mod:`remat.profiling._compiled`), compiled by a first run that
@@ -61,9 +61,12 @@ class _Sink(torch.autograd.Function):
         return torch.ones(shape, dtype=dtype, device=device)
 
 
-def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeats, keep=None,
-                backend=None, tile_tokens=None) -> BlockCost:
-    """``block`` under ``treatment`` (a tiled one in chunks of ``tile_tokens``; None: the default)."""
+def _block_cost(block, treatment, args, kwargs, *, meter, params, request, keep=None, tile_tokens=None) -> BlockCost:
+    """``block`` under ``treatment`` (a tiled one in chunks of ``tile_tokens``; None: the default) on
+    its captured ``args`` and ``kwargs``, read on ``meter``, as ``request`` asks (its ``backend``:
+    compiled; its ``repeats``: timed chains on a GPU; its ``min_offload_bytes``: what ``offloadable``
+    counts, ``params`` (storage ids) never); ``keep``: the block's ``keep`` cost, where measured."""
+    backend, repeats = request.backend, request.repeats
     apply_treatment(block, block_record(treatment, tile_tokens=tile_tokens))
     stack = contextlib.ExitStack()  # a compiled call's graphs leave dynamo's cache with it
     try:
@@ -100,7 +103,7 @@ def _block_cost(block, treatment, args, kwargs, meter, params, min_bytes, repeat
         remove_treatment(block)
         block.zero_grad(set_to_none=True)
     (with_out, fwd_peak, _), (kept, _, _), (bwd_end, bwd_peak, _) = marks
-    moved = [size for key, size in saved.items() if key not in params and size >= min_bytes]
+    moved = [size for key, size in saved.items() if key not in params and size >= request.min_offload_bytes]
     offloadable = sum(moved)
     return BlockCost(fwd_peak=fwd_peak, kept=kept, out_alive=with_out - kept, out_bytes=out_bytes,
                      saves_input=input_saved, bwd_peak=bwd_peak, bwd_end=bwd_end, fwd_s=fwd_s, bwd_s=bwd_s,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from remat.profiling._meters import tensors_of
 
 
 @contextlib.contextmanager
@@ -284,11 +287,12 @@ class ValuedFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = tensors_of((args, kwargs))
         has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
-        if any(has_values) and _makes_new(func) and torch.Tag.nondeterministic_seeded not in func.tags:
+        makes_new, seeded = _kind(func)
+        if any(has_values) and makes_new and not seeded:
             return self._with_values(func, types, args, kwargs, tensors, all(has_values))
-        if not tensors and torch.Tag.nondeterministic_seeded in func.tags:
+        if not tensors and seeded:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() <= _RANDOM_LIMIT:
                 return self._drawn_high(out)
@@ -363,22 +367,36 @@ class ValuedFakeMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def _tensors_of_values():
+def _tensors_of_values(mode: Optional["ValuedFakeMode"] = None):
     """``torch.tensor`` of a list that holds tensors with values (Qwen2-VL's
     ``torch.tensor([positions.max() + 1 - length, ...])``) reads their values as numbers first:
-    ``torch.tensor`` copies its elements' memory directly, which a fake tensor does not have."""
+    ``torch.tensor`` copies its elements' memory directly, which a fake tensor does not have.
+    With ``mode``, a ``tolist()`` of one of its tensors with values reads them at once (one read
+    recorded, where the model asked) instead of element by element: ``FakeTensor.tolist`` calls
+    ``.item()`` per element, each a value read through every dispatch mode (Qwen2-VL's M-RoPE
+    positions: 12,000 of them a step), and each its own ``.item()`` of the same value."""
     original = torch.tensor
+    original_tolist = FakeTensor.tolist
 
     def tensor(data, *args, **kwargs):
         if isinstance(data, (list, tuple)):
             data = tree_map(lambda v: v.tolist() if isinstance(v, FakeTensor) and v.constant is not None else v, data)
         return original(data, *args, **kwargs)
 
+    def tolist(self):
+        if mode is not None and self.fake_mode is mode and self.constant is not None:
+            mode._read()
+            with no_dispatch():
+                return self.constant.tolist()
+        return original_tolist(self)
+
     torch.tensor = tensor
+    FakeTensor.tolist = tolist
     try:
         yield
     finally:
         torch.tensor = original
+        FakeTensor.tolist = original_tolist
 
 
 @contextlib.contextmanager
@@ -404,6 +422,18 @@ def _makes_new(func) -> bool:
     """Whether ``func`` returns new tensors (no view of, nor write to, its inputs)."""
     schema = func._schema
     return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+_KINDS = {}
+
+
+def _kind(func) -> tuple:
+    """``(makes new tensors, draws random numbers)`` of an op (:func:`_makes_new`, its
+    ``nondeterministic_seeded`` tag), read once per op: :class:`ValuedFakeMode` asks on every op."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = (_makes_new(func), torch.Tag.nondeterministic_seeded in func.tags)
+    return kind
 
 
 def fake_attributes_restored(model: nn.Module):

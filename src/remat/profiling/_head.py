@@ -70,7 +70,10 @@ def _chunk_options(chunks, hidden) -> list:
     return options or [tokens]
 
 
-def _head_cost(model, batch, loss_fn, named, capture, mode, chunk, meter, repeats, backend=None) -> HeadCost:
+def _head_cost(model, batch, loss_fn, named, capture, *, mode, chunk, meter, repeats, backend=None) -> HeadCost:
+    """The embeddings' and head's cost in ``mode`` (``chunk``: the chunked head's chunk tokens) on a step
+    of stubbed blocks (:func:`_stub_run`), ``repeats`` runs after a warm one on ``meter``; ``backend``:
+    the model compiled around the stubs."""
     if mode == "chunked":
         from remat.head import enable_chunked_head
         enable_chunked_head(model, chunk_tokens=chunk)

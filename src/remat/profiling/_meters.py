@@ -32,7 +32,6 @@ from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from remat.planning.costs import Rates
 
@@ -74,14 +73,12 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors_of((args, kwargs))
         seen = {id(t.untyped_storage()) for t in inputs}
         moved = sum(t.numel() * t.element_size() for t in inputs)
-        kernel = func._schema.is_mutable
+        kernel = _is_mutable(func)
         g = self.rates.granularity
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in tensors_of(out):
             storage = t.untyped_storage()
             key = id(storage)
             if key in seen:
@@ -98,12 +95,56 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+def tensors_of(value) -> list:
+    """The tensors in an op's arguments or outputs (nested tuples, lists and dicts), in the order
+    ``torch.utils._pytree.tree_flatten`` lists them: what an aten op takes and returns holds no
+    other container, and this walk costs a tenth of the general one, on every op of a fake profile."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found = []
+    if isinstance(value, (tuple, list, dict)):
+        _collect(value.values() if isinstance(value, dict) else value, found)
+    return found
+
+
+def _collect(items, found: list) -> None:
+    """The tensors among ``items`` and the containers they hold, appended to ``found`` in order (a call
+    per container, not per element: an op's arguments hold lists of sizes)."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            _collect(item, found)
+        elif isinstance(item, dict):
+            _collect(item.values(), found)
+
+
+_MUTABLE = {}
+_FORMULAS = {}
+
+
+def _is_mutable(func) -> bool:
+    """Whether ``func`` writes an input (its schema says so), read once per op."""
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = bool(func._schema.is_mutable)
+    return mutable
+
+
+def _formula(func):
+    """``(attention, flop formula or None)`` of ``func``, looked up once per op."""
+    known = _FORMULAS.get(func)
+    if known is None:
+        from torch.utils.flop_counter import flop_registry
+        known = _FORMULAS[func] = (any(a in func.__name__ for a in _ATTENTION_OPS),
+                                   flop_registry.get(func._overloadpacket))
+    return known
+
+
 def _op_seconds(func, args, kwargs, out, moved, rates) -> float:
-    name = func.__name__
-    if any(a in name for a in _ATTENTION_OPS):
+    attention, formula = _formula(func)
+    if attention:
         return _attention_seconds(func, args, kwargs, moved, rates)
-    from torch.utils.flop_counter import flop_registry
-    formula = flop_registry.get(func._overloadpacket)
     flops = 0.0
     if formula is not None:
         try:
@@ -140,7 +181,8 @@ def _attention_seconds(func, args, kwargs, moved, rates) -> float:
 
 
 def _dtype(args):
-    return next((t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), torch.float32)
+    first = tensors_of(args)
+    return first[0].dtype if first else torch.float32
 
 
 class _TrackerMeter:
@@ -217,12 +259,17 @@ def _chain(meter, run, repeats):
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Python's garbage collector off for the ``with`` block (one collection first), then as it was.
+    """Python's garbage collector off for the ``with`` block (the young generations collected first),
+    then as it was.
 
-    A collection inside a timed run reads as a slow, host-bound phase; profile readings are
-    medians of steady runs, as a step's median is."""
+    A collection inside a timed run reads as a slow, host-bound phase, and its frees as the run's
+    own (profile readings are medians of steady runs, as a step's median is; marks are differences
+    of live bytes). Garbage left from before the block stays alive all through it, so it never
+    reads as a free between two marks; the collection first keeps what piles up between runs small,
+    and only the young generations are collected (the garbage of the runs just before): a full
+    collection costs a tenth of a second or more once transformers is imported, once per run."""
     was = gc.isenabled()
-    gc.collect()
+    gc.collect(1)
     gc.disable()
     try:
         yield

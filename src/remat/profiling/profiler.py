@@ -65,7 +65,8 @@ bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), its step's temporari
 optimizer's implementation (:func:`~remat.planning.costs.optimizer_temp_bytes`).
 
 Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
-``progress=`` printer). The numbers it returns are in :mod:`remat.planning.costs`; the meters in
+``progress=`` printer); what one call measures and how is one frozen
+:class:`~remat.profiling._request.ProfileRequest`, built here and handed down. The numbers it returns are in :mod:`remat.planning.costs`; the meters in
 :mod:`remat.profiling._meters`; the fake-tensor swap and CUDA-attention stand-in in
 :mod:`remat.profiling._fake`; the runs in :mod:`remat.profiling._measure` (the flow),
 :mod:`~remat.profiling._capture`, :mod:`~remat.profiling._blocks` and :mod:`~remat.profiling._head`;
@@ -94,6 +95,7 @@ from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _Kerne
                                   _swap_to_fake, _tensors_of_values, fake_attributes_restored, padded_mask)
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
+from remat.profiling._request import ProfileRequest, _silent
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, TILE_CANDIDATES, BlockCost,
     HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, optimizer_temp_bytes,
@@ -113,55 +115,94 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             chunk_candidates=CHUNK_CANDIDATES, min_offload_bytes: Optional[int] = None,
             progress=None, calibrate: bool = True, compile=False, tile_candidates=TILE_CANDIDATES,
             kernels=None) -> Profile:
-    """Profile ``model`` on ``batch``, training with ``loss_fn(model, batch)``.
+    """What each block of ``model`` costs under each treatment, and its head in each mode, training on ``batch``.
 
-    ``batch``: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
-    ``loss_fn(model, batch) -> scalar loss``: one training step's loss. Without it: a dict
-    batch is a Hugging Face model's, ``model(**batch).loss`` (labels default to
-    ``input_ids``); a tensor of integer ids is ``model(input_ids=ids, labels=ids).loss``;
-    anything else raises TypeError asking for ``loss_fn``.
+    The model comes back exactly as it was: remat patches (an applied plan, the chunked head) are
+    taken off while profiling and put back, and parameters, gradients, buffers, training flags,
+    ``requires_grad`` and the random states are restored (:mod:`remat.profiling.snapshot`).
 
-    The model comes back exactly as it was: remat patches (an applied plan, the chunked head)
-    are taken off while profiling and put back, and parameters, gradients, buffers, training
-    flags, ``requires_grad`` and the random states are restored (:mod:`remat.profiling.snapshot`).
+    Args:
+        model: the ``nn.Module`` to train; on a GPU it is measured there, elsewhere (the CPU, the
+            ``meta`` device) profiled with fake tensors.
+        batch: a tensor, a tuple/list or a dict of any keys, with the shapes of training.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``, one training step's loss. Without it a dict
+            batch is a Hugging Face model's, ``model(**batch).loss`` (labels default to ``input_ids``),
+            and a tensor of integer ids ``model(input_ids=ids, labels=ids).loss``.
+        gpu: the rates a fake profile prices ops at (h100, h200, a100, cpu; default h100; on a GPU,
+            the GPU's own where it is one of those).
+        device: ``"cuda"`` measures on the GPU (the model must be there), ``"fake"`` estimates with
+            fake tensors at ``gpu``'s rates; default ``"cuda"`` for a model on a GPU, else ``"fake"``.
+        blocks: which modules are the blocks (default: :func:`remat.treat.discovery.discover`'s).
+        optimizer: the optimizer whose states and step are counted (``"none"``, ``"adamw"``, ...).
+        head_modes: the head modes measured (``"plain"``, ``"chunked"``; ``"liger"`` is added with Liger's kernels).
+        chunk_candidates: the chunked head's chunk sizes (none above the step's tokens).
+        min_offload_bytes: the smallest saved tensor offload moves (default: the offload engine's).
+        progress: ``progress(message)``, told each stage as it starts (:func:`progress_printer`).
+        calibrate: on a GPU, one real step scales the profiled seconds to in-step ones
+            (``notes["calibration"]`` holds its ratios).
+        compile: ``True`` (or ``"model"``): the costs of the model as it runs after ``model.compile()``:
+            every block class x treatment and head mode measured compiled (a compile each, tens of
+            seconds on a large block; :mod:`remat.profiling._compiled`), offload left out
+            (``notes["offload"]`` says why), dynamo's caches reset when done. ``"blocks"``: each block
+            compiled alone and the rest eager, as FSDP2 trains compiled. ``notes["compile_scope"]`` says which.
+        tile_candidates: the chunk sizes the tiled treatments are measured at besides the default
+            (those below the step's tokens; tiled treatments are profiled from
+            :data:`~remat.planning.costs.TILED_FROM_TOKENS` tokens a step): ``Profile.tiles``, among
+            which the solver chooses per block.
+        kernels: None (the blocks as they are: a model liger-kernel patched is measured with Liger's
+            kernels, stood in for on fake tensors by :mod:`remat.profiling._liger`), ``"stock"``,
+            ``"liger"`` or both (``("stock", "liger")``): every block class measured with each (Liger's
+            fused norms, gated MLP and rotary embedding installed on its first block for those runs), the
+            variants in ``Profile.kernel_variants``, and the head also in the mode ``"liger"`` where the
+            model's family has it; blocks Liger cannot serve keep their modules (``notes["kernels_stock"]``).
 
-    ``tile_candidates``: the chunk sizes the tiled treatments are measured at besides the default
-    (those below the step's tokens; tiled treatments are profiled from
-    :data:`~remat.planning.costs.TILED_FROM_TOKENS` tokens a step): ``Profile.tiles``, among which
-    the solver chooses per block.
+    Returns:
+        A :class:`~remat.planning.costs.Profile`: the costs per block class and head option, the
+        static bytes, the rates, and ``notes`` (what was left out and why, how it was profiled).
 
-    ``calibrate`` (GPU only): run one real step to scale the profiled GPU seconds to
-    in-step ones (see ``_calibrate``); its ratios are in ``notes["calibration"]``.
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; a batch whose loss cannot be told without ``loss_fn``.
+        ValueError: an unknown ``optimizer`` or ``device``; a model without parameters; ``device="cuda"``
+            for a model off the GPU; ``compile`` without a GPU (a fake profile cannot run compiled code);
+            ``kernels="liger"`` without liger-kernel (``pip install remat[kernels]``) and ``"stock"`` alone
+            on a model liger-kernel patched; a forward that reads tensor values a fake profile does not
+            have; a model whose embeddings and head run in no head mode.
 
-    ``device``: ``"cuda"`` measures on the GPU (the model must be there), ``"fake"``
-    estimates with fake tensors and the rates of ``gpu`` (h100, h200, a100, cpu); default:
-    ``"cuda"`` when the model's parameters are on a GPU, else ``"fake"``.
-
-    ``compile=True``: the costs of the model as it will run after ``model.compile()`` (or
-    ``torch.compile(model)``): every block class x treatment and every head mode is measured
-    compiled (:mod:`remat.profiling._compiled`; a compile per class x treatment, tens of seconds
-    each on a large block, reported through ``progress``). Offload treatments are left out
-    (``notes["offload"]`` says why) and ``notes["compile"]`` is True. Needs the model on a GPU:
-    a fake-tensor profile cannot run compiled code, so ``device="fake"`` (or a model off the GPU)
-    raises ValueError rather than returning eager numbers as compiled ones. Dynamo's caches are
-    reset when it is done (anything else compiled in the process recompiles on its next call).
-    ``compile="blocks"``: each block compiled alone and the rest eager, as FSDP2 trains compiled
-    (``block.compile()`` on every block before ``fully_shard``); ``notes["compile_scope"]`` says
-    which (``model`` for ``compile=True``).
-
-    ``kernels``: None (the blocks as they are: a model liger-kernel patched is measured with Liger's
-    kernels, which never see a fake tensor: :mod:`remat.profiling._liger` stands in for them), or
-    ``"stock"``, ``"liger"``, or both (``("stock", "liger")``): every block class is measured with each
-    (``"liger"``: Liger's fused norms, gated MLP and rotary embedding installed on its first block for
-    those runs, :mod:`remat.treat.kernels`), the variants in ``Profile.kernel_variants``, and the head
-    also in the mode ``"liger"`` (Liger's fused linear cross-entropy) where the model's family has it.
-    Blocks Liger cannot serve keep their modules (``notes["kernels_stock"]``, per block). ValueError
-    for ``"liger"`` without liger-kernel installed (``pip install remat[kernels]``), and for
-    ``"stock"`` alone on a model that liger-kernel patched (remat does not undo its patches).
+    Example:
+        >>> prof = remat.profile(model, {"input_ids": ids})          # doctest: +SKIP
+        >>> remat.plan(model, {"input_ids": ids}, "24GiB", profiled=prof)   # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat.profile expects a torch.nn.Module as its first argument, got {type(model).__name__}; "
                         "call remat.profile(model, batch) with the model object")
+    batch, loss_fn, device, request = _requested(
+        model, batch, loss_fn=loss_fn, gpu=gpu, device=device, blocks=blocks, optimizer=optimizer,
+        head_modes=head_modes, chunk_candidates=chunk_candidates, min_offload_bytes=min_offload_bytes,
+        progress=progress, calibrate=calibrate, compile=compile, tile_candidates=tile_candidates, kernels=kernels)
+    sequences, tokens = _batch_shape(batch)
+    if device == "cuda" and not request.scope and sequences * tokens >= LONG_CONTEXT_TOKENS:
+        return _profile_long(model, batch, loss_fn, request, blocks=blocks,
+                             why=f"{sequences * tokens:,} tokens a step is long context (from {LONG_CONTEXT_TOKENS:,})")
+    try:
+        with preserved(model) as held, patches.suspended(model):
+            named = discover(model, blocks).blocks(model)
+            model.train()
+            if device == "fake":
+                return _profile_fake(model, batch, loss_fn, named, request)
+            return _profile_cuda(model, batch, loss_fn, named, request, held_grad_bytes=held.held_grad_bytes)
+    except torch.OutOfMemoryError as error:
+        if device != "cuda" or request.scope:
+            raise
+        torch.cuda.empty_cache()
+        return _profile_long(model, batch, loss_fn, request, blocks=blocks,
+                             why=f"measuring ran out of GPU memory ({str(error)[:120]})")
+
+
+def _requested(model, batch, *, loss_fn, gpu, device, blocks, optimizer, head_modes, chunk_candidates,
+               min_offload_bytes, progress, calibrate, compile, tile_candidates, kernels) -> tuple:
+    """``(batch, loss_fn, device, request)`` of a :func:`profile` call, its arguments checked (its errors
+    but the first) and the machine's defaults resolved: the rates (on a GPU its copy rates, measured
+    now), the offload engine's smallest tensor, the compile backend."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     kernels = kernel_options(kernels)
@@ -191,32 +232,13 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
                         h2d_Bps=h2d)
     else:
         rates = rates_for(gpu or "h100")
-    if min_offload_bytes is None:
-        min_offload_bytes = _default_min_offload_bytes()
-    say = progress or (lambda message: None)
-    sequences, tokens = _batch_shape(batch)
-    if device == "cuda" and not scope and sequences * tokens >= LONG_CONTEXT_TOKENS:
-        return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, f"{sequences * tokens:,} tokens a step is long context "
-                             f"(from {LONG_CONTEXT_TOKENS:,})", tile_candidates, kernels)
-    try:
-        with preserved(model) as held, patches.suspended(model):
-            structure = discover(model, blocks)
-            named = structure.blocks(model)
-            model.train()
-            if device == "fake":
-                return _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                     min_offload_bytes, say, tile_candidates, kernels)
-            return _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunk_candidates,
-                                 min_offload_bytes, say, calibrate, held.held_grad_bytes, scope, tile_candidates,
-                                 kernels)
-    except torch.OutOfMemoryError as error:
-        if device != "cuda" or scope:
-            raise
-        torch.cuda.empty_cache()
-        return _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunk_candidates,
-                             min_offload_bytes, say, f"measuring ran out of GPU memory ({str(error)[:120]})",
-                             tile_candidates, kernels)
+    request = ProfileRequest(
+        rates=rates, optimizer=optimizer, head_modes=tuple(head_modes), chunk_candidates=tuple(chunk_candidates),
+        tile_candidates=tuple(tile_candidates), kernels=tuple(kernels or ()), calibrate=calibrate, scope=scope,
+        min_offload_bytes=_default_min_offload_bytes() if min_offload_bytes is None else min_offload_bytes,
+        backend=COMPILE_BACKEND if scope else None, repeats=REPEATS if device == "cuda" else 1,
+        say=progress or _silent)
+    return batch, loss_fn, device, request
 
 
 LONG_CONTEXT_TOKENS = 65536
@@ -225,24 +247,22 @@ rates measured on that GPU (:func:`_profile_long`): a block measured alone there
 step's inner-block memory several times over (keep, full, ... in turn) and take minutes."""
 
 
-def _profile_long(model, batch, loss_fn, blocks, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  why, tiles=TILE_CANDIDATES, kernels=()) -> Profile:
+def _profile_long(model, batch, loss_fn, request, *, blocks, why: str) -> Profile:
     """A GPU model's profile with fake tensors, its attention priced at the rates this GPU reaches
     for the model's attention shapes at this length (:func:`measured_attention`) and its copies at
     their measured rates: the memory exactly as a fake profile counts it, planning in the time a
     fake profile takes, and no GPU memory used beyond one attention's inputs. ``notes["profiled"]``
-    says so."""
+    says so, with ``why``."""
     device = next(model.parameters()).device
     shapes = _attention_shapes(model)
     tokens = _batch_shape(batch)[1]
-    say(f"profiling with fake tensors: {why}; timing attention on this GPU first")
+    request.say(f"profiling with fake tensors: {why}; timing attention on this GPU first")
     attention = measured_attention(device, shapes, tokens)
-    rates = replace(rates, attention=attention)
+    request = replace(request, rates=replace(request.rates, attention=attention), repeats=1)
     with preserved(model) as held, patches.suspended(model):
         named = discover(model, blocks).blocks(model)
         model.train()
-        prof = _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                             tiles, kernels)
+        prof = _profile_fake(model, batch, loss_fn, named, request)
         # what the step starts from is what the GPU holds now (the user's gradients set aside)
         static = torch.cuda.memory_allocated(device) - held.held_grad_bytes + prof.optimizer_bytes
     measured = ", ".join(f"head dim {d}: {f / 1e12:.0f}/{b / 1e12:.0f}" for d, f, b in attention)
@@ -403,8 +423,9 @@ def _value_dependent_errors() -> tuple:
     return DataDependentOutputException, DynamicOutputShapeException
 
 
-def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  tiles=TILE_CANDIDATES, kernels=()) -> Profile:
+def _profile_fake(model, batch, loss_fn, named, request) -> Profile:
+    """:func:`profile` with fake tensors (the model's parameters, buffers and batch swapped for fakes
+    for the length of it) at the request's rates."""
     fake_mode = ValuedFakeMode()
     fake_mode.watch(model)
     param_bytes = _storage_bytes(model.parameters())
@@ -414,15 +435,13 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
     restore_attributes = fake_attributes_restored(model)
     try:
         # Liger's Triton kernels never see a fake tensor: stand-ins of their shapes, saved bytes and costs
-        with fake_mode, _KernelStandIns(), _tensors_of_values(), _conversions_in_place(), liger_stand_ins():
+        with fake_mode, _KernelStandIns(), _tensors_of_values(fake_mode), _conversions_in_place(), liger_stand_ins():
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
-            tracker = _Tracker(rates)
+            tracker = _Tracker(request.rates)
             with tracker, _cuda_attention(packed=isinstance(batch, dict) and "position_ids" in batch, padded=padded), \
                     sampled_chunks(tracker.repeated):  # identical fake chunks: three run, counted for all
-                meter = _TrackerMeter(tracker)
-                body = _profile_body(model, fbatch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes,
-                                     say, tiles=tiles, kernels=kernels)
+                body = _profile_body(model, fbatch, loss_fn, named, _TrackerMeter(tracker), request)
     except _value_dependent_errors() as error:
         reader, hook = value_reader(error, model)
         if hook:
@@ -445,9 +464,10 @@ def _profile_fake(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
         restore()
     if fake_mode.reads:
         body = replace(body, notes=dict(body.notes, ran_for_real=ran_for_real(fake_mode.reads)))
-    optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
-    return _finish(model, body, batch, rates, "fake", optimizer, optimizer_bytes, param_bytes,
-                   buffer_bytes, param_bytes + buffer_bytes + optimizer_bytes)
+    optimizer_bytes = optimizer_state_bytes(request.optimizer, trainable_shapes(model))
+    return _finish(model, body, batch, request, device="fake", optimizer_bytes=optimizer_bytes,
+                   param_bytes=param_bytes, buffer_bytes=buffer_bytes,
+                   static=param_bytes + buffer_bytes + optimizer_bytes)
 
 
 def value_reader(error: BaseException, model: nn.Module) -> tuple:
@@ -489,25 +509,25 @@ def ran_for_real(reads: dict) -> str:
             + "; ".join(reads))
 
 
-def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, chunks, min_bytes, say,
-                  calibrate=True, held_grad_bytes=0, scope=None, tiles=TILE_CANDIDATES, kernels=()) -> Profile:
+def _profile_cuda(model, batch, loss_fn, named, request, *, held_grad_bytes: int = 0) -> Profile:
+    """:func:`profile` measured on the GPU the model is on, then calibrated on one real step where the
+    request asks; ``held_grad_bytes``: the user's gradients, set aside while profiling."""
     device = next(model.parameters()).device
     batch = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
     model.zero_grad(set_to_none=True)
-    meter = _CudaMeter()
-    backend = COMPILE_BACKEND if scope else None
+    scope, say = request.scope, request.say
     if scope == "model":  # measured as it will run once applied and compiled: the mask skipped as in eager
         mask_skip.hold(model, [name for name, _ in named])
-    body = _profile_body(model, batch, loss_fn, named, meter, rates, head_modes, chunks, min_bytes, say,
-                         repeats=REPEATS, backend=backend, scope=scope, tiles=tiles, kernels=kernels)
+    body = _profile_body(model, batch, loss_fn, named, _CudaMeter(), request)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    optimizer_bytes = optimizer_state_bytes(optimizer, trainable_shapes(model))
+    optimizer_bytes = optimizer_state_bytes(request.optimizer, trainable_shapes(model))
     # the user's gradients, set aside while profiling, are not part of a step's static memory
     static = torch.cuda.memory_allocated(device) - held_grad_bytes + optimizer_bytes
-    prof = _finish(model, body, batch, rates, "cuda", optimizer, optimizer_bytes,
-                   _storage_bytes(model.parameters()), _storage_bytes(model.buffers()), static)
-    if not calibrate:
+    prof = _finish(model, body, batch, request, device="cuda", optimizer_bytes=optimizer_bytes,
+                   param_bytes=_storage_bytes(model.parameters()), buffer_bytes=_storage_bytes(model.buffers()),
+                   static=static)
+    if not request.calibrate:
         return prof
     if prof.block_calls:  # the calibration's events are per block: a block called N times would read N calls as one
         return replace(prof, notes=dict(prof.notes, calibration="skipped: a block runs several times a step"))
@@ -518,8 +538,8 @@ def _profile_cuda(model, batch, loss_fn, named, rates, optimizer, head_modes, ch
         # ... its blocks with the kernels their classes were measured with (Liger's, for kernels="liger")
         with kernels_installed(named, block_kernels(prof)):
             if scope:
-                return with_fused_heads(calibrate_compiled(model, batch, loss_fn, named, stock, say, backend, scope),
-                                        fused)
+                return with_fused_heads(calibrate_compiled(model, batch, loss_fn, named, stock, say, request.backend,
+                                                           scope), fused)
             return with_fused_heads(_calibrate(model, batch, loss_fn, named, stock, say), fused)
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # the profile stands without it
         model.zero_grad(set_to_none=True)
@@ -539,11 +559,12 @@ def with_fused_heads(prof: Profile, fused: tuple) -> Profile:
                                                           head_bwd_s=h.head_bwd_s * ratio) for h in fused))
 
 
-def _finish(model, body, batch, rates, device, optimizer, optimizer_bytes, param_bytes, buffer_bytes,
-            static) -> Profile:
+def _finish(model, body, batch, request, *, device, optimizer_bytes, param_bytes, buffer_bytes, static) -> Profile:
+    """The :class:`Profile` of ``body`` (the block and head runs) with the model-wide numbers."""
     sequences, tokens = _batch_shape(batch)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     shapes = trainable_shapes(model)
+    optimizer, rates = request.optimizer, request.rates
     step = optimizer_step_seconds(optimizer, optimizer_step_bytes(optimizer, shapes), rates)
     return Profile(model=type(model).__name__, block_names=body.block_names, block_class=body.block_class,
                    classes=body.classes, heads=body.heads, param_bytes=param_bytes, buffer_bytes=buffer_bytes,
