@@ -49,6 +49,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from remat import caches
 from remat.profiling._meters import tensors_of
 
 
@@ -424,7 +425,7 @@ def _makes_new(func) -> bool:
     return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
-_KINDS = {}
+_KINDS = caches.register({}, "profiling._fake._KINDS")
 
 
 def _kind(func) -> tuple:

@@ -33,6 +33,7 @@ from functools import partial
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat import caches
 from remat.planning.costs import Rates
 
 # Roofline efficiencies and launch cost, calibrated once against the H100 anchors
@@ -119,8 +120,8 @@ def _collect(items, found: list) -> None:
             _collect(item.values(), found)
 
 
-_MUTABLE = {}
-_FORMULAS = {}
+_MUTABLE = caches.register({}, "profiling._meters._MUTABLE")
+_FORMULAS = caches.register({}, "profiling._meters._FORMULAS")
 
 
 def _is_mutable(func) -> bool:
