@@ -85,7 +85,8 @@ def check_step(model, batch, loss_fn) -> list:
 
 # -- plans: remat's profile at this batch and budget ---------------------------------------
 @contextlib.contextmanager
-def _hf_checkpointing_off(model):
+def hf_checkpointing_off(model):
+    """Hugging Face checkpointing off in every module of ``model`` inside the block, as it was after."""
     on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in on:
         m.gradient_checkpointing = False
@@ -181,7 +182,7 @@ def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
     """remat's profile of the model as it would train, Hugging Face checkpointing and any compile set
     aside (the profile measures each treatment itself), sharded for ``fsdp_world`` ranks."""
     from remat.profiling.profiler import block_param_bytes, profile
-    with _hf_checkpointing_off(model), eager(model), batch_check_held(model):
+    with hf_checkpointing_off(model), eager(model), batch_check_held(model):
         prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer)
     if fsdp_world != 1:
         from remat.planning.sharding import shard

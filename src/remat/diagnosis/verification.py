@@ -67,7 +67,7 @@ from remat.diagnosis.verdicts import (ABSENT, VERDICTS, Measured, Step, Verifica
                                       changed_state, compare_tensors, fingerprint, judge, nondeterminism, why_of,
                                       working_dtype)
 from remat.diagnosis.findings import Finding, hf_checkpointing_on, unwrapped
-from remat.diagnosis.run_checks import eager
+from remat.diagnosis.run_checks import eager, hf_checkpointing_off
 from remat.planning.plans import Plan
 from remat.profiling.snapshot import restore, snapshot
 from remat.treat import mask_skip, patches
@@ -199,17 +199,6 @@ def _layers_checkpointed(model: nn.Module, hf: tuple) -> str:
     return "every layer" if len(on) == len(layers) else f"{len(on)} of {len(layers)} layers"
 
 
-@contextlib.contextmanager
-def _hf_off(model: nn.Module):
-    """Hugging Face checkpointing off in every module inside the block, as it was after."""
-    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for m in on:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m in on:
-            m.gradient_checkpointing = True
 
 
 # -- one step ----------------------------------------------------------------------------------------
@@ -299,7 +288,7 @@ class _Runner:
                 stack.enter_context(eager(model))
                 stack.enter_context(batch_check_held(model))
                 undone = stack.enter_context(patches.suspended(model))
-                stack.enter_context(_hf_off(model))
+                stack.enter_context(hf_checkpointing_off(model))
                 reference = self._step(model, state, keep=True)
                 after_first = fingerprint(model)
                 setup.treat(model, undone)
@@ -438,7 +427,7 @@ class _Runner:
             twin_state = snapshot(twin)
             twin_state.cpu_rng, twin_state.cuda_rng = state.cpu_rng, state.cuda_rng
             with _float64_everywhere(lower), batch_check_held(twin):
-                with patches.suspended(twin), _hf_off(twin):
+                with patches.suspended(twin), hf_checkpointing_off(twin):
                     reference = self._step(twin, twin_state, keep=True, dtype=torch.float64)
                 treated = self._step(twin, twin_state, reference=reference, dtype=torch.float64)
         except Exception as error:   # a kernel without float64 (Triton, flash attention), a dtype check
