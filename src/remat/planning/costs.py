@@ -23,12 +23,13 @@ from typing import Callable, Optional
 
 from remat.planning.comm import Collectives
 from remat.planning.offload_model import EngineModel
-from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
+from remat.planning.plans import DEFAULT_TILE_TOKENS, TABLE, TILED_TREATMENTS, variant
 
-MEASURED_TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "tiled", "full+tiled", "attn-saved",
-                       "attn-saved+tiled")
-DERIVED = {"offload": "keep", "full+offload": "full", "full+offload+tiled": "full+tiled",
-           "attn-saved+offload": "attn-saved", "attn-saved+offload+tiled": "attn-saved+tiled"}
+MEASURED_TREATMENTS = tuple(name for name, t in TABLE.items() if not t.offload)
+"""The treatments a profile runs on each block class: all but the offloading ones."""
+DERIVED = {name: variant(name, offload=False) for name, t in TABLE.items() if t.offload}
+"""Each offloading treatment and the measured one it is priced from (``full+offload``: ``full``): the
+same run, with what its offload moves read from the base's offloadable bytes."""
 TILED_FROM_TOKENS = 16384
 """Tiled treatments are profiled from this many tokens a step on: below it one chunk of the
 default size holds most of the sequence, and tiling saves nothing ``mlp`` does not."""

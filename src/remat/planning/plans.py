@@ -59,18 +59,56 @@ import numbers
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Optional, Union
 
 PLAN_VERSION = 1
-TREATMENTS = ("keep", "full", "selective", "attention", "mlp", "offload", "full+offload",
-              "tiled", "full+tiled", "full+offload+tiled",
-              "attn-saved", "attn-saved+offload", "attn-saved+tiled", "attn-saved+offload+tiled")
-OFFLOADING_TREATMENTS = ("offload", "full+offload", "full+offload+tiled", "attn-saved+offload",
-                         "attn-saved+offload+tiled")
-TILED_TREATMENTS = ("tiled", "full+tiled", "full+offload+tiled", "attn-saved+tiled", "attn-saved+offload+tiled")
-ATTENTION_SAVED = ("attn-saved", "attn-saved+offload", "attn-saved+tiled", "attn-saved+offload+tiled")
+
+
+@dataclass(frozen=True)
+class Treatment:
+    """The decisions one treatment name stands for: a row of :data:`TABLE`, built by keyword.
+
+    The fields are independent mechanisms :mod:`remat.treat` composes; a treatment is a choice of
+    each. ``Treatment()`` is ``keep``: the block runs as it is."""
+
+    checkpoint: bool = False
+    """Its forward runs under a non-reentrant checkpoint: its inputs are kept, the rest recomputed in backward."""
+    submodule: Optional[str] = None
+    """The checkpoint wraps each sub-module of this kind (``attention``, ``mlp``), not the whole block."""
+    keeps: Optional[str] = None
+    """An op-level policy of the checkpoint, the ops whose outputs it keeps (the rest is recomputed):
+    ``matmuls`` (``selective``: matmuls and attention kernels) or ``attention`` (attention kernels only)."""
+    offload: bool = False
+    """Its saved tensors go to the host (the offload engine): with ``checkpoint``, the checkpoint's inputs."""
+    tiled: bool = False
+    """Its token-wise sub-modules run a chunk of tokens at a time."""
+
+
+TABLE = MappingProxyType({
+    "keep": Treatment(),
+    "full": Treatment(checkpoint=True),
+    "selective": Treatment(checkpoint=True, keeps="matmuls"),
+    "attention": Treatment(checkpoint=True, submodule="attention"),
+    "mlp": Treatment(checkpoint=True, submodule="mlp"),
+    "offload": Treatment(offload=True),
+    "full+offload": Treatment(checkpoint=True, offload=True),
+    "tiled": Treatment(tiled=True),
+    "full+tiled": Treatment(checkpoint=True, tiled=True),
+    "full+offload+tiled": Treatment(checkpoint=True, offload=True, tiled=True),
+    "attn-saved": Treatment(checkpoint=True, keeps="attention"),
+    "attn-saved+offload": Treatment(checkpoint=True, keeps="attention", offload=True),
+    "attn-saved+tiled": Treatment(checkpoint=True, keeps="attention", tiled=True),
+    "attn-saved+offload+tiled": Treatment(checkpoint=True, keeps="attention", offload=True, tiled=True),
+})
+"""Every treatment a plan may name (beside ``"segment:<i>"``), and what it decides. A new treatment
+whose mechanisms exist is one entry here: the lists below, the records :mod:`remat.treat` applies
+and the profile's measured and derived treatments (:mod:`remat.planning.costs`) follow from it."""
+TREATMENTS = tuple(TABLE)
+OFFLOADING_TREATMENTS = tuple(name for name, t in TABLE.items() if t.offload)
+TILED_TREATMENTS = tuple(name for name, t in TABLE.items() if t.tiled)
+ATTENTION_SAVED = tuple(name for name, t in TABLE.items() if t.keeps == "attention")
 """The treatments that keep only the attention kernel's output (an op-level policy, as ``selective``)."""
 HEAD_MODES = ("plain", "chunked", "liger")
 KERNELS = ("stock", "liger")
@@ -89,12 +127,11 @@ def segment_of(treatment) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
-def untiled(treatment: str) -> str:
-    """The block-level part of a tiled treatment (``"full+tiled"`` -> ``"full"``, ``"tiled"`` ->
-    ``"keep"``); any other treatment as it is."""
-    if treatment in TILED_TREATMENTS:
-        return treatment[:-len("+tiled")] if treatment != "tiled" else "keep"
-    return treatment
+def variant(treatment: str, **decisions) -> Optional[str]:
+    """The name of the treatment that is ``treatment`` with ``decisions`` (fields of :class:`Treatment`)
+    changed, or None where :data:`TABLE` has none: ``variant("full+offload", offload=False)`` is ``"full"``."""
+    wanted = replace(TABLE[treatment], **decisions)
+    return next((name for name, t in TABLE.items() if t == wanted), None)
 
 
 def is_treatment(value) -> bool:

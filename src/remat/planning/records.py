@@ -5,8 +5,9 @@ send what the checkpoint keeps to the host, run its token-wise sub-modules a chu
 ``"segment:3"``: one of the run of blocks numbered 3, recomputed together). Read where it is
 applied, every consumer had to ask this package again what the name means (is it a treatment,
 which segment, what is left once the tiling is taken off). Here a plan becomes one
-:class:`BlockRecord` per block, in block order, with each decision a field; ``remat.apply`` and
-the profiler hand records down and :mod:`remat.treat` reads the fields, never the name.
+:class:`BlockRecord` per block, in block order, with each decision a field, copied from the
+treatment's row of :data:`~remat.planning.plans.TABLE`; ``remat.apply`` and the profiler hand
+records down and :mod:`remat.treat` reads the fields, never the name.
 
 Pure: names and numbers, as the rest of :mod:`remat.planning`.
 """
@@ -15,30 +16,36 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from remat.planning.plans import KERNELS, OFFLOADING_TREATMENTS, TILED_TREATMENTS, TREATMENTS, Plan, segment_of, untiled
+from remat.planning.plans import KERNELS, TABLE, TREATMENTS, Plan, segment_of
 
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """One block's treatment, every decision in it a field."""
+    """One block's treatment, every decision in it a field (a row of :data:`~remat.planning.plans.TABLE`,
+    or a segment's place), built by keyword: :func:`block_record` fills them from the name."""
 
     treatment: str
     """As the plan names it (``"full+offload+tiled"``, ``"segment:3"``): what :func:`remat.api.treatments` reports."""
-    around: str
-    """What runs around the block's forward: ``keep``, ``full``, ``selective``, ``attention``, ``mlp``
-    (``full`` of that sub-module), ``offload``, ``full+offload``, or ``segment``."""
     name: str = ""
     """The block's name in the model (empty for a record made for one block alone)."""
     index: int = 0
     """The block's place among the model's blocks: the offload engine's key for it."""
+    checkpoint: bool = False
+    """Its forward runs under a checkpoint and is recomputed in backward (with :attr:`submodule`, that
+    sub-module's; with :attr:`segment`, the segment's run of blocks as one)."""
+    submodule: Optional[str] = None
+    """The checkpoint wraps each sub-module of this kind (``attention``, ``mlp``), not the block."""
+    keeps: Optional[str] = None
+    """The checkpoint's op-level policy, the ops whose outputs it keeps: ``matmuls`` (``selective``),
+    ``attention`` (``attn-saved``), or None (it keeps the inputs alone)."""
     offload: bool = False
-    """Its saved tensors go to the host (the offload engine)."""
+    """Its saved tensors go to the host (the offload engine); with :attr:`checkpoint`, the checkpoint's inputs."""
     tiled: bool = False
     """Its token-wise sub-modules run a chunk of tokens at a time."""
     tile_tokens: Optional[int] = None
     """Tokens per chunk of a tiled block (None: the tiling's default)."""
     segment: Optional[int] = None
-    """The number of the segment the block is in, for ``around == "segment"``."""
+    """The number of the segment the block is in (the run of blocks checkpointed as one), or None."""
     position: int = 0
     """Its place in its segment."""
     segment_size: int = 0
@@ -52,18 +59,22 @@ def block_record(treatment, *, name: str = "", index: int = 0, tile_tokens: Opti
                  kernel: str = "stock") -> BlockRecord:
     """The record of one block treated as ``treatment`` (a segment's member alone: position 0 of 1), with
     ``kernel`` (one of :data:`~remat.planning.plans.KERNELS`); ValueError for a name that is no treatment
-    or kernel."""
+    or kernel.
+
+    Example: ``block_record("full+offload")`` has ``checkpoint`` and ``offload`` set, the rest as ``keep``'s."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     number = segment_of(treatment)
-    if treatment not in TREATMENTS and number is None:
+    if number is not None:
+        return BlockRecord(treatment=treatment, name=name, index=index, checkpoint=True, segment=number, segment_size=1,
+                           kernel=kernel)
+    row = TABLE.get(treatment) if isinstance(treatment, str) else None
+    if row is None:
         raise ValueError(f"unknown treatment {treatment!r}; expected one of {', '.join(TREATMENTS)} "
                          "or 'segment:<i>'")
-    tiled = treatment in TILED_TREATMENTS
-    return BlockRecord(treatment=treatment, around="segment" if number is not None else untiled(treatment),
-                       name=name, index=index, offload=treatment in OFFLOADING_TREATMENTS, tiled=tiled,
-                       tile_tokens=tile_tokens if tiled else None, segment=number,
-                       segment_size=1 if number is not None else 0, kernel=kernel)
+    return BlockRecord(treatment=treatment, name=name, index=index, checkpoint=row.checkpoint,
+                       submodule=row.submodule, keeps=row.keeps, offload=row.offload, tiled=row.tiled,
+                       tile_tokens=tile_tokens if row.tiled else None, kernel=kernel)
 
 
 def block_records(plan: Plan, block_names) -> tuple:

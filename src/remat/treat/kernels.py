@@ -268,7 +268,7 @@ def check_kernels(block: nn.Module, record) -> None:
     raise, without changing ``block``: liger-kernel missing, or ``selective`` over Liger's rotary embedding."""
     if record.kernel == "liger" and liger_targets(block)[0]:
         require_liger()
-    if record.around == "selective":
+    if record.keeps == "matmuls":  # selective's policy
         why = selective_refused(block, record.kernel)
         if why:
             raise ValueError(f"treatment 'selective' with {record.kernel} kernels: {why}")

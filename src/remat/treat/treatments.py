@@ -19,7 +19,9 @@ so a treated block updates them once per forward, as an untreated one does.
 The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level
 into every parameter name; that is what breaks state-dict loading in many stacks.
 
-Treatments:
+Treatments, as a plan names them; what this module reads is a record's decisions
+(:class:`remat.planning.records.BlockRecord`: ``checkpoint``, ``submodule``, ``keeps``, ``offload``,
+``tiled``, ``segment``), which :func:`_treated_forward` composes, never the name:
 - ``keep``: untouched.
 - ``full``: non-reentrant ``torch.utils.checkpoint`` of the whole block: only its inputs
   are saved; one extra forward of the block in backward. RNG state is preserved, so
@@ -50,6 +52,7 @@ Non-reentrant checkpointing gives parameter gradients even when no input require
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -72,19 +75,27 @@ _MARK = "_remat"  # on a treated block: its TreatmentState (what treatment_of re
 
 @dataclass
 class TreatmentState:
-    """What a treated block (or the sub-module a treatment checkpoints) runs with."""
+    """What a treated block (or the sub-module a treatment checkpoints) runs with: its record's
+    decisions, as this target takes them, and what it learns over its calls."""
 
     treatment: str            # the plan's name for it (what treatment_of reports)
-    around: str = "keep"      # what runs around the forward (a BlockRecord's ``around``)
+    checkpoint: bool = False  # its forward runs under a checkpoint (a BlockRecord's decisions, as for this target)
+    keeps: Any = None         # ... with this op-level policy (selective.saves, saves_attention), or None
+    offload: bool = False     # its saved tensors (a checkpoint's: its inputs) go to the engine
+    tiled: bool = False       # its tiled sub-modules' recompute skips outputs nothing reads
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
     buffers: tuple = ()       # the target's state slots (:func:`_state_slots`): those a forward writes, a recompute must not
     written: Optional[tuple] = None  # ... learned at the first forward: the buffers it wrote
     segment: Any = None       # segment treatments: the Segment shared by the run's blocks
     position: int = 0         # ... and this block's place in it
-    guarded: set = field(default_factory=set)  # selective: call structures its in-place guard has passed
+    guarded: set = field(default_factory=set)  # an op-level policy: call structures its in-place guard has passed
     writes_cache: bool = False  # write a KV cache back into the caller's in training (block_state.cache_reader)
     inputs: block_state.InputLedger = field(default_factory=block_state.InputLedger)  # learned of its arguments
+
+
+_POLICIES = {"matmuls": saves, "attention": saves_attention}
+"""A record's ``keeps``: the op-level policy (:mod:`remat.treat.selective`) of its checkpoint."""
 
 
 def treatment_of(block: nn.Module) -> str:
@@ -92,20 +103,28 @@ def treatment_of(block: nn.Module) -> str:
     return state.treatment if state is not None else "keep"
 
 
+def _changes_forward(record) -> bool:
+    """Whether ``record`` runs something around the block's (or its sub-modules') forward: a tiling alone does not."""
+    return record.checkpoint or record.offload
+
+
 def check_treatment(block: nn.Module, record) -> None:
     """Raise the error :func:`apply_treatment` would raise, without changing ``block``. ``record``: a
     :class:`remat.planning.records.BlockRecord` (``remat.apply`` and the profiler resolve the plan's
     names into records; this module reads their fields, never the names)."""
-    treatment, around = record.treatment, record.around
-    if around != "keep" and callable(getattr(block, "backward_pass", None)):
+    treatment, kind = record.treatment, record.submodule
+    if _changes_forward(record) and callable(getattr(block, "backward_pass", None)):
         raise ValueError(f"{type(block).__name__} is a reversible layer: its model recomputes its activations in "
                          "backward itself (Reformer's reversible residual stream) and runs it without autograd, so "
                          f"{treatment!r} would do nothing; train it as it is, remat has no memory to give back here")
+    if record.keeps is not None and record.keeps not in _POLICIES:
+        raise ValueError(f"treatment {treatment!r} keeps {record.keeps!r}: no such op-level policy; expected one "
+                         f"of {', '.join(_POLICIES)}")
     if record.tiled:
         tiled.check_tiling(block)
-    if around in ("attention", "mlp") and not find_submodules(block, around):
+    if kind is not None and not find_submodules(block, kind):
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in block.named_children())
-        raise ValueError(f"treatment {treatment!r}: no {around} sub-module found in "
+        raise ValueError(f"treatment {treatment!r}: no {kind} sub-module found in "
                          f"{type(block).__name__} (children: {children}); use 'full' or "
                          "'selective' for this block (where a model's blocks differ, as in hybrid "
                          "state-space models, give a treatment per block, {name: treatment}, or let "
@@ -122,38 +141,41 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None, writ
     :mod:`remat.treat.patches`: the block's (or its attention/MLP sub-modules') ``forward``, and a
     ``_remat`` marker on the block holding the state. ``writes_cache``: the block writes what it adds
     to a KV cache back into the model's cache in a training forward too (a model that reads its cache
-    there, :func:`remat.treat.block_state.cache_reader`); else it keeps it in a copy of its own."""
+    there, :func:`remat.treat.block_state.cache_reader`); else it keeps it in a copy of its own.
+
+    Raises ValueError: what :func:`check_treatment` raises; an offloading record without ``engine``, a
+    segment's without ``segment``, a ``tile_tokens`` that is no positive integer."""
     check_treatment(block, record)
-    treatment, around, key = record.treatment, record.around, record.index
+    treatment, key = record.treatment, record.index
     if record.offload and engine is None:
         raise ValueError(f"treatment {treatment!r} needs an offload engine; use remat.apply()")
-    if around == "segment" and segment is None:
+    if record.segment is not None and segment is None:
         raise ValueError(f"treatment {treatment!r} needs the segment its blocks share; use remat.apply()")
     tiled.check_tile_tokens(record.tile_tokens)
     remove_treatment(block)
-    if treatment == "keep":
-        return
+    marker = TreatmentState(treatment, engine=engine, key=key)
     if record.tiled:
         tiled.install_tiling(block, record.tile_tokens)
-        if around == "keep":  # the rest of the block keeps what it saves: no forward of its own
-            patches.install_value(block, _MARK, TreatmentState(treatment, around, engine, key), tag=_TAG)
-            return
-    state = TreatmentState(treatment, around, engine, key)
+    if not _changes_forward(record):  # keep, or a tiling alone: the rest of the block keeps what it saves
+        if record.tiled:
+            patches.install_value(block, _MARK, marker, tag=_TAG)
+        return
+    decisions = dict(checkpoint=record.checkpoint, keeps=_POLICIES.get(record.keeps), offload=record.offload,
+                     tiled=record.tiled, engine=engine, key=key)
+    placed = dict(segment=segment, position=record.position) if record.segment is not None else {}
     targets = [block]
-    if around in ("attention", "mlp"):
+    if record.submodule is not None:
         # a sub-module shared by several blocks (Zamba2's one attention layer in every hybrid
         # layer) is checkpointed once, by the first block that treats it, not nested once per block
-        targets = [sub for _, sub in find_submodules(block, around)
+        targets = [sub for _, sub in find_submodules(block, record.submodule)
                    if patches.patch_of(sub, "forward", tag=_TAG) is None]
-        state = TreatmentState("full", "full", None, key)
-    placed = (segment, record.position) if around == "segment" else (None, 0)
+        decisions["tiled"] = False  # the tiling is the block's
     for target in targets:
-        buffers = _state_slots(target)
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
-                        state=TreatmentState(state.treatment, state.around, state.engine, state.key, buffers, None,
-                                             *placed, writes_cache=writes_cache))
-    patches.install_value(block, _MARK, TreatmentState(treatment, around, engine, key), tag=_TAG)
+                        state=TreatmentState(treatment, **decisions, **placed, buffers=_state_slots(target),
+                                             writes_cache=writes_cache))
+    patches.install_value(block, _MARK, marker, tag=_TAG)
 
 
 def remove_treatment(block: nn.Module) -> None:
@@ -186,7 +208,8 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
     if patch.previous is patches._MISSING:
         _refuse_replica(self, args, kwargs)
     forward = patch.call_previous
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         if state.writes_cache and has_cache(args, kwargs):  # its cache views run eagerly
             return torch.compiler.disable(_treated_forward, recursive=True)(patch, *args, **kwargs)
         if self.training:
@@ -204,42 +227,29 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
         if state.buffers:   # compiled too: segments.call runs the segment (and its recompute) eagerly
             forward = _buffers_once(forward, state)
         return segments.call(state.segment, state.position, forward, args, kwargs)
-    # selective's in-place guard, eager only (under compile torch wants its own modes alone, and
-    # reading the set of structures seen would make dynamo guard on it)
-    structure = (_call_structure(args, kwargs) if state.around in _OP_POLICIES
-                 and not torch.compiler.is_compiling() else None)
+    # an op-level policy's in-place guard, eager only (under compile torch wants its own modes alone,
+    # and reading the set of structures seen would make dynamo guard on it)
+    structure = _call_structure(args, kwargs) if state.keeps is not None and not compiling else None
     function, args = _positional(forward, args, kwargs)
-    if state.buffers and not torch.compiler.is_compiling():
+    if state.buffers and not compiling:
         function = _buffers_once(function, state)
-    if "tiled" in state.treatment.split("+") and not torch.compiler.is_compiling():
+    if state.tiled and not compiling:
         function = tiled.CheckpointedCall(function)  # its recompute skips tiled outputs nothing reads
-    treatment = state.around  # the tiled sub-modules carry their own patches
-    if treatment == "full":
-        return _checkpoint(function, args)
-    if treatment in _OP_POLICIES:
+    # the tiled sub-modules carry their own patches; an offload sends what is saved here to the host
+    # (under a checkpoint its inputs: the outputs an op-level policy keeps stay on the GPU)
+    with state.engine.saved_tensors(state.key) if state.offload else contextlib.nullcontext():
+        if not state.checkpoint:
+            return function(*args)
+        if state.keeps is None:
+            return _checkpoint(function, args)
         # the in-place guard watches a block's first forward of each call structure: its per-op
         # dispatch adds to selective's forward host time on every call, and what it catches is in the code
         guard = structure is not None and structure not in state.guarded
-        context = functools.partial(selective_context, guard=guard, keeps=_OP_POLICIES[treatment])
-        if treatment == "attn-saved+offload":  # the checkpoint's inputs go to the host, the kept outputs stay
-            with state.engine.saved_tensors(state.key):
-                out = _checkpoint(function, args, context_fn=context)
-        else:
-            out = _checkpoint(function, args, context_fn=context)
+        context = functools.partial(selective_context, guard=guard, keeps=state.keeps)
+        out = _checkpoint(function, args, context_fn=context)
         if guard:
             state.guarded.add(structure)
         return out
-    if treatment == "offload":
-        with state.engine.saved_tensors(state.key):
-            return function(*args)
-    if treatment == "full+offload":
-        with state.engine.saved_tensors(state.key):
-            return _checkpoint(function, args)
-    raise AssertionError(f"unhandled treatment {state.treatment}")  # check_treatment validated it
-
-
-# the treatments that checkpoint with an op-level policy, and the ops each keeps
-_OP_POLICIES = {"selective": saves, "attn-saved": saves_attention, "attn-saved+offload": saves_attention}
 
 
 def _call_structure(args: tuple, kwargs: dict) -> tuple:
