@@ -298,9 +298,12 @@ def check_mechanism(model: nn.Module, result: Comparison, *, blocks=None, refere
     blocks (``blocks``: as given to ``remat.apply``) promise what :func:`promises` says, and
     ``result`` (a metered :func:`compare`) shows it. ``reference_ops``: the ops to beat, where
     another change to the model (a chunked head) already runs more than the untouched one."""
+    import remat
     from remat.api import treatments
     from remat.treat.treatments import engine_of
     assert result.treated is not None, "compare(..., meter=False) measured no mechanism"
+    if remat.current_plan(model) is not None:   # a treatment that installs nothing shows here as "keep"
+        check_installed(model, blocks)
     installed = treatments(model, blocks)
     promised = set().union(*(promises(t) for t in installed.values()))
     what = sorted(set(installed.values()))

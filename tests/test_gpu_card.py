@@ -61,3 +61,10 @@ def test_planning_allocates_no_more_than_the_budget_and_the_plan_trains_on_its_c
     assert abs(peak - plan.notes["predicted_peak_bytes"]) <= 0.01 * peak
     remat.remove(model)
     assert not allocator.holds(model)
+
+
+def test_a_budget_below_what_the_process_holds_is_refused_in_words_not_a_cuda_oom(model):
+    held = torch.cuda.memory_allocated()
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), device="cuda")
+    with pytest.raises(remat.NoPlanFits, match="already holds"):
+        remat.plan(model, {"input_ids": ids, "labels": ids}, max(1, held // 2))

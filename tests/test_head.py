@@ -111,6 +111,27 @@ def test_fp32_loss_and_every_gradient_match_the_model(preset, chunk):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("chunk", [7, None])
+def test_float64_logits_keep_float64_sums(chunk):
+    """float64 logits: the loss and every gradient in float64, as ``F.cross_entropy`` takes them (an
+    fp32 sum, or the GPU's fp32 kernel, would differ by about 1e-8: the gap remat.verify's float64
+    re-run must not see)."""
+    torch.manual_seed(0)
+    h = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(40, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 40, (50,))
+    y[::5] = -100
+    ours = chunked_cross_entropy(h, w, b, y, chunk_tokens=chunk)
+    ours_grads = torch.autograd.grad(ours, (h, w, b))
+    ref = F.cross_entropy(F.linear(h, w, b), y)
+    ref_grads = torch.autograd.grad(ref, (h, w, b))
+    assert ours.dtype == torch.float64
+    assert _rel(ours, ref) < 1e-13
+    for got, want in zip(ours_grads, ref_grads):
+        assert got.dtype == torch.float64 and _rel(got, want) < 1e-13
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_families_softcap_scaling_bias_aux_masked(family):
     model = FAMILIES[family]()

@@ -278,8 +278,17 @@ def _within_budget(model: nn.Module, budget_bytes: int, on_gpu: bool):
     if not on_gpu:
         yield
         return
+    from remat.planning.solver import NoPlanFits
     from remat.treat.allocator import while_planning
-    with while_planning(), allocator_cap(next(model.parameters()).device, budget_bytes):
+    from remat.units import format_size
+    device = next(model.parameters()).device
+    held = torch.cuda.memory_allocated(device)
+    if held >= budget_bytes:   # planning inside the budget could not even start: say so, not a CUDA OOM
+        raise NoPlanFits(f"this process already holds {format_size(held)} on {device} (the model's parameters and "
+                         f"anything else allocated), at or over the budget of {format_size(budget_bytes)}: raise "
+                         "the budget, or free what else is on the GPU (another model, a reference copy, "
+                         "cached tensors) before planning")
+    with while_planning(), allocator_cap(device, budget_bytes):
         yield
 
 

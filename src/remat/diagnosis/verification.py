@@ -50,6 +50,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import gc
 import inspect
 import statistics
 import time
@@ -437,6 +438,7 @@ class _Runner:
             patches.remove(twin)
             mask_skip.release(twin)
             del twin
+            gc.collect()   # a treated copy holds cycles (an offload engine and its model): its memory goes now
         loss = reference.tensors["loss"][1]
         if loss.dtype != torch.float64:
             return f"the float64 run's loss is {loss.dtype} (the model casts it); judged against the gradient scale", None

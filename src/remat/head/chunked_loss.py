@@ -98,14 +98,21 @@ def chunked_cross_entropy(hidden, weight, bias, targets, *, chunk_tokens=None, i
         order = _by_first_use(targets.masked_fill(targets == ignore_index, 0), chunk)
         order = (order[0].to(hidden.device, non_blocking=True), order[1])
     targets = targets.to(hidden.device, non_blocking=True)
+    acc = sum_dtype(cd)
     if num_items_in_batch is None:
-        divisor = (targets != ignore_index).sum().to(torch.float32)
+        divisor = (targets != ignore_index).sum().to(acc)
     elif isinstance(num_items_in_batch, torch.Tensor):
-        divisor = num_items_in_batch.to(hidden.device, non_blocking=True).to(torch.float32)
+        divisor = num_items_in_batch.to(hidden.device, non_blocking=True).to(acc)
     else:  # a number: filled on the device, not copied from the host (a copy would wait for the GPU)
-        divisor = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
+        divisor = torch.full((), float(num_items_in_batch), dtype=acc, device=hidden.device)
     return _ChunkedLoss.apply(hidden2, weight, bias, targets, divisor, chunk, int(ignore_index),
                               transform, cd, order)
+
+
+def sum_dtype(compute_dtype) -> torch.dtype:
+    """The dtype the loss, its softmax and the gradient sums are taken in: fp32, or float64 for a
+    float64 model (whose plain loss is float64 throughout)."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def compute_dtype_of(hidden, weight):
@@ -128,7 +135,10 @@ class _ChunkedLoss(torch.autograd.Function):
         # fp16 cannot hold (softmax - onehot) / N for large N: scale by 1/N in backward there.
         pre, post = (torch.ones_like(inv), inv) if cd == torch.float16 else (inv, torch.ones_like(inv))
         fake = isinstance(hidden, FakeTensor)  # a profile's run: only shapes and bytes matter
-        kernel = fused_kernel(hidden.device) if transform is None and want and not fake else None
+        acc = sum_dtype(cd)
+        # the fused kernels compute in fp32: a float64 model takes the eager ops, in float64
+        kernel = (fused_kernel(hidden.device) if transform is None and want and not fake and acc == torch.float32
+                  else None)
         rows = kernel_rows(n, chunk) if kernel is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(cd), weight.to(cd)
@@ -136,8 +146,8 @@ class _ChunkedLoss(torch.autograd.Function):
             grad_h = torch.empty(n, hsize, dtype=cd, device=h.device) if want_h else None
             known = {} if order is None else {"order": order}  # the targets' order, made on the host
             acc_w = _accumulator(weight, targets, ignore_index, cd, chunk, **known) if want_w else None
-            acc_b = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if want_b else None
-            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            acc_b = torch.zeros(bias.shape, dtype=acc, device=h.device) if want_b else None
+            total = torch.zeros((), dtype=acc, device=h.device)
             for s in range(0, n, chunk):
                 hc, yc = h[s:s + chunk], targets[s:s + chunk]
                 m = hc.shape[0]
@@ -151,13 +161,13 @@ class _ChunkedLoss(torch.autograd.Function):
                     g = F.linear(hc, w, b)  # in place again, a block of rows in fp32 at a time
                     total += (shape_kernel if fake else eager_kernel)(g, yc, ignore_index, pre)
                 elif transform is None:
-                    total += row_losses(F.linear(hc, w, b).float(), yc, ignore_index, pre, False)
+                    total += row_losses(F.linear(hc, w, b).to(acc), yc, ignore_index, pre, False)
                     g = None
                 else:
                     # through the model's own ops, so rounding and derivative are its own
                     z = F.linear(hc, w, b).requires_grad_(want)
                     with torch.enable_grad():
-                        x = transform(z).float()
+                        x = transform(z).to(acc)
                     total += row_losses(x.detach(), yc, ignore_index, pre, want)
                     g = torch.autograd.grad(x, z, x.detach())[0] if want else None
                     del x, z
@@ -166,7 +176,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if want_w:
                     acc_w.add(g, hc, gathered)
                 if want_b:
-                    acc_b.add_(g.sum(0, dtype=torch.float32))
+                    acc_b.add_(g.sum(0, dtype=acc))
                 del g
             # in the weight's own dtype from here to backward (half the bytes), except fp16,
             # whose unscaled sums may overflow: it waits for the scale in fp32
@@ -181,7 +191,7 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, acc_b, factors, *grad_w = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        scale = grad_loss.float() * factors[0]
+        scale = grad_loss.to(factors.dtype) * factors[0]
         gh = times(grad_h, scale, torch.empty_like(grad_h, dtype=h_dtype)) if grad_h is not None else None
         if ctx.in_place:  # one tensor in the weight's dtype: scaled where it lies, handed on as it is
             gw = _scaled_in_place(ctx, grad_w[0], scale, factors)
@@ -197,7 +207,7 @@ def _accumulator(weight, targets, ignore_index, cd, chunk, order=None):
     if _wants_target_rows(weight, targets, cd, chunk):
         capacity = _aligned(min(targets.numel() + 1, weight.shape[0]))
         return _TargetRows(weight, targets, ignore_index, capacity, chunk, order)
-    return _Accumulator(weight.shape, weight.device)
+    return _Accumulator(weight.shape, weight.device, sum_dtype(cd))
 
 
 def _wants_target_rows(weight, targets, cd, chunk) -> bool:
@@ -360,10 +370,10 @@ class _Accumulator:
     dtype at the end of the forward (:meth:`finish`) frees each fp32 block as its narrow copy
     is made: 1x the fp32 bytes plus one block at the peak, not 1.5x."""
 
-    def __init__(self, shape, device):
+    def __init__(self, shape, device, dtype=torch.float32):
         rows, cols = shape
         step = max(1, _PIECE_BYTES // (4 * max(cols, 1)))
-        self.pieces = [torch.zeros(min(step, rows - r), cols, dtype=torch.float32, device=device)
+        self.pieces = [torch.zeros(min(step, rows - r), cols, dtype=dtype, device=device)
                        for r in range(0, rows, step)]
 
     def columns(self, m):

@@ -105,9 +105,10 @@ def eager_kernel(z, y, ignore_index: int, pre):
     (``EAGER_BLOCK_BYTES``, 256 rows at a 128k vocabulary): the chunk's memory is about the
     fused kernel's, which keeps nothing chunk-sized beside the logits."""
     rows = max(1, EAGER_BLOCK_BYTES // (4 * max(z.shape[1], 1)))
-    loss = torch.zeros((), dtype=torch.float32, device=z.device)
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32   # a float64 model's sums stay float64
+    loss = torch.zeros((), dtype=dtype, device=z.device)
     for r in range(0, z.shape[0], rows):
-        x = z[r:r + rows].float()
+        x = z[r:r + rows].to(dtype)
         loss += row_losses(x, y[r:r + rows], ignore_index, pre, True)
         z[r:r + rows] = x
     return loss

@@ -159,6 +159,7 @@ class OffloadEngine(_Backward):
         self._inflight = collections.deque()
         self._inflight_bytes = 0
         self._timed = {"d2h": collections.deque(), "h2d": collections.deque(), "wait": collections.deque()}
+        self._failure = None  # an error met inside a pack hook, raised when the block's context exits
         self.reset_stats()
 
     def __getstate__(self) -> dict:
@@ -279,6 +280,9 @@ class OffloadEngine(_Backward):
             self._drain()
             c = self._counts
             c["seen"] += 1
+            if self._failure is not None:   # this block's step has failed: nothing more is offloaded
+                c["other"] += 1
+                return t
             reason = keep_reason(t, self._parameters)
             dev = None if reason else self._device(t.device)
             if reason or dev is None:
@@ -322,7 +326,10 @@ class OffloadEngine(_Backward):
             record.handles += 1
             if record.seq not in self._live:
                 self._live[record.seq] = record
-            self._pump()
+            try:
+                self._pump()
+            except ValueError as error:   # the pinned pool's limit: raised outside autograd's hook
+                self._failure = error
             return _Packed(slot, t.dtype, t.shape, t.stride(), (lo * es - byte_lo) // es, version, weakref.ref(t))
 
     def _pump(self) -> None:
@@ -345,12 +352,14 @@ class OffloadEngine(_Backward):
             self._issue_one()
 
     def _issue_one(self) -> None:
-        slot = self._pending.popleft()
+        slot = self._pending[0]
         if slot.state != _PENDING:  # cancelled: the backward took it from the GPU
+            self._pending.popleft()
             return
-        self._pending_bytes -= slot.nbytes
         dev, n = slot.dev, slot.nbytes
-        buffer, fence = self.pool.take(n)
+        buffer, fence = self.pool.take(n)   # may raise (the pool's limit): the slot stays queued
+        self._pending.popleft()
+        self._pending_bytes -= slot.nbytes
         start, end = dev.event(self.timing), dev.event(self.timing)
         with dev.on(dev.d2h):
             dev.d2h.wait_event(slot.ready)
@@ -403,4 +412,10 @@ class _BlockContext:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
         self.engine._close(self.record)
+        failure, self.engine._failure = self.engine._failure, None
+        if failure is not None and exc[0] is None:
+            # Raised here, not inside the pack hook: an exception thrown from inside autograd's
+            # saved-tensor hook left the half-built graph's saved tensors alive on the GPU after
+            # the step was gone (``benchmarks/results/issue45/README.md``).
+            raise failure
         return False
