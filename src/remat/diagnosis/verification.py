@@ -283,13 +283,13 @@ class _Runner:
         for _, _, p, _, _, _ in state.parameters:
             p.grad = None
         held = state.held_grad_bytes
-        before = fingerprint(model)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(eager(model))
                 stack.enter_context(batch_check_held(model))
                 undone = stack.enter_context(patches.suspended(model))
                 stack.enter_context(hf_checkpointing_off(model))
+                before = fingerprint(model)   # after verify's own switches: only the forward's changes count
                 reference = self._step(model, state, keep=True)
                 after_first = fingerprint(model)
                 setup.treat(model, undone)
