@@ -565,3 +565,19 @@ def test_gpu_bf16_sdpa_bench_shapes_small():
     oracle.check(model, reference, ids, steps=2)
     s = engine.stats()
     assert s["bytes_d2h"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("limit", [200_000, 8_000_000])   # the first block's pack, a later block's
+def test_a_step_stopped_by_the_pool_limit_leaves_nothing_alive(limit):
+    """A forward stopped by the pinned pool's limit raises, and once the caller drops the model its
+    memory can go: the half-built graph holds no cycle through autograd's saved-tensor hooks (a
+    pack hook that handed back the tensor itself after the failure kept the whole model alive)."""
+    model = _tiny()
+    remat.apply(model, "offload", offload_options=dict(min_bytes=0, _inline=True, host_memory_limit=limit))
+    ids = _ids(seq=256)
+    alive = weakref.ref(model)
+    with pytest.raises(ValueError, match="pinned host memory would exceed its limit"):
+        model(input_ids=ids, labels=ids)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -159,7 +159,6 @@ class OffloadEngine(_Backward):
         self._inflight = collections.deque()
         self._inflight_bytes = 0
         self._timed = {"d2h": collections.deque(), "h2d": collections.deque(), "wait": collections.deque()}
-        self._failure = None  # an error met inside a pack hook, raised when the block's context exits
         self.reset_stats()
 
     def __getstate__(self) -> dict:
@@ -280,9 +279,6 @@ class OffloadEngine(_Backward):
             self._drain()
             c = self._counts
             c["seen"] += 1
-            if self._failure is not None:   # this block's step has failed: nothing more is offloaded
-                c["other"] += 1
-                return t
             reason = keep_reason(t, self._parameters)
             dev = None if reason else self._device(t.device)
             if reason or dev is None:
@@ -326,10 +322,7 @@ class OffloadEngine(_Backward):
             record.handles += 1
             if record.seq not in self._live:
                 self._live[record.seq] = record
-            try:
-                self._pump()
-            except ValueError as error:   # the pinned pool's limit: raised outside autograd's hook
-                self._failure = error
+            self._pump()
             return _Packed(slot, t.dtype, t.shape, t.stride(), (lo * es - byte_lo) // es, version, weakref.ref(t))
 
     def _pump(self) -> None:
@@ -412,10 +405,4 @@ class _BlockContext:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
         self.engine._close(self.record)
-        failure, self.engine._failure = self.engine._failure, None
-        if failure is not None and exc[0] is None:
-            # Raised here, not inside the pack hook: an exception thrown from inside autograd's
-            # saved-tensor hook left the half-built graph's saved tensors alive on the GPU after
-            # the step was gone (``benchmarks/results/issue45/README.md``).
-            raise failure
         return False
