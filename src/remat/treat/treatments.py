@@ -1,54 +1,30 @@
 """Per-block treatments: what a block keeps for backward and what it redoes.
 
-How: a treated block keeps its class, its children and its parameters; only its
-``forward`` is replaced, through :mod:`remat.treat.patches`, by an instance attribute that
-runs the original forward under the treatment. Because the module tree does not change,
-``state_dict`` keys stay the same (checkpoints load either way), FSDP2's ``fully_shard`` and
-``Module.compile()`` applied afterwards see the block they expect, ``remove`` restores
-exactly what was there (an instance ``forward`` another library set before remat included),
-and a treated model pickles and deep-copies (the copy is treated on its own parameters).
+How: a treated block keeps its class, its children and its parameters; only its ``forward`` is
+replaced, through :mod:`remat.treat.patches`, by an instance attribute that runs the original
+forward under the treatment. Because the module tree does not change, ``state_dict`` keys stay the
+same, FSDP2's ``fully_shard`` and ``Module.compile()`` applied afterwards see the block they
+expect, ``remove`` restores exactly what was there, and a treated model pickles and deep-copies.
+The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level into every
+parameter name; that is what breaks state-dict loading in many stacks.
 
-What a block is handed is kept as the untouched block sees it (:mod:`remat.treat.block_state`): a KV
-cache as a view whose recompute sees what its forward read and appends to nothing of the caller's
-(kept out of the model's cache in a training forward unless the model reads its cache there), tensors
-inside its arguments that the model writes into after the call copied for the recompute. A recompute
-starts from the buffers its forward started from and leaves them as the forward
-left them (:mod:`remat.treat.buffers_once`: BatchNorm's running statistics, I-BERT's quantisation ranges),
-so a treated block updates them once per forward, as an untreated one does.
+What this module reads is a record's decisions (:class:`remat.planning.records.BlockRecord`:
+``checkpoint``, ``submodule``, ``keeps``, ``offload``, ``tiled``, ``segment``), which
+:func:`_treated_forward` composes, never the treatment's name:
 
-The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level
-into every parameter name; that is what breaks state-dict loading in many stacks.
+- ``checkpoint``: non-reentrant ``torch.utils.checkpoint`` of the block (or of its ``submodule``,
+  attention or MLP), RNG state preserved; ``keeps`` names an op-level policy for it
+  (:mod:`remat.treat.selective`: ``selective``, ``attn-saved``);
+- ``offload``: what is saved (under a checkpoint: its inputs) goes to pinned host memory
+  (:mod:`remat.offload`); ``tiled``: the token-wise sub-modules run in chunks (:mod:`remat.treat.tiled`);
+- ``segment``: a run of blocks checkpointed as one unit (:mod:`remat.treat.segments`).
 
-Treatments, as a plan names them; what this module reads is a record's decisions
-(:class:`remat.planning.records.BlockRecord`: ``checkpoint``, ``submodule``, ``keeps``, ``offload``,
-``tiled``, ``segment``), which :func:`_treated_forward` composes, never the name:
-- ``keep``: untouched.
-- ``full``: non-reentrant ``torch.utils.checkpoint`` of the whole block: only its inputs
-  are saved; one extra forward of the block in backward. RNG state is preserved, so
-  dropout masks are the same in the recompute.
-- ``selective``: the same checkpoint with an op-level policy: outputs of matmuls and
-  attention kernels are saved, everything else (norms, activations, elementwise) is
-  recomputed. No matmul runs twice (the policy and its in-place guard: :mod:`remat.treat.selective`).
-- ``attn-saved``: the same checkpoint keeping only the attention kernels' outputs: the recompute
-  runs the block's norms, projections and MLP but not attention, which is quadratic in the
-  sequence; it keeps one hidden state more than ``full`` (:mod:`remat.treat.selective`).
-  ``attn-saved+offload`` sends the block's inputs to the host as ``full+offload`` does (the kept
-  attention outputs stay on the GPU).
-- ``attention`` / ``mlp``: ``full`` applied to that sub-module only (its ``forward`` patched as
-  a bound method, so blocks compiled each alone share one compiled graph: :mod:`remat.treat.patches`).
-- ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
-  checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
-- ``tiled`` / ``full+tiled`` / ``full+offload+tiled`` (and ``attn-saved+tiled``,
-  ``attn-saved+offload+tiled``): the block's token-wise sub-modules (MLP,
-  norms) run a chunk of tokens at a time, in forward, recompute and backward
-  (:mod:`remat.treat.tiled`); with ``full`` (and ``offload``) the block is also checkpointed.
-- ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
-  (only the first block's inputs are kept; the backward recomputes the whole run), through
-  :mod:`remat.treat.segments`. The prelude here (cache, running statistics, the guards) is
-  the same as for the other treatments.
-
-Non-reentrant checkpointing gives parameter gradients even when no input requires grad
-(LoRA over frozen embeddings), so ``enable_input_require_grads`` is not needed.
+Around each treated call: the block is handed what the untouched block sees
+(:mod:`remat.treat.block_state`: KV caches as views, state written in place after the call), and a
+recompute updates buffers once (:mod:`remat.treat.buffers_once`). Non-reentrant checkpointing gives
+parameter gradients even when no input requires grad (LoRA over frozen embeddings), so
+``enable_input_require_grads`` is not needed. Each treatment's meaning in full:
+``docs/design/treatments.md``.
 """
 from __future__ import annotations
 
