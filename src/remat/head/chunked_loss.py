@@ -1,8 +1,7 @@
 """Cross-entropy of a linear head, a chunk of rows at a time: the [rows x vocab] logits never exist.
 
-This module is the loss op alone (torch only; it knows nothing of Hugging Face; the model
-integration is :mod:`remat.head.hf_model`). :func:`chunked_cross_entropy` walks the hidden
-states ``chunk_tokens`` rows at a time:
+The loss op alone (torch only; the Hugging Face integration is :mod:`remat.head.hf_model`).
+:func:`chunked_cross_entropy` walks the hidden states ``chunk_tokens`` rows at a time:
 
     z = h_c @ W^T (+ b)           in the compute dtype (the head's, or autocast's)
     x = transform(z).float()      an optional logit transform (soft-capping, scaling)
@@ -10,45 +9,24 @@ states ``chunk_tokens`` rows at a time:
     g = (softmax(x) - onehot) / N  cast back to the compute dtype, through ``transform``
     grad_h[c] = g @ W;  grad_W += g^T @ h_c;  grad_b += sum(g) (fp32)
 
-All gradients are finished inside the forward loop, because the gradient of a
-cross-entropy with respect to its logits is known the moment the loss is. Backward only
-multiplies the stored ``grad_h`` / ``grad_W`` / ``grad_b`` by the incoming scalar. The
-obvious alternative, each chunk's loss under ``torch.utils.checkpoint``, recomputes the
-chunk's logits in backward: a second [tokens x hidden x vocab] matmul (DESIGN.md's head
-probe measured its cost). Here the head costs the same three matmuls as the plain path. The peak is
-one chunk's logits (the fused kernel turns them into their gradient in place) plus the
-weight-gradient accumulator and ``grad_h``: it grows with the chunk, not with tokens x vocab.
+All gradients are finished inside the forward loop, since a cross-entropy's logits gradient is
+known the moment its loss is; backward only scales the stored gradients by the incoming scalar
+(:mod:`remat.head.grad_scale`, in fp32). The obvious alternative, each chunk's loss under
+``torch.utils.checkpoint``, recomputes the chunk's logits in backward: a second [tokens x hidden x
+vocab] matmul. Here the head costs the plain path's three matmuls, and the peak is one chunk's
+logits plus the weight-gradient sum and ``grad_h``: it grows with the chunk, not tokens x vocab.
 
-The weight gradient's sum (:func:`_accumulator`). A bf16 head whose vocabulary is large
-beside the tokens (a 128k-vocabulary LM) sums it in bf16 with the rows of the batch's
-targets summed in fp32 beside it (:class:`_TargetRows`): about the bytes of a bf16 sum
-(Liger's), with the error of an fp32 one, and backward scales it in place and hands it on as
-the weight's gradient. Every other head sums it in fp32 (:class:`_Accumulator`), in row
-blocks that become the weight's dtype one block at a time at the end of the forward (half the
-bytes until backward, never fp32 and narrow copies of the whole at once); backward scales it
-into a new tensor. Where the scale (the incoming gradient, e.g. 1 / accumulation steps) is
-not a power of two either rounds twice, to the weight's dtype and after scaling, a
-difference far below the bf16 inputs' own rounding (tests/test_head.py compares with the
-plain path). The scaling multiplies in fp32 (:func:`remat.head.grad_scale.times`; eager CUDA
-would round the factor to bf16 first).
+The weight gradient's sum (:func:`_accumulator`): a bf16 head with a large vocabulary sums it in
+bf16 with the batch's target rows summed in fp32 beside it (:class:`_TargetRows`: a bf16 sum's
+bytes, an fp32 sum's error); every other head in fp32 (:class:`_Accumulator`), cast to the weight's
+dtype block by block at the end of the forward.
 
-N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no
-valid target (every target ignored, or N = 0) the loss is what ``sum / N`` gives, nan
-(or inf) as in ``torch.nn.functional.cross_entropy``, and every gradient is finite: 1/N is
-taken as 0, so rows contribute exactly zero, as they do in the plain path, where the
-ignored rows' gradients are zeros (an SFT batch whose completion mask is empty must not
-turn the weights into NaN at the next optimizer step). Where N = 0 but some target is
-valid, the plain path's gradient is infinite and ours is zero.
+N is ``num_items_in_batch`` if given, else the number of non-ignored targets. With no valid target
+the loss is nan (or inf), as ``cross_entropy`` gives, and every gradient is finite: 1/N is taken as
+0 (an SFT batch with an empty completion mask must not turn the weights into NaN).
 
-On CUDA, with no transform, each chunk's loss and gradient are one compiled, shape-stable
-kernel that writes the gradient into the logits' buffer; elsewhere the same arithmetic runs as
-eager ops, a block of rows at a time (:mod:`remat.head.xent_kernel`, which also says what
-falls back, and when).
-
-Limits: rounding follows the plain path (logits in the compute dtype, then ``.float()``);
-fp16 gradients are scaled by 1/N only in backward, so they do not underflow under a
-GradScaler. The loop is Python: not meant to be traced by ``torch.compile`` (the model
-integration runs it outside the user's compiled graph).
+On CUDA with no transform each chunk is one compiled kernel (:mod:`remat.head.xent_kernel`). Limits:
+rounding follows the plain path; the loop is Python, not traced by ``torch.compile``. More: the design doc.
 """
 from __future__ import annotations
 
@@ -69,19 +47,40 @@ _ALIGN_ROWS = 8         # target rows are padded to a multiple of this: 16 bytes
 
 
 def default_chunk_tokens(vocab: int) -> int:
-    """The chunk whose fp32 logits take about 1 GiB: 2048 tokens at a 128k vocabulary."""
+    """The chunk whose fp32 logits take about 1 GiB: 2048 tokens at a 128k vocabulary.
+
+    Args:
+        vocab: the head's vocabulary size.
+
+    Returns:
+        Rows per chunk, a multiple of the row rounding, capped above."""
     rows = _DEFAULT_LOGIT_BYTES // (4 * max(int(vocab), 1))
     return int(min(_MAX_CHUNK, max(ROUND, rows // ROUND * ROUND)))
 
 
 def chunked_cross_entropy(hidden, weight, bias, targets, *, chunk_tokens=None, ignore_index=-100,
                           num_items_in_batch=None, transform=None, compute_dtype=None):
-    """``sum(CE(transform(hidden @ weight.T + bias).float(), targets)) / N``, chunked.
+    """``sum(CE(transform(hidden @ weight.T + bias).float(), targets)) / N``, a chunk of rows at a time.
 
-    ``targets`` are already aligned with ``hidden`` rows (shift them first for causal
-    LMs). N is ``num_items_in_batch`` if given, else the count of non-ignored targets.
-    ``transform`` maps logits to logits in their own dtype (e.g. soft-capping).
-    """
+    Args:
+        hidden: ``[..., hidden]`` states, one row per target.
+        weight: the head's ``[vocab, hidden]`` weight; ``bias``: its bias or None.
+        targets: class ids already aligned with ``hidden``'s rows (shift them first for causal LMs).
+        chunk_tokens: rows per chunk; None: :func:`default_chunk_tokens`.
+        ignore_index: targets that count for nothing.
+        num_items_in_batch: N if given, else the count of non-ignored targets.
+        transform: maps logits to logits in their own dtype (e.g. soft-capping), or None.
+        compute_dtype: the logits' dtype; None: autocast's, else the weight's.
+
+    Returns:
+        The loss, a 0-dim tensor; its backward only scales the gradients the forward finished.
+
+    Raises:
+        ValueError: the targets' count differs from the rows', or ``chunk_tokens`` is not positive.
+
+    Example::
+
+        loss = chunked_cross_entropy(h[:, :-1], lm_head.weight, None, ids[:, 1:])"""
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if targets.numel() != hidden2.shape[0]:
@@ -227,29 +226,19 @@ class _TargetRows:
     """The weight gradient summed in the weight's dtype (bf16), with the rows of the batch's
     targets summed in fp32 beside it and written over theirs at the end.
 
-    Why: a bf16 running sum rounds once a chunk, where the plain path's one GEMM rounds once;
-    a whole fp32 sum holds twice the bytes (1 GiB at a 128k vocabulary and hidden 2048: enough to
-    keep the chunked head above the peak of Liger's, which sums in bf16 and pays in gradient
-    error). The rows that carry the gradient's weight are the targets' (each gets ``p - 1`` of
-    its rows' hidden states; every other row only ``p``), and there are at most
-    ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets). Summed in fp32 they
-    keep the plain path's error, where a bf16 sum of many chunks does not (measured:
-    docs/history.md).
+    Why: a bf16 running sum rounds once a chunk, where the plain path's one GEMM rounds once; a
+    whole fp32 sum holds twice the bytes. The rows that carry the gradient's weight are the
+    targets' (each gets ``p - 1`` of its rows' hidden states, every other row only ``p``), at most
+    ``min(tokens + 1, vocab)`` of them (row 0 stands in for ignored targets); summed in fp32 they
+    keep the plain path's error (measured: ``docs/history.md``).
 
-    A row's fp32 sum starts at the chunk where the row is first a target, from its bf16 sum so
-    far: before that chunk the row got only ``p`` terms, small beside the ``p - 1`` to come, so
-    their bf16 roundings are small beside the one rounding at the end. The rows are ordered by
-    the chunk that first uses them, so the rows in use at a chunk are a prefix, and each chunk's
-    gather and fp32 GEMM cover only that prefix (half the rows on average where each target
-    is new, as with random ids; natural text repeats its targets and has fewer). The fp32 rows
-    and one chunk's gathered target columns are allocated for ``capacity`` rows whatever the
-    batch holds, so the peak does not depend on the batch's values; finding and ordering the
-    rows waits for the GPU once a step (:func:`_by_first_use`), and not at all where the host holds
-    the targets (ordered there, before they move to the GPU). Counts of rows are padded to
-    a multiple of ``_ALIGN_ROWS`` (with row 0, or with rows of a later chunk), as cuBLAS's fast
-    kernels need (unaligned, it ran an sm75 kernel 5x slower). On fake tensors (planning without
-    a GPU) the first ``capacity`` rows stand in for the targets, all in use from the first chunk.
-    """
+    A row's fp32 sum starts at the chunk where it is first a target, from its bf16 sum so far. The
+    rows are ordered by first use (:func:`_by_first_use`: one wait for the GPU a step, none where
+    the host holds the targets), so each chunk's gather and fp32 GEMM cover only a prefix. The
+    fp32 rows are allocated for ``capacity`` rows whatever the batch holds, so the peak does not
+    depend on its values; row counts are padded to a multiple of ``_ALIGN_ROWS`` for cuBLAS's fast
+    kernels. On fake tensors the first ``capacity`` rows stand in for the targets. More:
+    ``docs/design/treatments.md``."""
 
     def __init__(self, weight, targets, ignore_index, capacity, chunk, order=None):
         vocab, hsize = weight.shape

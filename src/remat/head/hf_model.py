@@ -6,40 +6,24 @@ Face; :mod:`remat.head.patching` intercepts the model's ``lm_head`` call and han
 it received to :func:`model_loss` here, which reproduces the model's loss semantics and logit
 transform and checks the transform on a probe.
 
-What is reproduced from the model: label shifting (``ForCausalLMLoss``: labels padded
-with ``ignore_index`` and shifted; ``shift_labels=`` used as given), masked-LM and
-encoder-decoder labels (no shift), ``ignore_index``, the mean over non-ignored tokens or
-``sum / num_items_in_batch`` (with no valid target the loss is the model's nan and the
-gradients are zeros, see :mod:`~remat.head.chunked_loss`), Gemma's
-``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, an
-lm_head bias, a ``final_logits_bias`` buffer added to the logits (BART, mBART, Pegasus,
-Marian), tied embeddings (the gradient for the shared weight is returned once and autograd
-adds it to the embedding's), frozen heads (LoRA: no weight gradient is computed) and MoE router auxiliary losses. A
-transform of the hidden state before ``lm_head`` (T5's ``d_model ** -0.5`` when tied) needs
-nothing: the chunked loss starts from what ``lm_head`` receives. The logit transform is
-*checked*, once per model and dtype: the intercepted ``lm_head`` returns a small probe tensor
-(:func:`probe`) and the model's own post-processing of it must equal ours, else the call raises
-(the probe is one row of vocabulary width where the model adds a logits bias: the bias
-broadcasts over it and no [tokens x vocab] tensor is made). fp32 matches the model's loss and
-gradients within 1e-6 relative (the plain path's own fp32 rounding noise), bf16 within the plain
-path's own error against fp64.
+Reproduced from the model: label shifting (``ForCausalLMLoss``; ``shift_labels=`` as given),
+masked-LM and encoder-decoder labels, ``ignore_index``, the mean or ``sum / num_items_in_batch``,
+logit soft-capping and scales (Gemma, Cohere, Granite), an lm_head bias or a ``final_logits_bias``
+buffer (BART, Marian, ...), tied embeddings, frozen heads (LoRA) and MoE router auxiliary losses.
+The logit transform is *checked*, once per model and dtype: the intercepted ``lm_head`` returns a
+small probe tensor (:func:`probe`), and the model's own post-processing of it must equal ours, else
+the call raises.
 
-Encoder-decoders (T5, mT5, BART, mBART, Pegasus, Marian, M2M100, Whisper): the chunked call
-passes ``labels=None``, so what the model's forward does with ``labels`` before its decoder
-runs is done by the chunked call instead: read from the forward's statements (:func:`_seq2seq`),
-each one recognised or the model refused with that statement named (:class:`DecoderInputs`: the
-decoder's inputs shifted from the labels by the model's own function, ``use_cache = False``,
-Whisper's length check). Their loss must be ``CrossEntropyLoss()`` (or with
-``ignore_index=-100``) over the lm_head's logits and the labels as they are: the mean over
-non-ignored tokens, ``num_items_in_batch`` ignored as the model ignores it. The same reading
-works on transformers 4.51, whose forwards differ only in arguments these statements do not
-touch (``past_key_values``, ``return_dict``).
+Encoder-decoders (T5, BART, Pegasus, Marian, M2M100, Whisper, ...): the chunked call passes
+``labels=None``, so what the forward does with ``labels`` before its decoder runs is done here
+instead, read from the forward's statements (:func:`_seq2seq`), each recognised or the model refused
+with the statement named (:class:`DecoderInputs`). Their loss must be ``CrossEntropyLoss()`` over
+the lm_head's logits and the labels as they are.
 
-Limits: the output embedding must be a plain ``nn.Linear`` (LoRA or quantised layers on
-``lm_head`` are refused); the model's forward must compute its loss through
-``self.loss_function`` (or ``CrossEntropyLoss()`` for masked LMs and encoder-decoders). A
-logits bias is added as the model adds it (a transform), so on CUDA such a model's chunks run
-as eager ops rather than the fused kernel.
+Limits: the output embedding must be a plain ``nn.Linear`` (LoRA or quantised ``lm_head`` refused);
+the loss must go through ``self.loss_function`` (or ``CrossEntropyLoss()``); a model adding a
+logits bias runs eager chunks on CUDA, not the fused kernel. Tolerances and the full list:
+``docs/design/treatments.md``.
 """
 from __future__ import annotations
 
@@ -109,8 +93,19 @@ class HeadState:
 
 
 def check_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None):
-    """Raise the error :func:`~remat.head.patching.enable_chunked_head` would raise, without
-    changing ``model``; returns the LM module and the state the head would run with."""
+    """Raise the error :func:`~remat.head.patching.enable_chunked_head` would raise, without changing ``model``.
+
+    Args:
+        model: the model to check.
+        chunk_tokens: rows per chunk, or None (chosen for the vocabulary).
+
+    Returns:
+        ``(lm, state)``: the LM module whose forward the head patches, and the state it would run with.
+
+    Raises:
+        ValueError: ``chunk_tokens`` is no positive integer, the LM's forward takes no ``labels``, its
+            output embedding is not called as a module, or its logits are not ones the head reproduces.
+        TypeError: the output embedding is not a plain ``nn.Linear``."""
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens <= 0):
         raise ValueError(f"chunk_tokens must be a positive integer or None (None: chosen for the "

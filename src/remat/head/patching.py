@@ -42,14 +42,27 @@ _TAG = "head"
 
 
 def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) -> nn.Module:
-    """Compute ``model``'s LM loss a chunk of tokens at a time (in place; returns ``model``).
+    """Compute ``model``'s LM loss a chunk of tokens at a time, in place; the [tokens x vocab] logits never exist.
 
-    ``chunk_tokens``: rows per chunk; None picks
-    :func:`~remat.head.chunked_loss.default_chunk_tokens` for the vocabulary. Raises
-    ValueError or TypeError for a model whose head or loss this module cannot reproduce
-    exactly, before changing anything. The LM's ``forward`` keeps its signature (``inspect.signature``), so
-    the Trainer's ``remove_unused_columns`` sees the model's real arguments.
-    """
+    Args:
+        model: a Hugging Face model with an LM head (causal LM, masked LM or encoder-decoder).
+        chunk_tokens: rows per chunk; None picks :func:`~remat.head.chunked_loss.default_chunk_tokens`
+            for the vocabulary.
+
+    Returns:
+        ``model``, whose ``forward(..., labels=...)`` returns the same loss (and gradients) as before.
+        The LM's ``forward`` keeps its signature, so the Trainer's ``remove_unused_columns`` sees the
+        model's real arguments.
+
+    Raises:
+        ValueError or TypeError: a model whose head or loss this package cannot reproduce exactly
+        (:func:`~remat.head.hf_model.check_chunked_head`), before anything is changed.
+
+    Example::
+
+        enable_chunked_head(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        disable_chunked_head(model)"""
     lm, state = check_chunked_head(model, chunk_tokens)
     for fn, recursive in _EAGER_FRAMES:  # made now, so a compiled forward only looks them up
         eager(fn, recursive)
@@ -60,13 +73,25 @@ def enable_chunked_head(model: nn.Module, chunk_tokens: Optional[int] = None) ->
 
 
 def disable_chunked_head(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_chunked_head`; a no-op on a model without it."""
+    """Undo :func:`enable_chunked_head`; a no-op on a model without it.
+
+    Args:
+        model: the model :func:`enable_chunked_head` was given.
+
+    Returns:
+        ``model``, its LM head as it was."""
     patches.remove(model, tag=_TAG)
     return model
 
 
 def has_chunked_head(module: nn.Module) -> bool:
-    """Whether ``module``'s ``forward`` is the chunked head's (:func:`enable_chunked_head` put it there)."""
+    """Whether ``module``'s ``forward`` is the chunked head's.
+
+    Args:
+        module: any module (the LM module :func:`enable_chunked_head` patched, or another).
+
+    Returns:
+        True where :func:`enable_chunked_head` put its forward on ``module``."""
     return patches.patch_of(module, "forward", tag=_TAG) is not None
 
 

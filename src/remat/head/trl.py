@@ -23,7 +23,13 @@ from remat.treat import patches
 
 
 def find_trl_head(model: nn.Module) -> Optional[nn.Module]:
-    """The module whose ``forward`` TRL replaced with its fused LM head, or None."""
+    """The module whose ``forward`` TRL replaced with its fused LM head, or None.
+
+    Args:
+        model: the model a TRL trainer trains.
+
+    Returns:
+        That module, or None where TRL's fused head is not installed."""
     for module in model.modules():
         if _is_trl_fused(module.__dict__.get("forward")):
             return module
@@ -48,6 +54,12 @@ def _is_trl_fused(forward) -> bool:
 
 
 def remat_head_bypassed(model: nn.Module) -> bool:
-    """True when remat's chunked head sits under TRL's fused head, which never calls it."""
+    """Whether remat's chunked head sits under TRL's fused head, which never calls it.
+
+    Args:
+        model: the model a TRL trainer trains.
+
+    Returns:
+        True when TRL's fused head holds remat's chunked head under it: remat's is then never called."""
     holder = find_trl_head(model)
     return holder is not None and has_chunked_head(holder)

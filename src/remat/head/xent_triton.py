@@ -1,33 +1,28 @@
 """The chunk kernel on CUDA as one Triton program a row: the logits read from memory once, the gradient written once.
 
-It computes what :func:`remat.head.xent_kernel.softmax_xent` computes (the chunk's loss summed
-over its valid rows; the logits turned into ``(softmax - onehot) * pre`` in place) and, where
-asked, copies the gradient's columns at the batch's target rows out for the target-rows
-weight-gradient sum (:class:`remat.head.chunked_loss._TargetRows`).
+It computes what :func:`remat.head.xent_kernel.softmax_xent` computes (the chunk's loss summed over
+its valid rows; the logits turned into ``(softmax - onehot) * pre`` in place) and, where asked,
+copies the gradient's columns at the batch's target rows out for the target-rows weight-gradient
+sum (:class:`remat.head.chunked_loss._TargetRows`).
 
-Why by hand: inductor compiles ``softmax_xent`` into a reduction kernel and a pointwise one,
-which read each chunk's logits from memory twice, and the target columns were then gathered by
-``index_select``, a third read. One read makes this kernel about a third faster than inductor's
-pair, and the gather inside it costs almost nothing more (measured: docs/history.md).
+Why by hand: inductor compiles ``softmax_xent`` into a reduction kernel and a pointwise one, which
+read each chunk's logits from memory twice, and the target columns were then gathered by
+``index_select``, a third read. One read makes this kernel faster than inductor's pair, and the
+gather inside it costs almost nothing more (measured: ``docs/history.md``).
 
-How: one program per row (the grid is the rows, so no shape ever recompiles and rows need no
-padding):
+How: one program per row (the grid is the rows, so no shape recompiles and rows need no padding):
 
 1. a loop over the row, ``BLOCK`` columns at a time, keeps the running maximum and the sum of
    exponentials below it (the online softmax): one read from memory;
 2. the loss is the log-sum-exp minus the target's logit;
-3. a second loop reads the row again, from L2 (a program's row, 256 KB at a 128k vocabulary,
-   is still there), and writes ``exp(x - max) * (weight / sum)``, minus ``weight`` at the
-   target, over it in fp32 arithmetic rounded once, as the compiled kernel does. The sum's
-   order differs (blocks, online), so a few gradient elements (2e-5 of them, measured) differ
-   from the compiled kernel's by one rounding;
-4. with a gather, after a barrier, it reads the row's gradient back at the target rows'
-   columns (from L2 again) and stores them contiguously. Storing them from inside the column
-   loop, scattered, took longer than the whole kernel: that is why it reads back.
+3. a second loop reads the row again, from L2, and writes ``exp(x - max) * (weight / sum)``, minus
+   ``weight`` at the target, over it, in fp32 rounded once; the sum's order differs from the
+   compiled kernel's, so a few elements differ by one rounding;
+4. with a gather, after a barrier, it reads the row's gradient back at the target rows' columns
+   and stores them contiguously (storing them scattered from the column loop was slower).
 
-A valid target outside ``[0, vocab)`` gives a NaN loss (the eager path raises an IndexError, the
-compiled one a device-side assert). Triton compiles the kernel once per logits dtype, per
-vocabulary and per gather on or off, the first time each runs (about a second each).
+A valid target outside ``[0, vocab)`` gives a NaN loss (the eager path raises an IndexError).
+Triton compiles the kernel once per logits dtype, vocabulary and gather on or off, at first use.
 """
 from __future__ import annotations
 

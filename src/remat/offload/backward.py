@@ -1,40 +1,30 @@
 """The offload engine's backward half: saved tensors come back, and records give back what they held.
 
-How it works. :class:`_Backward` is the part of :class:`remat.offload.engine.OffloadEngine` that
-runs after a block's forward (the engine class inherits it; the two share the engine's lock, queues
-and counters, which :mod:`remat.offload.engine` sets up).
+:class:`_Backward` is the part of :class:`remat.offload.engine.OffloadEngine` that runs after a
+block's forward (the engine inherits it; both share the engine's lock, queues and counters).
 
-- Backward runs blocks in reverse order. The first unpack of a record makes it current: its slots
-  that live only on the host are copied back on a second stream (host-to-device; the two directions
-  use different copy engines, so a backward's fetches overlap a forward's tail), the consuming
-  stream waits on each slot's event (GPU side), and the ``prefetch_blocks`` records before it in
-  forward order are fetched at once so their copies overlap this block's backward. Destination
-  memory is allocated on the consuming stream and the copy stream first waits for it; a
-  destination given up before the consuming stream waited on its copy is fenced on that stream
-  first, and every other stream that read a slot's GPU memory is recorded on it
-  (``record_stream``), so the allocator never hands it out while a copy writes it or a kernel
-  reads it. The record that stops being current gives back its GPU copies (their host copies
-  stay, so a second unpack under ``retain_graph`` re-fetches).
+- The first unpack of a record makes it current: its host-only slots are copied back on a second
+  stream (the two directions use different copy engines, so a backward's fetches overlap a
+  forward's tail), the consuming stream waits on each slot's event, and the ``prefetch_blocks``
+  records before it are fetched at once to overlap this block's backward. Destinations are
+  allocated on the consuming stream and fenced so that the allocator never hands memory out while
+  a copy writes it or a kernel reads it. The record that stops being current gives back its GPU
+  copies (the host copies stay, so ``retain_graph`` re-fetches).
 - Slots still queued for their device-to-host copy when their record becomes current are never
-  moved at all (the tail of the forward is needed first in backward), which saves both directions;
-  copies already in flight are used from their GPU tensor directly.
+  moved; copies in flight are used from their GPU tensor directly.
 - In-place writes: the versions a slot watches are read again when the engine lets go of the
-  original storage and at each unpack, and a change raises autograd's own RuntimeError. A copy
-  that captured a write is therefore never used; a copy taken before a write is the value autograd
-  saved.
-- End of a record's life: ``_drain`` counts the handles whose ``__del__`` queued a release (at the
-  next pack, unpack, block start or end, :meth:`OffloadEngine.stats`, and at the end of each
-  backward, an autograd final callback); a record whose last handle is drained gives its pinned
-  buffers back to the pool, fenced by the last host-to-device copy that read them.
+  original storage and at each unpack; a change raises autograd's own RuntimeError.
+- End of life: ``_drain`` counts the handles whose ``__del__`` queued a release (at packs, unpacks,
+  block boundaries, :meth:`OffloadEngine.stats` and each backward's end); a record whose last
+  handle is drained gives its pinned buffers back to the pool.
 
 Why a base class rather than helper functions taking the engine: these methods read and write a
-dozen of the engine's fields under its lock; as methods they keep the names the forward half and
-the tests use (``engine._unpack``, ``engine._finalize``), and the split is only where the code lives.
+dozen of the engine's fields under its lock; as methods they keep the names the forward half and the
+tests use (``engine._unpack``, ``engine._finalize``).
 
-Limits: the in-place check misses a write made after the block ended and after its copy landed, to
-a tensor that is gone before the backward (the backward then uses the value saved before the write,
-never the written one). Streams are compared by their device object's ``key`` (a handle, see
-:mod:`remat.offload.streams`), never with ``!=``.
+Limits: the in-place check misses a write made after the block ended and its copy landed, to a
+tensor gone before the backward (the backward then uses the value saved before the write). Streams
+are compared by their device object's ``key``, never with ``!=``. More: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

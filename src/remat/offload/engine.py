@@ -1,73 +1,32 @@
 """Asynchronous activation offload: the tensors a block saves for backward live in pinned host
 memory between its forward and its backward, moved on side streams while compute continues.
 
-How it works. ``OffloadEngine.saved_tensors(key)`` installs
-``torch.autograd.graph.saved_tensors_hooks`` around one block's forward (``offload``) or around
-its non-reentrant checkpoint (``full+offload``: there the outer hooks see only the checkpoint's
-inputs, which ``_NoopSaveInputs`` saves under the caller's hooks; the recomputation runs under
-checkpoint's own hooks). Each forward call of a block gets a *record*; each distinct storage span
-it saves is a *slot*, so a storage saved by several ops (or as several views) moves once and comes
-back as the same views (``view(dtype).as_strided`` over one byte buffer). The records, slots and
-packed handles, and what is never moved, are in :mod:`remat.offload.records`; the backward half
-(unpack, fetch back, release) is in :mod:`remat.offload.backward`, which this class inherits.
+How: ``OffloadEngine.saved_tensors(key)`` installs ``torch.autograd.graph.saved_tensors_hooks``
+around one block's forward (``offload``) or around its non-reentrant checkpoint (``full+offload``:
+the outer hooks then see only the checkpoint's inputs). Each forward call of a block gets a
+*record*; each distinct storage span it saves is a *slot*, so a storage saved by several ops or
+views moves once and comes back as the same views (:mod:`remat.offload.records`). A pack records an
+event on the compute stream and queues the slot; device-to-host copies are issued on a copy stream
+of the tensor's device (:mod:`remat.offload.streams`), into a reused :class:`PinnedPool`
+(:mod:`remat.offload.pinned`), while less than ``ISSUE_WINDOW`` bytes are queued. The GPU tensor is
+dropped once its copy's event has completed and its block has ended (no ``record_stream``, so the
+allocator's statistics stay honest); past the window (``max_pending_bytes``) the host waits on the
+oldest copy's event, never a device synchronize. Slots still queued when the backward reaches them
+are never moved. The backward half (fetch back, prefetch, release) is :mod:`remat.offload.backward`,
+which this class inherits.
 
-- Kept where they are, never moved: what :func:`keep_reason` keeps (parameters, buffers and their
-  storages, tensor subclasses, storages without an address); tensors under ``min_bytes``
-  (hundreds of tiny copies would cost more Python than bus); anything not on a CUDA device.
-- Devices: each saved tensor moves from its own device, on that device's pair of copy streams
-  (:mod:`remat.offload.streams`), so a model spread over several GPUs (``device_map="auto"``)
-  offloads every block; the window and the pinned pool are shared by all devices.
-- Forward: a pack records an event on the compute stream and queues the slot. Device-to-host copies
-  are issued on a dedicated stream (waiting on that event) while less than ``ISSUE_WINDOW`` bytes
-  are queued there, into buffers from a :class:`PinnedPool`. The engine keeps the GPU tensor alive
-  and drops it once the copy's event has completed (``event.query()`` at later packs, at each
-  offloaded block's end and at the first unpack of the backward) and its block has ended, so the
-  caching allocator's ``allocated`` statistics stay honest (``record_stream`` would make freed
-  memory look free before the copy ends). The forward runs ~4x faster than the bus on the bench
-  model, so past the window (``max_pending_bytes``) the host waits on the *oldest copy's* event
-  (never a device synchronize).
-- Copies are issued lazily: slots still queued when the backward reaches them are never moved.
-- In-place writes: each pack records ``t._version`` and keeps ``t.detach()`` and a weak reference
-  to ``t``; a version change seen before the saved value is used raises autograd's own error.
-- Backward: the first unpack of a record fetches it and the ``prefetch_blocks`` records before it
-  on a second copy stream; released handles are drained under the lock and a record with none
-  left gives its pinned buffers back to the pool (details in :mod:`remat.offload.backward`).
-- Pinned pool: buffers in power-of-two size classes, reused from step to step, bounded by a host
-  memory limit that raises a ValueError before it is passed (:mod:`remat.offload.pinned`).
-- Without CUDA (or with no parameter or buffer on a CUDA device) ``saved_tensors`` is a no-op and
-  the engine warns once.
-- Copies of the model: ``copy.deepcopy`` and ``pickle`` carry the engine's settings and its model
-  reference (the copy's engine serves the copied model) and drop the lock, streams, events, pool and
-  records, which the copy builds afresh.
+Memory added beyond a running block: the window of tensors whose host copy has not landed, and the
+``prefetch_blocks`` records fetched ahead; the planner models it (:mod:`remat.planning.offload_model`).
 
-Memory the engine adds. Beyond what a block holds while it runs, the engine holds GPU memory for
-other blocks in two ways only: at most the *window* ``W`` (``max_pending_bytes``; default
-``DEFAULT_WINDOW_RECORDS`` times the largest record packed) of saved tensors whose host copy has
-not been seen to land, and during a block's backward the ``prefetch_blocks`` records fetched ahead.
-The rule, why the window is one record, and its pure form ``gpu_overhead_bytes`` (for the
-planner) are in :mod:`remat.planning.offload_model` (the planner models the engine; this package
-never imports the planner, and a test checks the two defaults agree); the device objects that run the copies are in
-:mod:`remat.offload.streams`. This module re-exports the names callers import from it.
+Why not the alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` copies synchronously
+on the compute stream and pins per tensor; torchtune/TRL-style offloading issues every copy at once
+(GPU memory unbounded while the bus lags) and uses ``record_stream``. Here the queue is short, the
+memory waiting for the bus is capped, and the forward's tail is never moved.
 
-How it differs from the obvious alternatives: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-copies synchronously on the compute stream (many times slower than eager: DESIGN.md) and allocates
-pinned memory per tensor; torchtune/TRL-style offloading issues every copy at once, so GPU memory is
-not bounded while the bus lags, and uses ``record_stream``. Here the copy queue is short, the GPU
-memory waiting for the bus is capped, and the tail of the forward is never moved.
-
-Limits: the forward of an offloaded block runs at bus speed once the window is full (offloading
-everything is bus bound: moving every block's activations each way takes longer than the
-compute step it hides behind, DESIGN.md's bus figures; offload some blocks, by plan). Copies in the two
-directions overlap only where a backward meets a forward (the bus limit is the sum of both
-directions at per-direction bandwidth). A saved view that covers less than half of its storage
-moves just its span; otherwise the whole storage moves. Storages shared by several blocks move once
-per block. The in-place check misses one case autograd catches (:mod:`remat.offload.backward`
-says which; the backward then never uses a written value). Released records hold their memory until the
-next drain (a forward without backward: until the next forward or :meth:`OffloadEngine.stats`).
-Stream identities are compared by handle, never with ``!=`` (``torch.Stream`` compares
-unequal-to-None as False, which would silently skip every wait). Not for use
-inside CUDA-graph capture or ``torch.compile``d regions; move the model to its device before the
-first step.
+Limits: once the window is full a block's forward runs at bus speed, so offload some blocks, by
+plan, not all; not inside CUDA-graph capture or ``torch.compile``d regions; without CUDA
+``saved_tensors`` is a no-op (warned once). This module re-exports the names callers import from
+it. Details and measurements: ``docs/design/treatments.md``, ``benchmarks/results/issue3/README.md``.
 """
 from __future__ import annotations
 
@@ -98,19 +57,23 @@ ISSUE_WINDOW = 512 * MiB  # bytes of D2H copies queued at once: ~10 ms of bus, e
 class OffloadEngine(_Backward):
     """Moves the tensors blocks save for backward to pinned host memory and back, asynchronously.
 
-    ``remat.apply`` creates one per call, shared by the model's offloaded blocks, and the
-    treatments call ``with engine.saved_tensors(block_index): ...``.
+    ``remat.apply`` creates one per call, shared by the model's offloaded blocks, and the treatments
+    call ``with engine.saved_tensors(block_index): ...``.
 
-    - ``min_bytes``: storages smaller than this stay on the GPU.
-    - ``max_pending_bytes``: the window: GPU bytes of saved tensors whose host copy has not been
-      seen to land; above it the forward waits for the bus. None: ``DEFAULT_WINDOW_RECORDS`` times
-      the largest record (one block call's offloaded bytes) packed so far. See "Memory the engine
-      adds" in the module docstring and ``remat.planning.offload_model.gpu_overhead_bytes``.
-    - ``prefetch_blocks``: records copied back ahead of the backward (1 hides a block's copy
-      behind the next block's backward when the bus keeps up).
-    - ``host_memory_limit``: bytes of pinned memory the pool may hold (None: 60% of MemAvailable).
-    - ``timing``: CUDA events around copies and waits, for :meth:`stats`.
-    """
+    Args:
+        model: the model whose blocks it serves (its parameters and buffers are never moved).
+        min_bytes: storages smaller than this stay on the GPU.
+        max_pending_bytes: the window: GPU bytes of saved tensors whose host copy has not been seen
+            to land; above it the forward waits for the bus. None: ``DEFAULT_WINDOW_RECORDS`` times
+            the largest record (one block call's offloaded bytes) packed so far
+            (``remat.planning.offload_model.gpu_overhead_bytes`` models it).
+        prefetch_blocks: records copied back ahead of the backward (1 hides a block's copy behind
+            the next block's backward when the bus keeps up).
+        host_memory_limit: bytes of pinned memory the pool may hold (None: 60% of MemAvailable).
+        timing: CUDA events around copies and waits, for :meth:`stats`.
+
+    Raises (during a step, not here):
+        ValueError: the pinned pool would pass ``host_memory_limit``."""
 
     # what a copy (deepcopy, pickle) carries; everything else is rebuilt by _start
     _SETTINGS = ("_model_ref", "min_bytes", "max_pending_bytes", "prefetch_blocks", "timing",

@@ -39,9 +39,11 @@ HOST_FRACTION = 0.6  # of MemAvailable: pinned memory cannot be swapped, leave t
 
 
 def host_memory() -> dict:
-    """``{"total": bytes, "available": bytes}`` from ``/proc/meminfo`` (MemTotal, MemAvailable);
-    the one reader of it (the pool's default limit, ``remat env``). Off Linux: the available
-    physical pages, and no total."""
+    """The host's memory, from ``/proc/meminfo``: the one reader of it (the pool's default limit, ``remat env``).
+
+    Returns:
+        ``{"total": bytes, "available": bytes}`` (MemTotal, MemAvailable); off Linux, the available
+        physical pages and no total."""
     values = {}
     try:
         with open("/proc/meminfo") as f:
@@ -60,8 +62,11 @@ def _mem_available() -> int:
 
 
 def default_limit() -> int:
-    """The bytes a pool without a ``limit`` may hold: ``HOST_FRACTION`` of MemAvailable now (what the
-    planner holds offload plans to, :func:`remat.planner.plan`'s ``host_memory``)."""
+    """The bytes a pool without a ``limit`` may hold.
+
+    Returns:
+        ``HOST_FRACTION`` of MemAvailable now: what the planner holds offload plans to
+        (:func:`remat.planner.plan`'s ``host_memory``)."""
     return int(HOST_FRACTION * _mem_available())
 
 

@@ -1,34 +1,27 @@
 """The offload engine's bookkeeping: which saved tensors may move, and the objects that track them.
 
-How it works. :class:`remat.offload.engine.OffloadEngine` gives each forward call of a block a
-:class:`_Record`; each distinct storage span the block saves is a :class:`_Slot` of it (one storage
-saved by several ops, or as several views, moves once and comes back as the same views); what
-autograd holds instead of an offloaded tensor is a :class:`_Packed` handle naming its slot and the
-view to rebuild. The engine opens a record and installs its saved-tensor hooks for one block's
-forward; these objects know nothing of the engine beyond the release queue a handle appends to.
+:class:`remat.offload.engine.OffloadEngine` gives each forward call of a block a :class:`_Record`;
+each distinct storage span the block saves is a :class:`_Slot` of it (one storage saved by several
+ops or views moves once and comes back as the same views); what autograd holds instead of an
+offloaded tensor is a :class:`_Packed` handle naming its slot and the view to rebuild. These objects
+know nothing of the engine beyond the release queue a handle appends to.
 
-- Kept where they are, never moved (:func:`keep_reason`, a pure function of the tensor): parameters,
-  buffers and anything sharing their storage (storage identity, the local shard of a DTensor
-  parameter included: FSDP2 frees and regrows those storages between uses); tensor subclasses;
-  storages of 0 bytes or whose address PyTorch refuses to give. (The engine also keeps tensors
-  under ``min_bytes`` and anything not on a CUDA device.)
-- In-place writes. Under saved-tensor hooks autograd no longer checks that a saved tensor was not
-  written in place before the backward, and a lazy copy would capture the written value. So a slot
-  keeps, per handle, ``t.detach()`` (same version counter, same storage, which the engine holds
-  anyway until the copy lands and the block ends) and the version at the pack (``_Slot.watch``),
-  and each handle keeps a weak reference to ``t``; :func:`_modified_error` is autograd's own
-  RuntimeError, raised when the engine sees a version change (:mod:`remat.offload.backward`).
-- Release. A handle's ``__del__`` runs on whichever thread drops it (the autograd thread, or a
-  garbage-collection pass in the middle of a pack), so it only appends its record to the engine's
-  release queue (``collections.deque.append`` is atomic); the engine drains the queue under its lock.
+- Never moved (:func:`keep_reason`, a pure function of the tensor): parameters, buffers and anything
+  sharing their storage (a DTensor parameter's local shard included: FSDP2 frees and regrows those
+  storages); tensor subclasses; storages of 0 bytes or without an address.
+- In-place writes: under saved-tensor hooks autograd no longer checks that a saved tensor was not
+  written before the backward, and a lazy copy would capture the written value. So a slot keeps,
+  per handle, ``t.detach()`` and the version at the pack (``_Slot.watch``), and each handle a weak
+  reference to ``t``; :func:`_modified_error` is autograd's own error.
+- Release: a handle's ``__del__`` may run on any thread (even mid-pack, in a garbage-collection
+  pass), so it only appends its record to the engine's release queue (an atomic ``deque.append``).
 
-Why small objects with ``__slots__`` rather than attributes on the saved tensors: a slot is shared
-by every view saved of its storage and its fields change as copies land and are given back; only
-the engine, under its lock, reads and writes them (a handle's ``__del__`` only queues).
+Why small ``__slots__`` objects rather than attributes on the saved tensors: a slot is shared by
+every view of its storage and changes as copies land; only the engine, under its lock, touches it.
 
-Limits: the parameter storages are a snapshot (:func:`parameter_storages`) that the engine takes
-again only when the model's first parameter or its storage changes; a storage matched by
-``_cdata`` counts only while it is still the same object (a freed one's address may be reused).
+Limits: the parameter storages are a snapshot (:func:`parameter_storages`), taken again only when
+the model's first parameter or its storage changes; a storage matched by ``_cdata`` counts only
+while it is still the same object.
 """
 from __future__ import annotations
 

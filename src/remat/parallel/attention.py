@@ -4,61 +4,29 @@
         loss = model(**shard_sequence(batch, group)).loss
         loss.backward()
 
-How: while the ``with`` is open, ``torch.nn.functional.scaled_dot_product_attention`` is
-replaced by :class:`CPAttention` (as torch's own ``context_parallel`` replaces it; restored when
-the ``with`` ends, on an error too, and only there), which computes each call over the whole
+How: inside the ``with``, ``torch.nn.functional.scaled_dot_product_attention`` is replaced by
+:class:`CPAttention` (restored at its end, on an error too), which computes each call over the whole
 sequence, the rank's queries against every rank's keys and values:
 
-- ``"ring"`` (NCCL, the default on CUDA): torch's own context parallelism
-  (``torch.distributed.tensor.experimental.context_parallel``: ring attention through the SDPA
-  flash / efficient / cuDNN kernels, its default all-gather rotation), entered with torch's load
-  balancing on (``_cp_options.enable_load_balance``) when the batch was cut head-tail, off when it
-  was cut into contiguous pieces (``balance=False``): torch's ring reads that one flag to know which
-  chunks of a neighbour's keys each of its steps needs, and remat shards the batch itself
-  (:mod:`remat.parallel.sequence`) exactly as torch's ``_HeadTailLoadBalancer`` would (rank ``r``:
-  chunks ``r`` and ``2 world - 1 - r`` of ``2 world``; tests/test_context_parallel.py compares the
-  two layouts), so torch is handed only a throwaway buffer to shard;
-- ``"gather"`` (gloo, the default on the CPU, where torch's CP has no kernel): the keys and values of
-  every rank are all-gathered (one collective per call), and SDPA runs the rank's queries against
-  them under the causal mask of the tokens' global positions (:func:`remat.parallel.sequence.positions`:
-  query at position ``p`` sees the keys at positions ``<= p``, wherever the layout put them; for
-  contiguous pieces, the keys of ranks ``0 .. r`` only, the mask shifted to the rank's positions):
-  the same mathematics as one process, in fp32 equal to it up to the order of a few sums. Its
-  backward (:class:`_GatherKV`) returns each rank the sum over ranks of the gradients of its own
-  keys and values (a reduce-scatter; on gloo an all-reduce, then the rank's slice).
+- ``"ring"`` (NCCL, the default on CUDA): torch's own context parallelism (ring attention through
+  the SDPA kernels), its load-balancing flag set to the batch's layout; remat shards the batch
+  itself (:mod:`remat.parallel.sequence`) as torch's ``_HeadTailLoadBalancer`` would;
+- ``"gather"`` (gloo, the default on the CPU): every rank's keys and values are all-gathered and
+  SDPA runs the rank's queries against them under the causal mask of the tokens' global positions
+  (:func:`remat.parallel.sequence.positions`): the mathematics of one process; its backward
+  (:class:`_GatherKV`) returns each rank the sum over ranks of its own keys' and values' gradients.
 
-Why the function and not a ``TorchFunctionMode`` (thread-local, nothing global replaced): a
-treatment that recomputes attention (``full``, ``attention``, ``full+offload`` ...) calls the
-block's forward again in backward, and that call must exchange keys and values again; torch's
-checkpoint recomputes outside any function mode entered around the step (checked: the mode never
-saw the recompute's SDPA, and rank 0's gradients were silently its own piece's), while the
-replaced function is what the recompute calls. Each call is counted
-(:attr:`CPAttention.calls`; and the collectives a step issues). It also checks each call: a mask
-(a model that builds one: sliding windows, padding) or attention dropout cannot be split this way
-and raise ValueError naming why.
+Why the function and not a ``TorchFunctionMode``: a recompute in backward must exchange keys and
+values again, and torch's checkpoint recomputes outside any function mode entered around the step,
+while the replaced function is what it calls. Each call is counted (:attr:`CPAttention.calls`);
+a mask or attention dropout cannot be split this way and raises ValueError.
 
-The layout must be the one the batch was cut with (``balance``, default True for both): with
-``model=``, a forward pre-hook (removed when the ``with`` ends) reads the ``position_ids`` the
-model is handed and raises ValueError when they are not this rank's under the context's layout
-(``shard_sequence``'s are tagged with theirs, so nothing is read from the device; other
-``position_ids`` are compared by value). A model called without ``position_ids`` is not checked.
+The ``with`` must hold the backward too (a recompute outside it would attend to the rank's piece
+only): the gather path raises at its end when a forward with gradients ran and no backward did.
 
-The ``with`` must hold the backward too: a recompute outside it would attend to the rank's own
-piece only, silently. On the gather path the context knows whether a backward ran through its
-attention, and raises at its end when a forward ran with gradients and no backward did. A model
-whose forward called no SDPA at all (eager attention on a model without a config to check
-beforehand) raises there too.
-
-Limits: two sequence layouts (head-tail, contiguous); attention dropout is refused; the ring
-path has not run on GPUs from this module (the test suite runs torch's ring attention code itself,
-forward and backward, on gloo with the CPU flash kernels, on the shares remat cuts and with the
-flag set as here: not the NCCL path's dispatch or kernels); the gather path holds every rank's keys
-and values at once (``world`` x a rank's K/V during the attention, and kept
-for backward when the block keeps its activations): it exists so that a CPU checks the mathematics,
-the planner models the ring (:mod:`remat.planning.context`). GQA passes ``enable_gqa`` through as
-transformers passes it (the gather path checks it on the CPU; the ring path relies on the flash
-kernel taking fewer key/value heads, not yet run on a GPU from this module). Not under
-``torch.compile``.
+Limits: two layouts; the gather path holds every rank's keys and values at once (it exists so a CPU
+checks the mathematics; the planner models the ring); not under ``torch.compile``. Position checks
+and what the ring path has run on: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 
@@ -128,10 +96,13 @@ class _Seen(torch.autograd.Function):
 
 
 class CPAttention:
-    """What ``scaled_dot_product_attention`` is while :func:`context_parallel` is open: SDPA over
-    the whole sequence (see the module doc). ``calls``: SDPA calls it computed (recomputes
-    included); ``forward_calls``: those outside a backward with gradients on; ``backward_calls``
-    (gather path): backwards that ran through them."""
+    """What ``scaled_dot_product_attention`` is while :func:`context_parallel` is open: SDPA over the whole sequence.
+
+    Made by :func:`context_parallel` (see the module doc), not by users. Its counts:
+
+    - ``calls``: SDPA calls it computed (recomputes included);
+    - ``forward_calls``: those outside a backward with gradients on;
+    - ``backward_calls`` (gather path): backwards that ran through them."""
 
     def __init__(self, group, rank: int, world: int, path: str, previous, balance: bool = True):
         self.group, self.rank, self.world, self.path, self.balance = group, rank, world, path, balance
@@ -190,14 +161,31 @@ def gathered_attention(query, key, value, group, rank: int, world: int, *, is_ca
 @contextlib.contextmanager
 def context_parallel(model: Optional[nn.Module] = None, group=None, *, attention: str = "auto",
                      balance: bool = True):
-    """Run attention over the sequence split across ``group`` (see the module doc); yields the
-    :class:`CPAttention` (its counts). ``model``: checked first (:func:`check_model`), so a model
-    whose attention is not SDPA is refused before anything runs, and its ``position_ids`` checked
-    against the layout at each forward. ``group``: the CP process group, a 1-D DeviceMesh
-    (``mesh["cp"]``) or None (the default group). ``attention``: ``"ring"`` (torch's ring attention;
-    NCCL), ``"gather"`` (all-gathered keys and values; any backend) or ``"auto"`` (ring on NCCL,
-    gather otherwise). ``balance``: how the batch was cut (:func:`remat.parallel.shard_sequence`'s
-    ``balance``): head-tail chunks (default) or contiguous pieces."""
+    """Run attention over the sequence split across ``group``, forward and backward inside (see the module doc).
+
+    Args:
+        model: checked first (:func:`check_model`), so a model whose attention is not SDPA is refused
+            before anything runs, and its ``position_ids`` checked against the layout at each forward;
+            None: neither.
+        group: the CP process group, a 1-D DeviceMesh (``mesh["cp"]``) or None (the default group).
+        attention: ``"ring"`` (torch's ring attention; NCCL), ``"gather"`` (all-gathered keys and
+            values; any backend) or ``"auto"`` (ring on NCCL with CUDA, gather otherwise).
+        balance: how the batch was cut (:func:`remat.parallel.shard_sequence`'s ``balance``):
+            head-tail chunks (default) or contiguous pieces.
+
+    Yields:
+        The :class:`CPAttention` in place of SDPA (its call counts).
+
+    Raises:
+        ValueError: an unknown ``attention``, a model :func:`check_model` refuses, ``position_ids``
+            not this rank's, a mask or attention dropout in a call.
+        RuntimeError: at the end, where no SDPA ran, or (gather) a forward with gradients ran and no
+            backward did inside the ``with``.
+
+    Example::
+
+        with context_parallel(model, group):
+            model(**shard_sequence(batch, group)).loss.backward()"""
     if attention not in PATHS:
         raise ValueError(f"attention must be one of {', '.join(PATHS)}, got {attention!r}")
     if model is not None:
@@ -282,11 +270,12 @@ def _torch_ring(group, pg, world, balance: bool):
 
 @contextlib.contextmanager
 def plain_attention():
-    """``torch.nn.functional.scaled_dot_product_attention`` as torch defines it while the ``with``
-    is open, whatever replaced it (torch's ``context_parallel``, :func:`context_parallel`), put back
-    when it ends: for profiling one rank's share inside a CP step (the Hugging Face Trainer's, where
-    torch's ring would otherwise run on the profiler's tensors). A profile of the share is what
-    :mod:`remat.planning.context` adds the rest of the sequence's attention to."""
+    """``torch.nn.functional.scaled_dot_product_attention`` as torch defines it, while the ``with`` is open.
+
+    Whatever replaced it (torch's ``context_parallel``, :func:`context_parallel`) is put back when the
+    ``with`` ends. For profiling one rank's share inside a CP step (the Hugging Face Trainer's, where
+    torch's ring would otherwise run on the profiler's tensors); :mod:`remat.planning.context` adds the
+    rest of the sequence's attention to that profile."""
     current = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
     try:
@@ -296,11 +285,18 @@ def plain_attention():
 
 
 def torch_balances(length: int, world: int) -> bool:
-    """Whether torch's ``context_parallel``, entered now for sequences of ``length`` tokens over
-    ``world`` ranks, cuts them head-tail (its ``_HeadTailLoadBalancer``, remat's ``balance=True``):
-    its ``_cp_options.enable_load_balance`` is on (the default; inside its context, what it chose)
-    and the length divides into ``2 x world`` chunks. For planning a rank that torch shards (the
-    Hugging Face Trainer under accelerate's ``ParallelismConfig(cp_size=...)``)."""
+    """Whether torch's ``context_parallel``, entered now, would cut sequences head-tail.
+
+    For planning a rank that torch shards (the Hugging Face Trainer under accelerate's
+    ``ParallelismConfig(cp_size=...)``): its ``_HeadTailLoadBalancer``, remat's ``balance=True``.
+
+    Args:
+        length: tokens per sequence.
+        world: CP ranks.
+
+    Returns:
+        True when torch's ``_cp_options.enable_load_balance`` is on (the default; inside its context,
+        what it chose) and ``length`` divides into ``2 x world`` chunks."""
     if world <= 1 or length % (2 * world):
         return False
     try:
@@ -317,8 +313,14 @@ def _nccl(group) -> bool:
 
 
 def reduce_gradients(model: nn.Module, group=None) -> None:
-    """Sum every parameter's ``.grad`` over the CP ``group`` (for a model neither FSDP2 nor DDP
-    reduces over it: each rank's backward gave the gradient of its share of the loss)."""
+    """Sum every parameter's ``.grad`` over the CP ``group``.
+
+    For a model neither FSDP2 nor DDP reduces over the group: each rank's backward gave the gradient
+    of its share of the loss, and the whole sequence's gradient is their sum.
+
+    Args:
+        model: the model whose gradients to sum (in place).
+        group: the CP process group, a 1-D DeviceMesh or None (the default group)."""
     pg = process_group(group)
     for p in model.parameters():
         if p.grad is not None:

@@ -10,7 +10,17 @@ import torch.distributed as dist
 
 
 def rank_and_world(group=None) -> tuple:
-    """``(rank, world)`` of this process in ``group``: a ProcessGroup, a 1-D DeviceMesh or None (default)."""
+    """This process's rank and the world size of ``group``.
+
+    Args:
+        group: a ProcessGroup, a 1-D DeviceMesh (``mesh["cp"]``) or None (the default group).
+
+    Returns:
+        ``(rank, world)``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: a mesh of more than one dimension."""
     pg = process_group(group)
     return dist.get_rank(pg), dist.get_world_size(pg)
 

@@ -5,45 +5,28 @@
         loss = model(**local).loss           # this rank's share of the loss of the whole sequence
         loss.backward()
 
-How: the sequence of ``S`` tokens is cut into ``2 x world`` chunks of ``S / (2 world)`` tokens and
-rank ``r`` keeps chunks ``r`` and ``2 world - 1 - r`` (a head and a tail, in that order) of every
-tensor whose second dimension is the sequence (``input_ids``, ``inputs_embeds``, ``token_type_ids``
-...): the head-tail ("zigzag") layout of torch's ``context_parallel`` (its ``_HeadTailLoadBalancer``,
-the ``_RoundRobinLoadBalancer`` of torch 2.6 - 2.8), so that under causal attention every rank
-attends to the same number of keys (``world / 2`` of the whole sequence's ``s x s`` blocks, ``s = S /
-world``). ``balance=False`` cuts ``world`` contiguous pieces instead (rank ``r`` keeps tokens ``[r s,
-(r + 1) s)``): the last rank then attends to the whole sequence and the first to its own piece only,
-and the step waits for the last (``world - 1/2`` blocks: 1.75x a balanced share at CP 4). Every
-rank and :func:`remat.parallel.context_parallel` must use the same layout (both default to the
-balanced one; ``context_parallel`` checks the ``position_ids`` it is handed). Three things are done
-to the whole batch before it is cut, because after the cut no rank could do them:
+How: the sequence of ``S`` tokens is cut into ``2 x world`` chunks and rank ``r`` keeps chunks ``r``
+and ``2 world - 1 - r`` (a head and a tail) of every tensor whose second dimension is the sequence:
+the head-tail ("zigzag") layout of torch's ``context_parallel``, so that under causal attention
+every rank attends to the same number of keys. ``balance=False`` cuts ``world`` contiguous pieces
+instead (the last rank then does the most work). Every rank and ``context_parallel`` must use the
+same layout (both default to the balanced one).
 
-- labels are shifted (a causal LM predicts token ``t + 1`` at position ``t``): ``shift_labels`` is
-  ``labels[:, 1:]`` followed by ``-100``, cut like the ids, and passed as both ``labels`` and
-  ``shift_labels`` (transformers' ``ForCausalLMLoss`` and remat's chunked head then use them as they
-  are). Shifting each piece instead would drop the target of every piece's last token;
-- ``num_items_in_batch`` is the number of targets in the whole sequence (not ``-100``), so each
-  rank's loss is ``sum of its tokens' losses / num_items_in_batch``: its share, and the sum of the
-  ranks' losses is the loss of the whole sequence (``torch.distributed.all_reduce`` it to print it).
-  Gradients add up the same way: summed over the CP ranks (:func:`remat.parallel.reduce_gradients`
-  for a model replicated on them; under FSDP2 over ``dp x cp`` ranks, which averages, back-propagate
-  ``cp x`` the loss, as ``examples/train_long.py`` does);
-- ``position_ids`` are the global positions of the rank's tokens (:func:`positions`), so rotary (or
-  learned) position embeddings see where each token really is.
+Done to the whole batch before it is cut, because after the cut no rank could do it:
 
-A balanced share's positions jump from the head to the tail, which transformers reads as packed
-sequences when no ``attention_mask`` is given, answering with a block-diagonal 4-D mask that no CP
-attention can take. So a balanced share carries a 2-D ``attention_mask`` of ones: transformers then
-builds no mask (SDPA's ``is_causal``; checked for transformers 5 by tests/test_context_parallel.py,
-and an attention that does get a mask refuses it rather than run it wrong), and the CP attention
-applies the causal mask of the permuted positions itself (:mod:`remat.parallel.attention`).
+- labels are shifted (``shift_labels``, cut like the ids, passed as ``labels`` and ``shift_labels``);
+  shifting each piece instead would drop the target of every piece's last token;
+- ``num_items_in_batch`` counts the whole sequence's targets, so the ranks' losses (and gradients)
+  sum to the whole sequence's (:func:`remat.parallel.reduce_gradients` for a replicated model);
+- ``position_ids`` are the global positions of the rank's tokens (:func:`positions`).
 
-Refused, before anything is touched (ValueError, naming what to do): a sequence not divisible by
-``2 x world`` (balanced) or ``world`` (pad it on the right with ``-100`` labels: causal attention
-makes padding at the end exact), a padding mask (a 2-D ``attention_mask`` with zeros; one of all ones
-is dropped, and a balanced share gets its own), a 4-D mask, ``position_ids`` other than ``0 .. S-1``
-(packed sequences), and with ``model=`` a model whose attention does not run through
-``torch.nn.functional.scaled_dot_product_attention`` (:func:`check_model`).
+A balanced share's positions jump from head to tail, which transformers reads as packed sequences
+and answers with a mask no CP attention can take; so it carries a 2-D ``attention_mask`` of ones,
+transformers builds no mask, and the CP attention applies the causal mask of the permuted positions.
+
+Refused before anything is touched (ValueError, naming what to do): a sequence not divisible by
+``2 x world`` (or ``world``), a padding mask, a 4-D mask, packed ``position_ids``, and with
+``model=`` a model whose attention is not SDPA (:func:`check_model`). More: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 
@@ -60,18 +43,42 @@ _LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
 
 
 def shard_sequence(batch: dict, group=None, *, model: Optional[nn.Module] = None, balance: bool = True) -> dict:
-    """This rank's share of ``batch`` (a dict of a causal LM's inputs, the whole sequence, the same on
-    every rank of ``group``): see the module doc. ``group``: the CP process group, a 1-D
-    ``DeviceMesh``, or None for the default group. ``model``: also checked (:func:`check_model`).
-    ``balance``: the head-tail layout (default) or contiguous pieces (False); pass the same to
-    :func:`remat.parallel.context_parallel`."""
+    """This rank's share of ``batch``, whose sequence is split over ``group`` (see the module doc).
+
+    Args:
+        batch: a dict of a causal LM's inputs for the whole sequence, the same on every rank.
+        group: the CP process group, a 1-D ``DeviceMesh``, or None for the default group.
+        model: also checked (:func:`check_model`), or None.
+        balance: the head-tail layout (default) or contiguous pieces (False); pass the same to
+            :func:`remat.parallel.context_parallel`.
+
+    Returns:
+        A new dict of the rank's share (at world 1, the batch's entries as given): its tokens, shifted
+        labels (``labels`` and ``shift_labels``), the whole batch's ``num_items_in_batch``, the
+        tokens' global ``position_ids``.
+
+    Raises:
+        TypeError: ``batch`` is not a dict.
+        ValueError: what :func:`check_batch` or :func:`check_model` refuses."""
     rank, world = rank_and_world(group)
     return shard_for(batch, rank, world, model=model, balance=balance)
 
 
 def shard_for(batch: dict, rank: int, world: int, *, model: Optional[nn.Module] = None, balance: bool = True) -> dict:
-    """:func:`shard_sequence` for rank ``rank`` of ``world`` without a process group (the planner
-    profiles rank 0's share; tests build every rank's)."""
+    """:func:`shard_sequence` for rank ``rank`` of ``world``, without a process group.
+
+    The planner profiles rank 0's share; tests build every rank's.
+
+    Args:
+        batch, model, balance: as for :func:`shard_sequence`.
+        rank: the rank whose share to cut; world: the CP degree.
+
+    Returns:
+        That rank's share, as :func:`shard_sequence` returns it.
+
+    Raises:
+        ValueError: ``world`` is not a whole number >= 1 or ``rank`` not one of its ranks; what
+            :func:`shard_sequence` raises."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"the context-parallel degree must be a whole number >= 1, got {world!r}")
     if not 0 <= rank < world:
@@ -124,9 +131,17 @@ def layout(rank: int, world: int, length: int, *, balance: bool = True) -> list:
 
 
 def positions(rank: int, world: int, length: int, *, balance: bool = True, device=None) -> torch.Tensor:
-    """The global positions of rank ``rank``'s tokens of a sequence of ``length`` (1-D, in the order
-    the rank holds them): the ``position_ids`` :func:`shard_for` hands the model, and what the CP
-    attention builds its causal mask from."""
+    """The global positions of rank ``rank``'s tokens, in the order the rank holds them.
+
+    Args:
+        rank, world: the rank and the CP degree.
+        length: tokens in the whole sequence.
+        balance: the head-tail layout (default) or contiguous pieces.
+        device: where to make the tensor.
+
+    Returns:
+        A 1-D tensor: the ``position_ids`` :func:`shard_for` hands the model, and what the CP attention
+        builds its causal mask from."""
     return torch.cat([torch.arange(start, end, device=device)
                       for start, end in layout(rank, world, length, balance=balance)])
 
@@ -143,8 +158,15 @@ def tag_layout(position_ids: torch.Tensor, rank: int, world: int, balance: bool)
 
 
 def check_batch(batch, world: int, *, balance: bool = True) -> tuple:
-    """``(sequences, tokens)`` of a batch CP can cut into ``world`` shares (of two chunks each with
-    ``balance``); ValueError otherwise."""
+    """Check that CP can cut ``batch`` into ``world`` shares (of two chunks each with ``balance``).
+
+    Returns:
+        ``(sequences, tokens)`` of the batch.
+
+    Raises:
+        TypeError: ``batch`` is not a dict of a causal LM's inputs.
+        ValueError: a length that does not divide, a padding or 4-D mask, packed ``position_ids``,
+            labels of another shape than the ids."""
     if not isinstance(batch, dict):
         raise TypeError(f"context parallelism shards a dict batch of a causal LM's inputs (input_ids, labels ...), "
                         f"got {type(batch).__name__}")
@@ -189,12 +211,16 @@ def check_batch(batch, world: int, *, balance: bool = True) -> tuple:
 
 
 def check_model(model: nn.Module) -> None:
-    """Raise ValueError unless ``model``'s attention runs through ``scaled_dot_product_attention``:
-    for a Hugging Face model, every config's ``attn_implementation`` must be ``"sdpa"`` (eager
-    attention computes its softmax itself, flash-attention calls its own kernels: neither reaches
-    the SDPA that CP replaces). A model without a config cannot be checked here;
-    :func:`remat.parallel.attention.context_parallel` refuses it at the end of a forward that ran
-    no SDPA."""
+    """Refuse a model whose attention does not run through ``scaled_dot_product_attention``.
+
+    For a Hugging Face model, every config's ``attn_implementation`` must be ``"sdpa"`` (eager
+    attention computes its softmax itself, flash-attention calls its own kernels: neither reaches the
+    SDPA that CP replaces). A model without a config cannot be checked here;
+    :func:`remat.parallel.attention.context_parallel` refuses it at the end of a forward that ran no SDPA.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: an attention implementation other than ``"sdpa"``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expects a torch.nn.Module, got {type(model).__name__}")
     for name, implementation in attention_implementations(model):

@@ -1,51 +1,32 @@
 """What a treated block is handed, kept as the untouched block sees it: in its forward and in every recompute.
 
-A checkpointed block runs twice, in the forward and again in backward, and the recompute must be
-handed the values its forward was handed, while the forward must leave behind what the untouched
-block leaves. Python objects that reach a block through its arguments break both unless they are
-looked after: a KV cache the block appends to, recurrent state a model writes into after the
-block returns, a dict one block fills and another reads. :func:`guarded` (a :class:`BlockCall` per
-call of a treated block, eager mode) looks after them; nothing here copies a block's activations.
+A checkpointed block runs twice, in the forward and again in backward; the recompute must be handed
+the values its forward was handed, and the forward must leave behind what the untouched block
+leaves. Python objects reaching a block through its arguments break both unless looked after.
+:func:`guarded` (a :class:`BlockCall` per call of a treated block, eager mode) looks after them;
+nothing here copies a block's activations.
 
-- KV caches (transformers' ``Cache``): the block gets a view (:mod:`remat.treat.cache_views`): it
-  reads the caller's layers (a prefix the caller passed in included), its recompute sees them as its
-  forward read them, and what it adds is written back into the caller's cache or withheld: withheld
-  in a training forward (the model's cache then lacks the treated blocks, as with Hugging Face
-  checkpointing's ``use_cache=False``, so their keys and values are not kept alive for the rest of
-  the step), written back in an eval-mode forward with gradients and for a model that reads its own
-  cache inside the training forward (:func:`cache_reader`: PI0 asks its vision-language model for a
-  cache and hands it to its action expert), whose cache then holds what it holds untouched. A read
-  of withheld keys and values in the same forward (by a later block, or the model's own code) is
-  refused from inside the step, and remat is taken off the model (:mod:`remat.treat.refusals`).
-- Tensors inside the arguments (tuples, lists, dicts, ``UserDict``, to :data:`_DEPTH` levels): their
-  version counters are recorded at the call and compared before each recompute. A model that writes
-  into one in place after the block returned (xLSTM copies the new recurrent state into the tensors
-  it passed) would have the recompute see the new values; so a tensor seen for the first time at a
-  path, that does not require grad, is copied at the call (once per tensor and version, shared by
-  every block handed it), the recompute is handed the copy where the original changed, and the
-  path is learned (:class:`InputLedger`): copied at every call from then on if it changed, never
-  again if it did not. A changed tensor with no copy (one that requires grad, or a path that was
-  clean until now) is refused in backward, with the argument named. Tensor arguments themselves
-  are the checkpoint's saved inputs, whose versions autograd checks.
-- Mutable containers (list, dict, ``UserDict``: Gemma-3n's shared key/value dict, filled by one
-  layer and read by later ones): the forward gets the caller's object, so what it writes is seen;
-  a recompute gets a copy of its contents at the call, so it reads what the forward read and writes
-  nothing the caller sees.
+- KV caches (transformers' ``Cache``): the block gets a view (:mod:`remat.treat.cache_views`) that
+  reads the caller's layers as its forward read them; what it adds is withheld in a training
+  forward (so its keys and values are not kept alive for the step) and written back in an eval
+  forward with gradients or for a model that reads its own cache in training (:func:`cache_reader`:
+  PI0). A read of withheld keys and values is refused from inside the step
+  (:mod:`remat.treat.refusals`).
+- Tensors inside the arguments (tuples, lists, dicts, to :data:`_DEPTH` levels): their versions are
+  recorded at the call; a tensor the model writes into after the block returned (xLSTM's recurrent
+  state) is copied for the recompute, and which paths need copies is learned (:class:`InputLedger`).
+  A changed tensor with no copy is refused in backward, the argument named.
+- Mutable containers (Gemma-3n's shared key/value dict): the forward gets the caller's object, a
+  recompute a copy of its contents, so it reads what the forward read and writes nothing seen.
 
-How this differs from the obvious alternatives: dropping the cache (Hugging Face's
-``use_cache=False`` under checkpointing) changes some models' arithmetic (GPT-2 attends over the
-cache's concatenated keys) and breaks models that read it (PI0); handing the caller's cache to the
-block lets a recompute append a second time; copying every argument at every call would double
-what ``full`` keeps. The first call of a block copies the state-like tensors it is handed (rotary
-tables, recurrent state) once; from its first recompute on, only those the model writes into.
+Why not the obvious alternatives: dropping the cache (``use_cache=False``) changes some models'
+arithmetic and breaks models that read it; handing the caller's cache lets a recompute append
+twice; copying every argument at every call would double what ``full`` keeps.
 
-Under ``torch.compile`` a treated block gets a new empty cache of the caller's layout instead
-(:mod:`remat.treat.cache_layout`), and tensors inside arguments are left to the graph; a block of a
-model that writes its cache back runs eagerly there. Limits: tensors inside other objects (a
-dataclass, a custom state object passed whole) are not watched; a cache whose layers are not a list
-(transformers 4.x) gets the compiled path's empty cache; a model that reads its cache in the
-training forward but does not write ``use_cache=True`` in a forward is found only when it reads
-withheld keys and values (a refusal in the first step, not a correct step).
+Under ``torch.compile`` a treated block gets a new empty cache of the caller's layout
+(:mod:`remat.treat.cache_layout`) and tensors inside arguments are left to the graph. Limits
+(tensors inside other objects are not watched, transformers 4.x caches, ...):
+``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

@@ -65,12 +65,24 @@ class Structure:
 def discover(model: nn.Module, blocks: BlockSelector = None) -> Structure:
     """Find the blocks (and LM head) of ``model``.
 
-    ``blocks`` overrides discovery: a qualified name -- of an ``nn.ModuleList`` or
-    ``nn.Sequential`` (``"model.layers"``; ``""`` is the model itself), whose children are
-    then the blocks, or of any other module, which is then the one block -- a list of
-    block names, or a predicate ``(name, module) -> bool`` selecting blocks. One block is
-    enough when it is named; automatic discovery needs two, or one named like a layer (module doc).
-    """
+    Args:
+        model: the model.
+        blocks: None (automatic discovery: two or more like blocks in a container, or one named like
+            a layer; module doc), or an override: a qualified name -- of an ``nn.ModuleList`` or
+            ``nn.Sequential`` (``"model.layers"``; ``""`` is the model itself), whose children are
+            then the blocks, or of any other module, which is then the one block -- a list of block
+            names, or a predicate ``(name, module) -> bool`` selecting blocks.
+
+    Returns:
+        A :class:`Structure`: the block containers, the block names in forward order, the head's name.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: no blocks found, or ``blocks`` names no module (or an empty container).
+
+    Example::
+
+        remat.discover(model).block_names[:2]   # ('model.layers.0', 'model.layers.1')"""
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat expects a torch.nn.Module, got {type(model).__name__}")
     if blocks is None:

@@ -1,41 +1,30 @@
 """remat's own ``torch.compile`` calls, and taking their compiled graphs back out of dynamo's cache.
 
-remat compiles to measure: a compiled profile compiles each block class x treatment and the
-model around stubs (:mod:`remat.profiling`), a compiled plan is verified on compiled steps, the
-bench compiles its rows, the mask skip asks dynamo one question (:mod:`remat.treat.mask_skip`).
-dynamo keeps every graph it compiles as a cache entry on the code object it traced, for the
-life of the process. Left there, remat's entries would hold their compiled code and count
-against ``torch._dynamo.config.recompile_limit`` for the same module: the user's
-``model.compile()`` after ``remat.plan(..., compile=True)`` would fall back to eager.
-``torch._dynamo.reset()`` removes them, and with them every graph the user's process compiled.
+remat compiles to measure (compiled profiles, verifying a compiled plan, the bench, the mask
+skip's one question). dynamo keeps every graph it compiles as a cache entry on the code object it
+traced, for the life of the process; left there, remat's entries would hold their code and count
+against ``torch._dynamo.config.recompile_limit``, so the user's ``model.compile()`` after
+``remat.plan(..., compile=True)`` would fall back to eager. ``torch._dynamo.reset()`` would also
+remove every graph the user compiled.
 
 How remat's entries are taken out and the user's left alone:
 
-- remat never compiles a shared code object at the top: :func:`compiled` compiles a trampoline
-  ``(module, *args, **kwargs) -> module._call_impl(*args, **kwargs)`` whose code object is a fresh copy
-  made for that call (dynamo keys its cache by code object), with the module an argument, so
-  one compiled trampoline serves every block of a class (:func:`compiled` ``.bind(block)``);
-- where torch has them (2.13: ``torch.compile(isolate_recompiles=True)``), remat's compiles
-  form regions of their own: what they add to a code object the user compiled too (a frame
-  called after a graph break, ``nn.Module._call_impl``) neither reuses nor counts against the
-  user's entries;
-- :func:`own_compiles`, around remat's compiling, notes the entries of every code object dynamo
-  has seen; at its end a code object that had none (the trampoline, a model's frames the user
-  never compiled) is reset whole (``torch._dynamo.reset_code``), and on one that had the
-  user's entries remat's new ones are invalidated, one by one, as dynamo invalidates an entry
-  whose guarded object died (their code is dropped; the emptied entry stays in remat's region).
+- :func:`compiled` compiles a trampoline ``(module, *args, **kwargs) -> module._call_impl(...)``
+  whose code object is a fresh copy per call (dynamo keys its cache by code object), with the
+  module an argument, so one compiled trampoline serves every block of a class (``.bind(block)``);
+- where torch has it (``torch.compile(isolate_recompiles=True)``), remat's compiles form regions
+  of their own that neither reuse nor count against the user's entries;
+- :func:`own_compiles` notes the entries of every code object dynamo has seen; at its end a code
+  object that had none is reset whole (``torch._dynamo.reset_code``), and on one holding the
+  user's entries remat's new ones are invalidated one by one.
 
 :func:`eager` is the other side: ``torch.compiler.disable`` of a frame of remat's that dynamo must
-not trace (the chunked head's loss, the profiler's stubs), made once per function.
+not trace, made once per function.
 
-Limits: outside a region of its own (a torch without ``isolate_recompiles``, or a compile that
-is not remat's trampoline: the bench's stock ``torch.compile(model)`` rows) an invalidated entry
-would still count against the user's recompile limit on that code object, so there a code object
-that held the user's entries and gained remat's is reset whole, and a warning names it (its graphs recompile on their
-next call). A torch whose dynamo lacks these internals (``_debug_get_cache_entry_list``,
-``reset_code``, ``convert_frame.input_codes``) keeps remat's entries, with a warning saying that
-``torch._dynamo.reset()`` would drop them and every other compiled graph. Compiles other threads
-make while :func:`own_compiles` runs are taken for remat's.
+Limits: outside a region of its own an invalidated entry would still count against the user's
+limit, so there such a code object is reset whole, with a warning; a torch lacking these dynamo
+internals keeps remat's entries, with a warning; other threads' compiles during
+:func:`own_compiles` are taken for remat's. More: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

@@ -1,38 +1,30 @@
 """liger-kernel's fused ops on one block instance (and on the LM head), installed through the patch registry.
 
 What: ``kernels="liger"`` runs a block's RMSNorms, its gated MLP (SwiGLU, GeGLU) and its rotary
-embedding with Liger's Triton kernels (and the head mode ``"liger"``, :mod:`remat.treat.liger_head`,
-the LM loss with its fused linear cross-entropy), as liger-kernel 0.8.5's
+embedding with Liger's Triton kernels (the head mode ``"liger"``, :mod:`remat.treat.liger_head`,
+the LM loss with its fused linear cross-entropy), as liger-kernel's
 ``apply_liger_kernel_to_<family>(model=...)`` does, but per instance and undoably: every change is
 an instance ``forward`` installed by :func:`remat.treat.patches.install` (tag ``"kernels"``), so
-:func:`remat.remove` takes it off, ``state_dict`` keys stay the same (no module is replaced and no
-attribute set on one: the kernels' settings ride in the patch's state), and no class, no module
-global of transformers and no other model in the process changes. Liger's own instance patching
-(``_apply_liger_kernel_to_instance``) binds methods and sets attributes on the modules, and its
-class-level patching rebinds transformers' classes and ``apply_rotary_pos_emb`` for every model
-built afterwards; neither can be undone.
+:func:`remat.remove` takes it off, ``state_dict`` keys stay the same and no class, no module global
+of transformers and no other model in the process changes. Liger's own patching binds methods and
+sets attributes on the modules, or rebinds transformers' classes for every model built afterwards;
+neither can be undone.
 
-How: a norm's ``forward`` calls ``LigerRMSNormFunction`` with the family's offset, casting mode
-and in-place backward (Liger's table: Llama's ``llama`` casting, Gemma's ``gemma`` with offset 1,
-Gemma-2's not in place); an MLP's calls ``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward`` on
-the module's own projections (LoRA layers included); the attention's runs a copy of its class's
-``forward`` whose module globals have ``apply_rotary_pos_emb`` bound to Liger's (the copy is made
-once per class, the decorators around it copied too; later changes to that module's other
-globals are not seen by it). Sub-module forwards are installed as bound methods (one dynamo guard
-for every block's: :mod:`remat.treat.patches`). Tiled treatments installed after these run them a
-chunk at a time (their ``call_previous`` is the fused forward).
+How: a norm's ``forward`` calls ``LigerRMSNormFunction`` with the family's offset, casting mode and
+in-place backward (Liger's table); an MLP's calls ``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``
+on the module's own projections (LoRA layers included); the attention runs a copy of its class's
+``forward`` whose globals bind ``apply_rotary_pos_emb`` to Liger's (one copy per class). Sub-module
+forwards are bound methods (one dynamo guard for every block's); tiled treatments installed after
+these run them a chunk at a time.
 
 Families: :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2), read from the module
-that defines the block's class; any other block keeps its stock modules, and :func:`liger_targets`
-says why (the planner puts that in the plan's notes, per block). A sub-module that already runs
-Liger's code (a Liger class from ``apply_liger_kernel_to_llama()`` before the model was built, or
-a forward Liger bound, as the Trainer's ``use_liger_kernel=True`` does) is left as it is:
-:func:`liger_parts` names those, and :func:`refuse_stock` refuses ``kernels="stock"`` for such a
-model rather than undo another library's change.
+defining the block's class; any other block keeps its stock modules and :func:`liger_targets` says
+why (the plan's notes). A sub-module already running Liger's code is left as it is
+(:func:`liger_parts`), and :func:`refuse_stock` refuses ``kernels="stock"`` for such a model rather
+than undo another library's change.
 
-Limits: the kernels need a GPU (Triton); on fake tensors the profiler stands in for them
-(:mod:`remat.profiling`). liger-kernel is optional (``pip install remat[kernels]``) and imported
-only when a kernel is installed.
+Limits: the kernels need a GPU (Triton); on fake tensors the profiler stands in for them.
+liger-kernel is optional (``pip install remat[kernels]``), imported only when a kernel is installed.
 """
 from __future__ import annotations
 

@@ -1,56 +1,31 @@
 """Under ``torch.compile``, skip the attention mask where eager mode skips it.
 
 Why: before every forward, transformers decides whether SDPA can run with ``attn_mask=None``
-(``is_causal=True`` for a decoder, no mask for an encoder) instead of a materialised
-``[batch, 1, q, kv]`` mask (``masking_utils._ignore_causal_mask_sdpa`` and
-``_ignore_bidirectional_mask_sdpa``). In eager mode an ordinary training batch (no padding
-mask, queries as long as the keys) skips the mask. While dynamo traces, the same functions
-answer "do not skip" on the versions we run: transformers 5.17 refuses whenever it is tracing,
-and 5.24 asks ``torch.compiler.is_exporting()``, which dynamo folds to True under plain
-``torch.compile`` before torch 2.14 (pytorch#176347). With ``use_cache`` off, the
-packed-sequence check on the position ids cannot read them under compile either and adds a
-packed-sequence mask. So a compiled model builds the full mask and SDPA runs a masked, non-causal kernel over every
-query-key pair: on the bench model the compiled step's attention took three times its eager
-time, more than inductor's fusions saved (``benchmarks/results/issue11/README.md``).
+(``is_causal=True`` for a decoder) instead of a materialised ``[batch, 1, q, kv]`` mask
+(``masking_utils._ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``). Eager mode
+skips it for an ordinary training batch; while dynamo traces, the same functions answer "do not
+skip" on the versions we run (and the packed-sequence check adds a mask), so a compiled model runs
+a masked, non-causal kernel over every query-key pair: slower than eager attention
+(``benchmarks/results/issue11/README.md``).
 
-What: :func:`hold` (called by :func:`remat.apply` unless ``mask_skip=False``, and by
-``remat.profile(..., compile=True)``) wraps those two and ``find_packed_sequence_indices`` in
-``transformers.masking_utils``, each only where this torch and transformers need it: dynamo is
-asked once per function (:func:`needed`, a tiny ``fullgraph`` compile with the eager backend)
-what it answers for an unpadded batch, and a function whose compiled answer is eager's already
-(transformers 5.24 on torch 2.13 skips the causal mask under compile) is left alone; where none
-needs it, nothing is wrapped and the model is not patched at all. The wrappers answer as eager
-mode does only inside the forward of a model that holds them: a per-model patch (tag
-``mask-skip``) on the held model's ``forward`` sets :class:`_Running` while it runs, dynamo traces
-that as part of the forward, and every other model in the process (and every call outside
-dynamo) gets transformers' own answer. Within a held model's forward they answer as eager mode
-does only where that needs no tensor's values: dynamo is compiling and not exporting, there is
-no padding mask, no local-attention window reaches the key length, the query offset is a Python
-int, and (causal) the query is one token or as long as the keys; the packed-sequence check
-answers "not packed" when the base model made the position ids itself (the caller passed none: a
-second ``mask-skip`` patch on the base model's ``forward`` notes it). ``is_causal=True`` with no
-mask computes what the causal mask computes (SDPA's own causal kernel, the one eager mode runs):
-the compiled model then attends as the eager one does, rather than differently.
+What: :func:`hold` (called by :func:`remat.apply` unless ``mask_skip=False``, and by compiled
+profiles) wraps those two and ``find_packed_sequence_indices``, each only where this torch and
+transformers need it: dynamo is asked once per function (:func:`needed`, a tiny ``fullgraph``
+compile) what it answers for an unpadded batch; where none needs it, nothing is wrapped. The
+wrappers answer as eager mode does only inside the forward of a model that holds them (a per-model
+patch, tag ``mask-skip``, sets :class:`_Running`), and only where that needs no tensor's values: no
+padding mask, no local-attention window reaching the key length, a Python-int query offset, a query
+of one token or as long as the keys. ``is_causal=True`` with no mask computes what the causal mask
+computes, so the compiled model attends as the eager one does.
 
-Undo: ``remat.remove`` (:func:`release`) takes the model's patches off at once; a model deleted
-without it is released by its finalizer (``weakref.finalize``). transformers' functions are put
-back when the last holding model is released.
+Undo: ``remat.remove`` (:func:`release`) takes the model's patches off; a model deleted without it
+is released by its finalizer; transformers' functions are put back when the last holder goes.
+Under ``torch.export`` the wrapper defers to transformers (an exported graph must not hard-code
+``is_causal``); a torch that cannot tell export from compile (2.6) gets nothing wrapped.
 
-Export: ``torch.export`` sets ``torch.compiler._is_exporting_flag`` (a module global that
-dynamo reads as a value, unlike the function it folds), and the wrapper defers to
-transformers then: an exported graph must not hard-code ``is_causal``. A torch without that
-flag (2.6) cannot tell export from compile, so there nothing is wrapped.
-
-Limits: the wrappers are bound in ``transformers.masking_utils`` while a model holds them
-(module state), though they change nothing outside a held model's forward; a model compiled
-from inside (``model.model.compile()`` on the base model alone) runs outside the held ``forward``
-and keeps transformers' answer. A function that replaced remat's
-wrapper meanwhile (not one that wraps it) is wrapped at the next :func:`hold`. A batch with an
-``attention_mask`` tensor, even all ones, still builds the mask under compile (skipping it
-needs the mask's values: a graph break): pass no ``attention_mask`` for unpadded batches. Without
-``transformers.masking_utils`` (transformers < 4.53, whose training-mode rule already skips
-under compile when there is no mask) or with a signature this module does not know,
-nothing is wrapped.
+Limits: module state in ``transformers.masking_utils`` while a model holds it; a model compiled
+from inside (``model.model.compile()``) keeps transformers' answer; a batch with any
+``attention_mask`` tensor still builds the mask. Details: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

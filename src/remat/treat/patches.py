@@ -1,53 +1,31 @@
 """The one way remat changes a module: install an attribute, remember what it replaced, undo.
 
-Every change remat makes to a user's model — a treated block's ``forward``, the chunked
-head's ``forward``, the guard on Hugging Face's ``gradient_checkpointing_enable``, the
-profiler's stubs, the applied plan itself — is a :class:`Patch` made by :func:`install`
-(or :func:`install_value` for plain data). A patch records the attribute, whether the
-instance had its own value before and what it was, and is listed, in install order, in
-the module's ``__dict__["_remat_patches"]``. :func:`uninstall` and :func:`remove` undo
-patches in reverse order.
+Every change remat makes to a user's model (a treated block's ``forward``, the chunked head's, the
+profiler's stubs, the applied plan itself) is a :class:`Patch` made by :func:`install` (or
+:func:`install_value` for plain data). A patch records the attribute and what the instance had
+before, and is listed, in install order, in the module's ``__dict__["_remat_patches"]``;
+:func:`uninstall` and :func:`remove` undo patches in reverse order. This is the composable-API idea
+of ``torch.distributed._composable.contract``: one registry per module, one install and one
+uninstall path.
 
-Undo restores only what remat put there. If another library wrapped a patched method
-after remat (accelerate's autocast ``forward``, a PEFT hook, ``torch.compile``), the
-instance attribute is now theirs: it is left in place, and remat's function inside it
-becomes a pass-through to what was there before remat (``Patch.active`` is False), so
-their wrapper keeps working and remat's behaviour is gone. This is the composable-API
-idea of ``torch.distributed._composable.contract``: one registry per module, one install
-and one uninstall path.
+Undo restores only what remat put there: if another library wrapped a patched method after remat
+(accelerate, PEFT, ``torch.compile``), the attribute is theirs and stays; remat's function inside
+it becomes a pass-through (``Patch.active`` is False).
 
-Installed methods are ``functools.partial(_dispatch, patch)`` objects (:class:`_Method`) whose function is a
-module-level function and whose patch refers to the module. That is what makes a treated
-model pickle, ``torch.save``/``torch.load`` and ``copy.deepcopy`` (a method bound to the
-module pickles as ``getattr(module, name)``, which fails on load; a copied partial refers to
-the copied module). The patched function is called as ``function(patch, *args, **kwargs)``;
-``patch.call_previous(*args, **kwargs)`` runs what was there before (the class's method, or
-the instance attribute remat replaced).
+Installed methods are ``functools.partial(_dispatch, patch)`` objects (:class:`_Method`) over a
+module-level function, so a treated model pickles, ``torch.save``s and deep-copies. The function is
+called as ``function(patch, *args, **kwargs)``; ``patch.call_previous`` runs what was there before.
+``install(..., bound=True)`` installs the patch's bound :meth:`Patch.run` instead, for sub-module
+forwards inside a compiled frame shared by many blocks: dynamo guards a bound method by its code,
+the same for every patch, where every partial was a new guard (past ``recompile_limit`` the rest ran
+eager). Keep the partial where callers read the signature (the Trainer reads ``forward``'s).
 
-``install(..., bound=True)`` installs the patch's own bound method :meth:`Patch.run` instead,
-for a sub-module's ``forward`` that runs inside a compiled frame shared by many modules (a
-block's attention or MLP, each block compiled alone): dynamo guards a sub-module's instance
-``forward`` by identity, so every block's partial was a new guard on the one compiled code and
-past ``recompile_limit`` (8) blocks the rest ran eager; a bound method it guards by its
-function's code, the same for every patch. It pickles as ``getattr(patch, "run")``, which
-works on load, and deep-copies to the copied patch. Its signature is ``(*args, **kwargs)``:
-keep the partial where callers read the signature (a model's own ``forward``: the Trainer
-filters dataset columns by it).
+:func:`suspended` takes every remat patch off a model and puts them back afterwards (planning a
+model that has a plan). :func:`compiled_calls` sets a module's in-place compile for a while: a
+scope around remat's own work, not a change to the user's model, hence no :class:`Patch`.
 
-:func:`suspended` takes every remat patch off a model and puts the same patches back
-afterwards (the planner profiles a model that already has a plan, and must leave it as
-it found it).
-
-:func:`compiled_calls` is the one way remat sets a module's in-place compile
-(``Module.compile()``'s ``_compiled_call_impl``) for a while: the compiled profile compiles
-the model or its blocks in place, the doctor sets a user's compile aside to run a step eagerly.
-It is not a :class:`Patch` on purpose: a patch is remat's change to the user's model, which
-:func:`suspended` and :func:`remove` take off, while this is a scope around remat's own work
-inside which those run (the doctor profiles under :func:`suspended` with the compile set aside).
-
-Limits: ``nn.DataParallel`` replicas copy ``__dict__`` shallowly, so a replica's patched
-forward would run on the original module; treatments refuse that at forward time (see
-:mod:`remat.treat.treatments`).
+Limits: ``nn.DataParallel`` replicas copy ``__dict__`` shallowly; treatments refuse them at forward
+time (:mod:`remat.treat.treatments`). More: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

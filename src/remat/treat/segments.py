@@ -1,36 +1,27 @@
 """Segments: K consecutive blocks checkpointed as one unit, while the model's own loop calls them.
 
-``torch.utils.checkpoint.checkpoint_sequential`` needs the blocks as a list of functions of
-one tensor; a Hugging Face model instead calls its layers in its own ``forward``, each with
-keyword arguments (rotary tables, masks, cache positions) that may differ per layer. So a
-segment cannot be one ``checkpoint(...)`` call. Instead each block of a segment runs under
-``saved_tensors_hooks`` that save nothing: every tensor autograd would keep is replaced by a
-placeholder (a :class:`_Holder`), and the call itself is recorded — the function, its
-arguments and the RNG and autocast state it ran with. The first placeholder unpacked in
-backward replays the recorded calls in order under ``enable_grad`` and hands each
-placeholder its recomputed tensor. What a segment keeps is therefore its first block's
-arguments; memory during its backward is the K blocks' activations at once, as with
-``checkpoint_sequential``; each block is recomputed once.
+Why not ``checkpoint_sequential``: it needs the blocks as a list of functions of one tensor, while
+a Hugging Face model calls its layers in its own ``forward``, each with keyword arguments (rotary
+tables, masks, cache positions) that may differ per layer. So a segment cannot be one
+``checkpoint(...)`` call.
 
-How the calls are chained: a tensor argument of block j that *is* an output of an earlier
-block of the same run (the hidden state, as every stack passes it) is recorded as "output k
-of call i" and replayed from the recomputed output, so it is not kept; any other tensor
-argument (rotary tables, masks, or a hidden state the model changed between blocks) is kept
-as it was given, which is correct whatever the model does between blocks, only costlier.
-Code the model runs between blocks is not under the hooks and saves what it saves as usual.
-A run starts at the segment's first block, or at any block called out of order (a model
-that skips or repeats blocks still gets the right gradients), and ends at its last block.
+How: each block of a segment runs under ``saved_tensors_hooks`` that save nothing: every tensor
+autograd would keep is replaced by a placeholder (:class:`_Holder`), and the call is recorded (the
+function, its arguments, its RNG and autocast state). The first placeholder unpacked in backward
+replays the recorded calls in order under ``enable_grad`` and hands each placeholder its recomputed
+tensor. A segment keeps its first block's arguments; its backward holds the K blocks' activations
+at once; each block is recomputed once.
 
-Saved tensors are matched to placeholders by their order within each call, as non-reentrant
-``checkpoint`` does; a block that saves a different number of tensors when recomputed (it
-branches on something that changed) is reported, not silently mismatched. RNG state is
-restored per call (CPU and the device of its tensor arguments, keyword ones included), so
-dropout draws the same masks; the autocast state of each call is restored too.
+Chaining: a tensor argument of block j that *is* an output of an earlier block of the run (the
+hidden state) is recorded as "output k of call i" and replayed from the recomputed output; any
+other tensor argument is kept as given (correct whatever the model does between blocks, only
+costlier). A run starts at the segment's first block or at any block called out of order, and
+ends at its last. Saved tensors are matched to placeholders by order within each call, as
+non-reentrant ``checkpoint`` does; a recompute saving a different number is reported.
 
-Limits: under ``torch.compile`` a segment's blocks run eagerly (a graph break around each):
-compiled code saves other tensors than the eager replay would, so they cannot be matched.
-Under FSDP2 a segment must lie within one ``fully_shard`` unit, since blocks 0..K-2 are
-recomputed during block K-1's backward, when their own parameters may be resharded.
+Limits: under ``torch.compile`` a segment's blocks run eagerly (a graph break around each); under
+FSDP2 a segment must lie within one ``fully_shard`` unit, since earlier blocks are recomputed
+during the last one's backward. More: ``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

@@ -1,59 +1,31 @@
 """The op-level policies of ``selective`` and ``attn-saved``: which ops' outputs a block keeps, and
 the guard that refuses a block a policy would give wrong gradients.
 
-Two policies share the machinery below: ``selective`` keeps every matmul and attention kernel
-(:func:`saves`), ``attn-saved`` keeps the attention kernels alone (:func:`saves_attention`) and
-recomputes the rest of the block, projections and MLP included. At long context attention is the
-one term of a block quadratic in the sequence (its forward is most of a ``full`` recompute from
-32k tokens on), while its output is one hidden state's bytes: keeping it makes a recompute cost
-the block's linear part only, for little more memory than ``full``.
+``selective`` keeps every matmul and attention kernel (:func:`saves`), so no matmul runs twice;
+``attn-saved`` keeps the attention kernels alone (:func:`saves_attention`): at long context
+attention is the one term of a block quadratic in the sequence, while its output is one hidden
+state's bytes, so keeping it makes a recompute cost the block's linear part for little more
+memory than ``full``.
 
 How: :func:`selective_context` is the ``context_fn`` of the block's non-reentrant checkpoint
-(:mod:`remat.treat.treatments`): torch's selective-checkpoint modes save the outputs of the ops
-:func:`saves` names (matmuls and attention kernels) and recompute everything else in backward,
-so no matmul runs twice. A write in place into a kept output before anything reads it (an
-unfused bias add after a grouped matmul: transformers' MoE experts with biases) is kept as well
-(:class:`_Policy`). In eager mode a block's first forward of each call structure
-(:func:`remat.treat.treatments._call_structure`) also runs under :class:`_KeptOutputGuard`, which
-raises where an op writes in place into a kept output otherwise: through a view of it, or after
-another op read it. Torch's own check misses a mutation made through an ``_unsafe_view``
-(``torch.matmul`` on 4-D tensors returns one), and the recompute would apply it twice and
-silently change the gradients (transformers < 5 T5 does ``scores += position_bias``). Such a
-write is in the block's code, so later forwards of the same structure skip the guard's per-op
-dispatch. Under ``torch.compile`` torch wants its own two modes untouched, so the guard is left
-out there.
+(:mod:`remat.treat.treatments`): torch's selective-checkpoint modes save the outputs of the named
+ops and recompute everything else. A write in place into a kept output before anything reads it
+(an unfused bias after a grouped matmul) is kept as well (:class:`_Policy`). In eager mode a
+block's first forward of each call structure also runs under :class:`_KeptOutputGuard`, which
+raises where an op writes into a kept output otherwise (through a view, or after a read): torch's
+own check misses writes through an ``_unsafe_view``, and the recompute would apply them twice.
 
-Which ops: every op that contracts a dimension, as it reaches the dispatcher below autograd.
-Recomputing one costs many FLOPs per output element (the contracted length); everything else a
-block runs (pointwise ops, norms, softmax, an MoE router's top-k and sort) costs a few, so
-keeping exactly these outputs gives the most memory back for the least recompute. The set is
-named rather than found: composite ops (``linear``, ``matmul``, ``einsum``,
-``scaled_dot_product_attention`` and its math fallback) never reach the dispatcher themselves,
-what they decompose into does (``mm``, ``addmm``, ``bmm``, ``_safe_softmax``), so a search of the
-op registry by name would list ops the policy never meets. It takes every functional overload
-(``mm.dtype`` as well as ``mm.default``), not ``out=`` ones, whose output is a tensor the block
-passed in rather than a new one. Left out on purpose: the outer product
-(``addr``: one FLOP per output element, as cheap as reading it back) and convolutions (the ones
-inside transformer blocks, such as Mamba's depthwise ``conv1d`` of width 4, cost a few FLOPs per
-output element, like a pointwise op; a CNN's blocks, whose convolutions are their matmuls, are
-recomputed whole by ``selective`` for now). Two library ops that are matmuls but not aten's are
-matched by name, since they exist only once their library is imported: transformers' grouped
-matmul for MoE experts where ``torch._grouped_mm`` cannot run (torch < 2.9 on the CPU, GPUs
-before Hopper on torch < 2.9, compiled non-bf16), and torch's variable-length attention.
-``flex_attention`` (a higher-order op) is not kept: it cannot train on the CPU, where this set is
-tested.
+Which ops: every op that contracts a dimension as it reaches the dispatcher (``mm``, ``addmm``,
+``bmm``, attention kernels, every functional overload; transformers' grouped MoE matmul and
+torch's variable-length attention by name). They cost many FLOPs per output element, everything
+else a few, so keeping exactly these gives the most memory back for the least recompute. Left out
+on purpose: ``addr``, convolutions, ``flex_attention``. The set is named, not searched for:
+composite ops never reach the dispatcher themselves.
 
-Cost: every op of a selective block's forward and recompute passes through torch's selective
-checkpoint modes in Python: host time (several times ``keep``'s; the in-place guard, if it ran on
-every forward, would add to it: ``benchmarks/results/issue12/host_probe.md``). Nearly all of it is
-torch's: its Python dispatch and bookkeeping per op; the policy here answers from a table
-(:func:`_decision`). And the recompute issues every op of the block again, as ``full``'s does, so
-where the host sets the pace (small blocks, MoE routing) ``selective`` is slower than ``full``, and
-``mlp``, which re-issues the MLP's ops alone, is faster than both
-(``benchmarks/results/issue29/selective_host.md``).
-Under several ranks a collection mid-step, or a host that falls behind its GPU, holds the
-others at the next collective (``benchmarks/results/issue12``): keep the collector out of the
-steps there.
+Cost: every op passes through torch's selective modes in Python, several times ``keep``'s host
+time; where the host sets the pace ``selective`` is slower than ``full`` and ``mlp`` faster than
+both. Measurements (``benchmarks/results/issue12``, ``issue29``) and the full reasoning:
+``docs/design/treatments.md``.
 """
 from __future__ import annotations
 

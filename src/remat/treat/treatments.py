@@ -1,54 +1,30 @@
 """Per-block treatments: what a block keeps for backward and what it redoes.
 
-How: a treated block keeps its class, its children and its parameters; only its
-``forward`` is replaced, through :mod:`remat.treat.patches`, by an instance attribute that
-runs the original forward under the treatment. Because the module tree does not change,
-``state_dict`` keys stay the same (checkpoints load either way), FSDP2's ``fully_shard`` and
-``Module.compile()`` applied afterwards see the block they expect, ``remove`` restores
-exactly what was there (an instance ``forward`` another library set before remat included),
-and a treated model pickles and deep-copies (the copy is treated on its own parameters).
+How: a treated block keeps its class, its children and its parameters; only its ``forward`` is
+replaced, through :mod:`remat.treat.patches`, by an instance attribute that runs the original
+forward under the treatment. Because the module tree does not change, ``state_dict`` keys stay the
+same, FSDP2's ``fully_shard`` and ``Module.compile()`` applied afterwards see the block they
+expect, ``remove`` restores exactly what was there, and a treated model pickles and deep-copies.
+The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level into every
+parameter name; that is what breaks state-dict loading in many stacks.
 
-What a block is handed is kept as the untouched block sees it (:mod:`remat.treat.block_state`): a KV
-cache as a view whose recompute sees what its forward read and appends to nothing of the caller's
-(kept out of the model's cache in a training forward unless the model reads its cache there), tensors
-inside its arguments that the model writes into after the call copied for the recompute. A recompute
-starts from the buffers its forward started from and leaves them as the forward
-left them (:func:`_buffers_once`: BatchNorm's running statistics, I-BERT's quantisation ranges),
-so a treated block updates them once per forward, as an untreated one does.
+What this module reads is a record's decisions (:class:`remat.planning.records.BlockRecord`:
+``checkpoint``, ``submodule``, ``keeps``, ``offload``, ``tiled``, ``segment``), which
+:func:`_treated_forward` composes, never the treatment's name:
 
-The alternative, ``checkpoint_wrapper``, inserts a ``_checkpoint_wrapped_module`` level
-into every parameter name; that is what breaks state-dict loading in many stacks.
+- ``checkpoint``: non-reentrant ``torch.utils.checkpoint`` of the block (or of its ``submodule``,
+  attention or MLP), RNG state preserved; ``keeps`` names an op-level policy for it
+  (:mod:`remat.treat.selective`: ``selective``, ``attn-saved``);
+- ``offload``: what is saved (under a checkpoint: its inputs) goes to pinned host memory
+  (:mod:`remat.offload`); ``tiled``: the token-wise sub-modules run in chunks (:mod:`remat.treat.tiled`);
+- ``segment``: a run of blocks checkpointed as one unit (:mod:`remat.treat.segments`).
 
-Treatments, as a plan names them; what this module reads is a record's decisions
-(:class:`remat.planning.records.BlockRecord`: ``checkpoint``, ``submodule``, ``keeps``, ``offload``,
-``tiled``, ``segment``), which :func:`_treated_forward` composes, never the name:
-- ``keep``: untouched.
-- ``full``: non-reentrant ``torch.utils.checkpoint`` of the whole block: only its inputs
-  are saved; one extra forward of the block in backward. RNG state is preserved, so
-  dropout masks are the same in the recompute.
-- ``selective``: the same checkpoint with an op-level policy: outputs of matmuls and
-  attention kernels are saved, everything else (norms, activations, elementwise) is
-  recomputed. No matmul runs twice (the policy and its in-place guard: :mod:`remat.treat.selective`).
-- ``attn-saved``: the same checkpoint keeping only the attention kernels' outputs: the recompute
-  runs the block's norms, projections and MLP but not attention, which is quadratic in the
-  sequence; it keeps one hidden state more than ``full`` (:mod:`remat.treat.selective`).
-  ``attn-saved+offload`` sends the block's inputs to the host as ``full+offload`` does (the kept
-  attention outputs stay on the GPU).
-- ``attention`` / ``mlp``: ``full`` applied to that sub-module only (its ``forward`` patched as
-  a bound method, so blocks compiled each alone share one compiled graph: :mod:`remat.treat.patches`).
-- ``offload`` / ``full+offload``: the block's saved tensors (or, with ``full``, only its
-  checkpointed inputs) go to pinned host memory through :mod:`remat.offload.engine`.
-- ``tiled`` / ``full+tiled`` / ``full+offload+tiled`` (and ``attn-saved+tiled``,
-  ``attn-saved+offload+tiled``): the block's token-wise sub-modules (MLP,
-  norms) run a chunk of tokens at a time, in forward, recompute and backward
-  (:mod:`remat.treat.tiled`); with ``full`` (and ``offload``) the block is also checkpointed.
-- ``segment:<i>``: the block is one of a run of consecutive blocks checkpointed as one unit
-  (only the first block's inputs are kept; the backward recomputes the whole run), through
-  :mod:`remat.treat.segments`. The prelude here (cache, running statistics, the guards) is
-  the same as for the other treatments.
-
-Non-reentrant checkpointing gives parameter gradients even when no input requires grad
-(LoRA over frozen embeddings), so ``enable_input_require_grads`` is not needed.
+Around each treated call: the block is handed what the untouched block sees
+(:mod:`remat.treat.block_state`: KV caches as views, state written in place after the call), and a
+recompute updates buffers once (:mod:`remat.treat.buffers_once`). Non-reentrant checkpointing gives
+parameter gradients even when no input requires grad (LoRA over frozen embeddings), so
+``enable_input_require_grads`` is not needed. Each treatment's meaning in full:
+``docs/design/treatments.md``.
 """
 from __future__ import annotations
 
@@ -61,11 +37,10 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from remat.treat import block_state, patches, segments, tiled
+from remat.treat.buffers_once import buffers_once, state_slots
 from remat.treat.cache_layout import has_cache, own_cache
 from remat.treat.discovery import find_submodules
 from remat.treat.selective import saves, saves_attention, selective_context
@@ -85,7 +60,7 @@ class TreatmentState:
     tiled: bool = False       # its tiled sub-modules' recompute skips outputs nothing reads
     engine: Any = None        # the OffloadEngine of offloading treatments
     key: int = 0              # the block's index: the engine's record key
-    buffers: tuple = ()       # the target's state slots (:func:`_state_slots`): those a forward writes, a recompute must not
+    buffers: tuple = ()       # the target's state slots (:func:`~remat.treat.buffers_once.state_slots`): those a forward writes, a recompute must not
     written: Optional[tuple] = None  # ... learned at the first forward: the buffers it wrote
     segment: Any = None       # segment treatments: the Segment shared by the run's blocks
     position: int = 0         # ... and this block's place in it
@@ -173,7 +148,7 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None, writ
     for target in targets:
         # a sub-module's forward as a bound method: blocks compiled each alone share one guard
         patches.install(target, "forward", _treated_forward, tag=_TAG, bound=target is not block,
-                        state=TreatmentState(treatment, **decisions, **placed, buffers=_state_slots(target),
+                        state=TreatmentState(treatment, **decisions, **placed, buffers=state_slots(target),
                                              writes_cache=writes_cache))
     patches.install_value(block, _MARK, marker, tag=_TAG)
 
@@ -225,14 +200,14 @@ def _treated_forward(patch: patches.Patch, *args, **kwargs):
                 "FSDP2 has resharded their parameters. Use 'full' (the same recompute, one block at a "
                 "time), or call fully_shard on groups of the segment's blocks instead of on each block.")
         if state.buffers:   # compiled too: segments.call runs the segment (and its recompute) eagerly
-            forward = _buffers_once(forward, state)
+            forward = buffers_once(forward, state)
         return segments.call(state.segment, state.position, forward, args, kwargs)
     # an op-level policy's in-place guard, eager only (under compile torch wants its own modes alone,
     # and reading the set of structures seen would make dynamo guard on it)
     structure = _call_structure(args, kwargs) if state.keeps is not None and not compiling else None
     function, args = _positional(forward, args, kwargs)
     if state.buffers and not compiling:
-        function = _buffers_once(function, state)
+        function = buffers_once(function, state)
     if state.tiled and not compiling:
         function = tiled.CheckpointedCall(function)  # its recompute skips tiled outputs nothing reads
     # the tiled sub-modules carry their own patches; an offload sends what is saved here to the host
@@ -308,83 +283,6 @@ def _sharded_alone(module: nn.Module) -> bool:
     """``module`` is an FSDP2 unit (``fully_shard`` was called on it; then FSDP2 is imported)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
-
-
-def _state_slots(target: nn.Module) -> tuple:
-    """``(module, name, holder)`` of every place a forward may keep state in: each buffer
-    (``holder`` the module's ``_buffers``) and each plain attribute holding a tensor or None
-    (``holder`` its ``__dict__``: RecurrentGemma keeps its recurrent and convolution states there)."""
-    slots = []
-    for module in target.modules():
-        slots += [(module, name, module._buffers) for name, b in module._buffers.items() if b is not None]
-        slots += [(module, name, module.__dict__) for name, value in module.__dict__.items()
-                  if not name.startswith("_") and (value is None or isinstance(value, torch.Tensor))]
-    return tuple(slots)
-
-
-def _buffers_once(function, state: TreatmentState):
-    """``function`` whose second and later calls (checkpoint's recompute) start from the state its
-    first call started from and leave it as the first call left it: a recomputed block updates its
-    state exactly once per forward and computes what its forward computed, as without remat.
-
-    Which state slots a forward writes (BatchNorm's running statistics, updated in place; I-BERT's
-    quantisation ranges, buffers assigned anew and read by its output; RecurrentGemma's recurrent
-    state, a plain attribute the next call starts from) is learned at the block's first forward,
-    from each slot's tensor, version and value (fake tensors, which hold no values: tensor and
-    version; a module's buffers count together, where any of them was written); from then on only
-    those are copied, before each forward, for its recompute. The
-    recompute runs on copies in the slots, then the forward's own values are put back. Under
-    ``torch.compile`` this is left to the graph."""
-    calls, saved = [0], []
-    watched = state.buffers if state.written is None else state.written
-
-    def run(*flat, **kwargs):
-        calls[0] += 1
-        if torch.compiler.is_compiling():
-            return function(*flat, **kwargs)
-        if calls[0] == 1:
-            # outside the checkpoint's dispatch modes: selective's op-by-op replay must not see these
-            with _disable_current_modes():
-                before = [_snapshot(holder.get(name)) for _, name, holder in watched]
-            out = function(*flat, **kwargs)
-            with _disable_current_modes():
-                changed = {i for i, ((_, name, holder), old) in enumerate(zip(watched, before))
-                           if _written(holder.get(name), *old)}
-            # a module's buffers go together: BatchNorm's running mean can come out of a first forward
-            # bitwise unchanged (a batch whose mean is exactly 0) while its batch count moves
-            owners = {id(watched[i][0]) for i in changed if watched[i][2] is watched[i][0]._buffers}
-            changed = sorted(changed | {i for i, (module, _, holder) in enumerate(watched)
-                                        if holder is module._buffers and id(module) in owners})
-            if state.written is None:
-                state.written = tuple(watched[i] for i in changed)
-            saved.extend((watched[i], before[i][2]) for i in changed)
-            return out
-        forwards = [(slot, slot[2].get(slot[1])) for slot, _ in saved]
-        with _disable_current_modes():
-            for (_, name, holder), value in saved:
-                holder[name] = value if value is None else value.clone()
-        try:
-            return function(*flat, **kwargs)
-        finally:
-            for (_, name, holder), value in forwards:
-                holder[name] = value
-    return run
-
-
-def _snapshot(value) -> tuple:
-    """``(object, version, copy)`` of a state slot's value (None stays None)."""
-    if value is None:
-        return None, None, None
-    return value, value._version, value.detach().clone()
-
-
-def _written(now, tensor, version, value) -> bool:
-    """Whether a state slot that held ``tensor`` (at ``version``, equal to ``value``) was written:
-    assigned anew, written in place, or changed by a kernel that does not bump the version."""
-    if now is None or tensor is None:
-        return now is not tensor
-    return now is not tensor or now._version != version or (
-        not isinstance(now, FakeTensor) and not torch.equal(now, value))
 
 
 def _positional(forward, args: tuple, kwargs: dict):
