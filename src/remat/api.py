@@ -1,35 +1,30 @@
 """``remat.apply`` and ``remat.remove``: change a model in place, and undo it.
 
 ``apply`` discovers the blocks (or takes ``blocks=``), turns the spec into a
-:class:`~remat.plan.Plan`, refuses a model on which Hugging Face gradient checkpointing
-is on, and treats each block. It also guards the model against Hugging Face
+:class:`~remat.planning.plans.Plan`, refuses a model on which Hugging Face gradient checkpointing
+is on, and treats each block, all or nothing. It also guards the model against Hugging Face
 checkpointing being switched on *later* (the Trainer does that at ``train()`` with
-``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead
-of silently checkpointing every block twice.
+``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead of
+silently checkpointing every block twice.
 
-Under ``torch.compile`` an applied model also gets transformers' attention-mask decision as
-eager mode makes it (:mod:`remat.treat.mask_skip`: SDPA's causal kernel instead of a
-materialised mask, inside this model's forward only, where the installed versions need it;
-``mask_skip=False`` leaves it out); ``remove`` gives that back too, and so does the model's
-finalizer for a model deleted without it.
+State beside the blocks, each given back by ``remove`` (and by the model's finalizer):
 
-On a GPU, ``apply`` also switches the caching allocator to expandable segments while the model holds
-the plan (:mod:`remat.treat.allocator`: a plan's budget is a card's, and fixed-size segments
-fragment past it), and ``remove`` puts the setting back; ``expandable_segments=False`` leaves the
-allocator alone.
+- under ``torch.compile``, transformers' attention-mask decision as eager mode makes it, inside
+  this model's forward only (:mod:`remat.treat.mask_skip`; ``mask_skip=False`` leaves it out);
+- on a GPU, the caching allocator's expandable segments while the model holds the plan
+  (:mod:`remat.treat.allocator`: fixed-size segments fragment past a card-sized budget;
+  ``expandable_segments=False`` leaves the allocator alone).
 
-Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
-plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
-made fresh at each apply.
+Applying again replaces the previous plan; a block is never wrapped twice. Blocks a plan puts in
+one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`, made fresh at each
+apply.
 
-A plan from :func:`remat.plan` knows what it was made for (:attr:`remat.Plan.made_for`). ``apply``
-refuses one whose blocks are not this model's, one for one (a plan for 4 blocks on a model of 8,
-a name the model lacks), or whose model class is nowhere in this model, naming the first
-difference; a wrapper's prefix is looked through (a base model's plan on its PEFT wrapper and
-back). ``strict=False`` applies the blocks the plan names, by suffix, and keeps the rest. The batch
-shape can only be seen when the model runs: the first training forward after ``apply`` is compared
-with the plan's ``batch x seq`` and a difference is warned once (the plan's peak and time were
-predicted for its own shape); a model run compiled is not checked (the check would split the graph).
+Why it checks the plan against the model: a plan from :func:`remat.plan` knows what it was made for
+(:attr:`remat.Plan.made_for`). ``apply`` refuses one whose blocks are not this model's, one for one,
+or whose model class is nowhere in this model, naming the first difference; a wrapper's prefix is
+looked through (PEFT). ``strict=False`` applies the blocks the plan names, by suffix. The batch
+shape is checked at the first training forward (a difference is warned once); a compiled model is
+not checked, as the check would split the graph.
 """
 from __future__ import annotations
 
