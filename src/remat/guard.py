@@ -49,15 +49,32 @@ PROFILE_DEVICES = ("auto", "fake", "cuda")
 
 
 class Guard:
-    """Plans ``model`` from real batches and redoes a step that ran out of memory (module doc).
+    """Plans ``model`` from real batches and redoes a step that ran out of memory (module docstring).
 
-    ``budget``: peak bytes of one step (``"40GiB"``); None: 90% of what the GPU can give now.
-    ``max_retries``: re-plans after out-of-memory steps before giving up. ``shrink``: the
-    budget's factor at each of them. ``profile_device``: ``"auto"`` (first plan measured on
-    the GPU within the budget, later ones on fake tensors), ``"fake"`` or ``"cuda"``.
-    ``say``: where messages go (default: stderr): one line per plan, saying why it was made (the
-    first batch, a longer one, a step that ran out of memory) and the plan it replaced ->
-    the new one. ``plan_options``: passed to :func:`remat.plan`.
+    Args:
+        model: the ``nn.Module`` to train (planned and applied in place at the first call).
+        budget: peak bytes of one step (``"40GiB"``); None: 90% of what the GPU can give now.
+        max_retries: re-plans after out-of-memory steps before giving up.
+        shrink: the budget's factor at each of them, in (0, 1).
+        profile_device: ``"auto"`` (the first plan measured on the GPU within the budget, later
+            ones on fake tensors), ``"fake"`` or ``"cuda"``.
+        say: where messages go (default: stderr): one line per plan, saying why it was made (the
+            first batch, a longer one, a step that ran out of memory) and the plan it replaced ->
+            the new one.
+        **plan_options: passed to :func:`remat.plan`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a bad ``budget``, ``max_retries``, ``shrink`` or ``profile_device``; ``budget=None``
+            for a model not on a GPU.
+
+    Calling it, ``guard(step, batch)`` returns ``step(batch)`` and raises :class:`remat.NoPlanFits`
+    where no plan fits the budget given, or a RuntimeError naming the budgets tried after
+    ``max_retries`` out-of-memory steps.
+
+    Example:
+        >>> guard = remat.Guard(model, budget="40GiB")                  # doctest: +SKIP
+        >>> loss = guard(train_step, batch)                             # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, budget=None, *, max_retries: int = 3, shrink: float = 0.85,
@@ -80,7 +97,19 @@ class Guard:
         self.recovered = 0
 
     def __call__(self, step: Callable, batch):
-        """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
+        """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error.
+
+        Args:
+            step: ``step(batch)``, forward and backward (not ``optimizer.step()``).
+            batch: this step's batch; a batch with more tokens than any before is planned for first.
+
+        Returns:
+            What ``step(batch)`` returns.
+
+        Raises:
+            remat.NoPlanFits: no plan fits the budget given (before any out-of-memory step).
+            RuntimeError: the step still ran out of memory after ``max_retries`` re-plans.
+        """
         tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:   # at the budget given (never shrunk yet), nothing fitting is an error
             why = (f"the first batch ({tokens:,} tokens)" if not self.planned_tokens else

@@ -657,8 +657,27 @@ def _marked(chosen: Plan, prof) -> Plan:
 
 
 def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
-    """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan. With ``compile=True``
-    compile the model yourself afterwards (``model.compile()``): the plan was made for it."""
+    """:func:`plan`, then :func:`remat.apply` the plan to ``model``, in place; returns the plan.
+
+    Args:
+        model: the ``nn.Module`` to train.
+        batch: a batch with the shapes of training (as :func:`plan`).
+        budget: the memory of one device, in bytes or as ``"24GiB"``.
+        **kwargs: :func:`plan`'s keyword arguments; ``blocks`` is passed to :func:`remat.apply` too.
+            With ``compile=True`` compile the model yourself afterwards (``model.compile()``): the
+            plan was made for it.
+
+    Returns:
+        The applied :class:`~remat.planning.plans.Plan`.
+
+    Raises:
+        Everything :func:`plan` and :func:`remat.apply` raise; :class:`remat.NoPlanFits` when nothing
+        fits (the model is then left as it was).
+
+    Example:
+        >>> chosen = remat.auto(model, {"input_ids": ids}, "24GiB")     # doctest: +SKIP
+        >>> loss = model(input_ids=ids, labels=ids).loss; loss.backward()  # doctest: +SKIP
+    """
     from remat.api import apply
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))

@@ -118,15 +118,29 @@ def is_treatment(value) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-block treatments (block name -> treatment) and the head mode.
+    """A treatment per block and the head mode: plain, frozen data that :func:`remat.apply` installs.
 
-    Blocks not named keep everything. ``chunk_tokens`` applies to the ``chunked`` head
-    (None: chosen at apply time); ``tile_tokens`` to the blocks with a tiled treatment
-    (tokens per chunk of their token-wise sub-modules): one size for all, a ``{block name: size}``
-    mapping over tiled blocks (:meth:`tile_of` reads a block's), or None for
-    :data:`DEFAULT_TILE_TOKENS`. ``kernels``: one of :data:`KERNELS` for every block, a
-    ``{block name: kernel}`` mapping over the plan's blocks (:meth:`kernel_of` reads a block's), or
-    None for the model's own modules.
+    Args:
+        blocks: ``{block name: treatment}`` (one of :data:`TREATMENTS` or ``"segment:<i>"``); blocks
+            not named keep everything.
+        head: one of :data:`HEAD_MODES` (``"plain"``, ``"chunked"``, ``"liger"``).
+        chunk_tokens: tokens per chunk of the ``chunked`` head; None: chosen at apply time.
+        notes: what the planner predicted and what the plan was made for (:attr:`made_for`).
+        tile_tokens: tokens per chunk of the tiled blocks' token-wise sub-modules: one size, a
+            ``{block name: size}`` mapping over tiled blocks (:meth:`tile_of`), or None for
+            :data:`DEFAULT_TILE_TOKENS`.
+        kernels: one of :data:`KERNELS` for every block, a ``{block name: kernel}`` mapping
+            (:meth:`kernel_of`), or None for the model's own modules.
+
+    Raises:
+        TypeError: ``blocks`` or ``notes`` not a mapping, a block name not a string.
+        ValueError: an unknown treatment or head, a ``chunk_tokens`` that is not a positive integer
+            (``0``, ``False``, ``2.5``), a bad ``tile_tokens`` or ``kernels``.
+
+    Example:
+        >>> plan = Plan({"model.layers.0": "full", "model.layers.1": "selective"}, head="chunked")
+        >>> plan.save("plan.json")                                      # doctest: +SKIP
+        >>> remat.apply(model, Plan.load("plan.json"))                  # doctest: +SKIP
     """
 
     blocks: Mapping[str, str]

@@ -144,10 +144,27 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
              tile_tokens=None) -> Simulation:
     """Predicted peak bytes, step seconds and what sets the peak, for ``plan`` on ``profile``.
 
-    ``head``/``chunk_tokens`` default to the plan's own (a Plan) or ``"plain"``; ``tile_tokens``
-    (the tiled blocks' chunks: one size, one per block or a mapping, :func:`block_tiles`) to the
-    plan's own. A tiled block is priced at the profiled chunk that stands for its own
-    (:meth:`~remat.planning.costs.Profile.tile_size`: the same size where profiled).
+    Args:
+        profile: a :class:`~remat.planning.costs.Profile` (:func:`remat.profile`).
+        plan: a :class:`~remat.planning.plans.Plan`, a ``{block name: treatment}`` mapping, a list
+            of one treatment per block, or one treatment name for every block.
+        head: the head mode; default the plan's own (a Plan) or ``"plain"``.
+        chunk_tokens: the chunked head's chunk; default the plan's own.
+        tile_tokens: the tiled blocks' chunks (one size, one per block or a mapping:
+            :func:`block_tiles`); default the plan's own. A tiled block is priced at the profiled
+            chunk that stands for its own (:meth:`~remat.planning.costs.Profile.tile_size`).
+
+    Returns:
+        A :class:`~remat.planning.simulation.Simulation`: expected peak and bound, step seconds,
+        the phase that sets the peak, and every phase.
+
+    Raises:
+        ValueError: a segments plan (``"segment:<i>"`` blocks: no cost describes them), a list of
+            the wrong length, block names the profile lacks, a treatment it did not profile.
+
+    Example:
+        >>> sim = remat.simulate(remat.profile(model, batch), "full")   # doctest: +SKIP
+        >>> sim.peak_bytes, sim.step_s                                  # doctest: +SKIP
     """
     treatments = block_treatments(profile, plan)
     segmented = [t for t in treatments if segment_of(t) is not None]

@@ -51,9 +51,22 @@ RECOMPUTE_MARGIN = 0.01
 
 
 class NoPlanFits(ValueError):
-    """No plan fits the budget; ``smallest_peak`` and ``plan`` say what would. ``host_limited``: the
-    plans that fit the GPU need more pinned host memory than the profile's ``host_limit``
-    (``smallest_peak`` and ``plan`` are then the smallest without offload, or None)."""
+    """No plan fits the budget (a ValueError), raised by :func:`solve`, :func:`remat.plan` and
+    :class:`remat.Guard`; its message names the smallest budget that fits.
+
+    Attributes:
+        smallest_peak: the smallest budget, in bytes, that a plan fits (None where none is known).
+        plan: the plan that fits it (None likewise).
+        host_limited: True where the plans that fit the GPU need more pinned host memory than the
+            profile's ``host_limit``; ``smallest_peak`` and ``plan`` are then the smallest without
+            offload, or None.
+
+    Example:
+        >>> try:                                                        # doctest: +SKIP
+        ...     plan = remat.plan(model, batch, "8GiB")
+        ... except remat.NoPlanFits as error:
+        ...     plan = remat.plan(model, batch, error.smallest_peak)
+    """
 
     def __init__(self, message, smallest_peak=None, plan=None, host_limited=False):
         super().__init__(message)
@@ -67,13 +80,31 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
           recompute_margin: float = RECOMPUTE_MARGIN) -> Plan:
     """The plan with the least predicted step time whose predicted peak is within ``budget``.
 
-    ``budget``: bytes or a size string ("24GiB"). ``treatments``: the ones the solver may
-    use (default: every profiled one). ``heads``: head modes allowed (default: profiled).
-    ``offload_margin``: the fraction of the budget a plan that offloads leaves free (see
-    the module doc). ``recompute_margin``: the fraction of a block's ``keep`` seconds another
-    treatment must save to be chosen over ``keep`` (0: the least predicted time, however small
-    the gain). Raises :class:`NoPlanFits` (a ValueError) naming the smallest budget that fits
-    and its plan.
+    Pure: numbers in (a profile), a plan out; nothing runs on a GPU.
+
+    Args:
+        profile: a :class:`~remat.planning.costs.Profile` (:func:`remat.profile`, possibly
+            transformed for several ranks).
+        budget: bytes or a size string (``"24GiB"``).
+        treatments: the treatments the solver may use (default: every profiled one).
+        heads: the head modes allowed (default: every profiled one).
+        resolution: kept-bytes levels of the DP (finer: slower, misses less).
+        offload_margin: the fraction of the budget a plan that offloads leaves free (module doc).
+        recompute_margin: the fraction of a block's ``keep`` seconds another treatment must save to
+            be chosen over ``keep`` (0: the least predicted time, however small the gain).
+
+    Returns:
+        A :class:`~remat.planning.plans.Plan` whose ``notes`` hold the prediction (peak, step time,
+        where the peak is set) and what it was made for.
+
+    Raises:
+        ValueError: a bad budget or margin, no head mode left, a treatment the profile lacks.
+        NoPlanFits: nothing fits; it names the smallest budget that fits, with that plan.
+
+    Example:
+        >>> prof = remat.profile(model, batch)                          # doctest: +SKIP
+        >>> for budget in ("16GiB", "24GiB"):                           # doctest: +SKIP
+        ...     print(budget, remat.solve(prof, budget).summary())
     """
     budget = parse_budget(budget)
     if not 0 <= offload_margin < 1:
