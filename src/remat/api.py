@@ -1,35 +1,30 @@
 """``remat.apply`` and ``remat.remove``: change a model in place, and undo it.
 
 ``apply`` discovers the blocks (or takes ``blocks=``), turns the spec into a
-:class:`~remat.plan.Plan`, refuses a model on which Hugging Face gradient checkpointing
-is on, and treats each block. It also guards the model against Hugging Face
+:class:`~remat.planning.plans.Plan`, refuses a model on which Hugging Face gradient checkpointing
+is on, and treats each block, all or nothing. It also guards the model against Hugging Face
 checkpointing being switched on *later* (the Trainer does that at ``train()`` with
-``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead
-of silently checkpointing every block twice.
+``gradient_checkpointing=True``): ``gradient_checkpointing_enable`` then raises instead of
+silently checkpointing every block twice.
 
-Under ``torch.compile`` an applied model also gets transformers' attention-mask decision as
-eager mode makes it (:mod:`remat.treat.mask_skip`: SDPA's causal kernel instead of a
-materialised mask, inside this model's forward only, where the installed versions need it;
-``mask_skip=False`` leaves it out); ``remove`` gives that back too, and so does the model's
-finalizer for a model deleted without it.
+State beside the blocks, each given back by ``remove`` (and by the model's finalizer):
 
-On a GPU, ``apply`` also switches the caching allocator to expandable segments while the model holds
-the plan (:mod:`remat.treat.allocator`: a plan's budget is a card's, and fixed-size segments
-fragment past it), and ``remove`` puts the setting back; ``expandable_segments=False`` leaves the
-allocator alone.
+- under ``torch.compile``, transformers' attention-mask decision as eager mode makes it, inside
+  this model's forward only (:mod:`remat.treat.mask_skip`; ``mask_skip=False`` leaves it out);
+- on a GPU, the caching allocator's expandable segments while the model holds the plan
+  (:mod:`remat.treat.allocator`: fixed-size segments fragment past a card-sized budget;
+  ``expandable_segments=False`` leaves the allocator alone).
 
-Applying again replaces the previous plan; a block is never wrapped twice. Blocks that a
-plan puts in one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`,
-made fresh at each apply.
+Applying again replaces the previous plan; a block is never wrapped twice. Blocks a plan puts in
+one segment (``"segments:K"``) share one :class:`~remat.treat.segments.Segment`, made fresh at each
+apply.
 
-A plan from :func:`remat.plan` knows what it was made for (:attr:`remat.Plan.made_for`). ``apply``
-refuses one whose blocks are not this model's, one for one (a plan for 4 blocks on a model of 8,
-a name the model lacks), or whose model class is nowhere in this model, naming the first
-difference; a wrapper's prefix is looked through (a base model's plan on its PEFT wrapper and
-back). ``strict=False`` applies the blocks the plan names, by suffix, and keeps the rest. The batch
-shape can only be seen when the model runs: the first training forward after ``apply`` is compared
-with the plan's ``batch x seq`` and a difference is warned once (the plan's peak and time were
-predicted for its own shape); a model run compiled is not checked (the check would split the graph).
+Why it checks the plan against the model: a plan from :func:`remat.plan` knows what it was made for
+(:attr:`remat.Plan.made_for`). ``apply`` refuses one whose blocks are not this model's, one for one,
+or whose model class is nowhere in this model, naming the first difference; a wrapper's prefix is
+looked through (PEFT). ``strict=False`` applies the blocks the plan names, by suffix. The batch
+shape is checked at the first training forward (a difference is warned once); a compiled model is
+not checked, as the check would split the graph.
 """
 from __future__ import annotations
 
@@ -67,44 +62,57 @@ def apply(model: nn.Module, spec="full", *, blocks: BlockSelector = None,
           tile_tokens: Union[int, Mapping[str, int], None] = None, offload_options: Optional[dict] = None,
           strict: bool = True, mask_skip: bool = True, kernels: Optional[str] = None,
           expandable_segments: Optional[bool] = None) -> nn.Module:
-    """Treat ``model``'s blocks according to ``spec``; returns ``model`` (changed in place).
+    """Treat ``model``'s blocks according to ``spec``, in place, all or nothing; returns ``model``.
 
-    ``spec``: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``,
-    ``"mlp"``, ``"offload"``, ``"full+offload"``, ``"tiled"``, ``"full+tiled"``, ``"full+offload+tiled"``,
-    ``"keep"``), ``"every:N[:treatment]"``,
-    ``"first:N[:treatment]"``, ``"segments:K"`` / ``"segments:sqrt"`` (K consecutive blocks
-    checkpointed as one unit, see :mod:`remat.planning.plans`), a ``{block_name: treatment}``
-    mapping, or a :class:`Plan`.
-    ``head="chunked"`` (or a plan whose head is chunked) computes the LM loss a chunk of
-    tokens at a time; see :mod:`remat.head`. ``tile_tokens``: tokens per chunk of the
-    tiled treatments' token-wise sub-modules (:mod:`remat.treat.tiled`), one size for every tiled
-    block or a ``{block name: size}`` mapping; given, it replaces the plan's (default: the plan's,
-    which :func:`remat.plan` chooses per block, else 8192). ``offload_options`` go to :class:`remat.offload.engine.OffloadEngine` (a plan may carry
-    them in ``notes["offload_options"]``). ``strict``: a plan from :func:`remat.plan` must be for
-    this model, block for block (module docstring); False applies the blocks it names, by suffix.
-    ``mask_skip``: under ``torch.compile``, let this model's forward skip the attention mask where
-    eager mode skips it (:mod:`remat.treat.mask_skip`: only inside this model's forward, only where
-    the installed torch and transformers need it); False leaves transformers' functions alone.
-    ``kernels``: ``"liger"`` runs every block's norms, gated MLP and rotary embedding with liger-kernel's
-    fused kernels, per block instance (:mod:`remat.treat.kernels`; ``remove`` takes them off, the
-    ``state_dict`` keys stay), and, where ``head`` is not given and the plan's head is plain, the loss
-    with Liger's fused linear cross-entropy (head ``"liger"``) where the model's family has it; blocks
-    Liger cannot serve keep their modules (a warning names them). ``"stock"``: the model's own modules
-    (refused, ValueError, for a model liger-kernel patched itself: remat does not undo another
-    library's patches). Default: the plan's (:meth:`Plan.kernel_of`), stock for a spec.
-    ``expandable_segments``: None (default) switches PyTorch's caching allocator to expandable segments
-    while the model holds the plan, where the model is on a GPU (or on ``meta`` with a GPU present)
-    and nothing opts out (``REMAT_EXPANDABLE_SEGMENTS=0``, ``expandable_segments:False`` in
-    ``PYTORCH_CUDA_ALLOC_CONF``); a plan that was made counting on them warns where they cannot be
-    had. True: the same, and a warning whenever they cannot be had; False: the allocator is left as
-    it is (:mod:`remat.treat.allocator`).
+    The spec, the head and every block's treatment are checked before the model is touched; if
+    installing fails anyway the model is put back exactly as it was, its previous plan included.
+    What shows only once the model runs (a block that writes in place into an output ``selective``
+    keeps, a forward that post-processes its logits otherwise than its source says) is refused in the
+    first step that shows it, which takes remat off the model again (:mod:`remat.treat.refusals`).
 
-    All or nothing: the spec, the head and every block's treatment are checked before the
-    model is touched, and if installing fails anyway the model is put back exactly as it
-    was, its previous plan included. What can only be checked once the model runs (a block that
-    writes in place into an output ``selective`` keeps, a forward that post-processes its logits
-    otherwise than its source says) is refused in the first step that shows it, and that refusal
-    takes remat off the model again (:mod:`remat.treat.refusals`).
+    Args:
+        model: the ``nn.Module`` to change.
+        spec: a treatment for every block (``"full"``, ``"selective"``, ``"attention"``, ``"mlp"``,
+            ``"offload"``, ``"full+offload"``, ``"tiled"``, ``"full+tiled"``, ``"full+offload+tiled"``,
+            ``"keep"``), ``"every:N[:treatment]"``, ``"first:N[:treatment]"``, ``"segments:K"`` /
+            ``"segments:sqrt"`` (:mod:`remat.planning.plans`), a ``{block name: treatment}`` mapping,
+            or a :class:`~remat.planning.plans.Plan`.
+        blocks: which modules are the blocks (default: :func:`remat.discover`'s).
+        head: ``"plain"``, ``"chunked"`` (the LM loss a chunk of tokens at a time: :mod:`remat.head`)
+            or ``"liger"``; default the plan's.
+        chunk_tokens: the chunked head's chunk; default the plan's, else chosen for the vocabulary.
+        tile_tokens: tokens per chunk of the tiled treatments' token-wise sub-modules
+            (:mod:`remat.treat.tiled`), one size or a ``{block name: size}`` mapping; replaces the
+            plan's (default: the plan's, else 8192).
+        offload_options: keyword arguments of :class:`remat.offload.engine.OffloadEngine`
+            (default: the plan's ``notes["offload_options"]``).
+        strict: a plan from :func:`remat.plan` must be for this model, block for block (module
+            docstring); False applies the blocks it names, by suffix, and keeps the rest.
+        mask_skip: under ``torch.compile``, let this model's forward skip the attention mask where
+            eager mode skips it (:mod:`remat.treat.mask_skip`); False leaves transformers alone.
+        kernels: ``"liger"``: every block's norms, gated MLP and rotary embedding run liger-kernel's
+            fused kernels (:mod:`remat.treat.kernels`; blocks Liger cannot serve keep theirs, warned),
+            and, where ``head`` is not given and the plan's head is plain, Liger's fused loss where the
+            family has it. ``"stock"``: the model's own modules. Default: the plan's, stock for a spec.
+        expandable_segments: None: switch the caching allocator to expandable segments while the
+            model holds the plan, where it trains on a GPU and nothing opts out
+            (``REMAT_EXPANDABLE_SEGMENTS=0``, ``PYTORCH_CUDA_ALLOC_CONF``); warned where a plan
+            counted on them. True: the same, warned whenever they cannot be had. False: left alone.
+
+    Returns:
+        ``model``, changed in place (:func:`remove` undoes it; :func:`current_plan` reads the plan).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: Hugging Face gradient checkpointing is on; an unknown spec, treatment, head or
+            kernel; a treatment a block cannot take (named); a plan made for another model (with
+            ``strict``); ``kernels="stock"`` on a model liger-kernel patched itself; a head that
+            cannot run on this model.
+
+    Example:
+        >>> remat.apply(model, "every:2")                               # doctest: +SKIP
+        >>> remat.apply(model, remat.plan(model, batch, "24GiB"))       # doctest: +SKIP
+        >>> remat.remove(model)                                         # doctest: +SKIP
     """
     _check_module(model, "apply", "remat.apply(model, spec)")
     _refuse_hf_checkpointing(model)
@@ -224,9 +232,25 @@ def _check_liger_head(model: nn.Module) -> None:
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply`: every change remat made is undone, newest first. A wrapper that
-    another library installed over remat's (accelerate's autocast ``forward``) stays, and
-    remat's part inside it passes calls straight through."""
+    """Undo :func:`apply`: every change remat made to ``model`` is undone, newest first.
+
+    A wrapper that another library installed over remat's (accelerate's autocast ``forward``)
+    stays, and remat's part inside it passes calls straight through. The attention-mask skip and
+    the allocator setting :func:`apply` took are given back. A model remat never touched is
+    returned as it is.
+
+    Args:
+        model: the ``nn.Module`` :func:`apply` changed.
+
+    Returns:
+        ``model``, with its original modules.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> remat.remove(remat.apply(model, "full"))                    # doctest: +SKIP
+    """
     _check_module(model, "remove", "remat.remove(model)")
     patches.remove(model)
     _mask_skip.release(model)
@@ -235,7 +259,21 @@ def remove(model: nn.Module) -> nn.Module:
 
 
 def current_plan(model: nn.Module) -> Optional[Plan]:
-    """The plan last applied to ``model`` by :func:`apply`, or None."""
+    """The plan last applied to ``model`` by :func:`apply`, or None.
+
+    Args:
+        model: an ``nn.Module``.
+
+    Returns:
+        The :class:`~remat.planning.plans.Plan` it holds (a spec such as ``"full"`` resolved over
+        its blocks), or None where no plan is applied (never, or since :func:`remove`).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> remat.current_plan(remat.apply(model, "full")).summary()    # doctest: +SKIP
+    """
     _check_module(model, "current_plan", "remat.current_plan(model)")
     return model.__dict__.get(_PLAN)
 

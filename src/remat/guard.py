@@ -7,74 +7,26 @@
 
 What it does, per call:
 
-- Shapes: the plan is made from the first batch, and made again whenever a batch arrives
-  with more tokens (elements of its largest tensor) than any batch planned for so far,
-  before that batch runs, so the budget holds for every shape seen (a plan made for the
-  longest batch also covers the shorter ones: every term of the peak grows with the
-  tokens). Plans are cached by token count; a run whose lengths vary re-plans only when the
-  longest length so far grows.
-- Out of memory: when ``train_step`` raises ``torch.OutOfMemoryError``, the guard drops the
-  failed step's tensors (the exception and its frames first, then the caching allocator's
-  free blocks), puts back every parameter's ``.grad`` as it was before the step (gradient
-  accumulation survives: see :class:`GradKeeper` for what is kept, and where) and the RNG
-  states (CPU and every CUDA device), re-plans at ``shrink`` times the budget, applies the
-  new plan, and runs the same step on the same batch again. The loss curve is then the one
-  of a run that never hit the limit (treatments are exact; the head mode is kept as it was,
-  so the loss is computed the same way; a re-plan for a longer batch may change the head).
-  After ``max_retries`` it raises a RuntimeError naming the budgets tried.
-- A budget no plan fits: the first batch (or a longer one, before any out-of-memory step)
-  raises :class:`remat.NoPlanFits` with the smallest budget that fits, as :func:`remat.plan`
-  does; after an out-of-memory step, at the budget the guard lowered itself, the smallest plan
-  is used (the best left to try).
-  :func:`redo_out_of_memory` is that loop alone; the Hugging Face Trainer's
-  ``guard_trainer`` runs ``training_step`` through it.
+- shapes: it plans from the first batch, and again before any batch with more tokens than any so
+  far (a plan for the longest batch covers the shorter ones); plans are cached by token count;
+- out of memory: when ``train_step`` raises ``torch.OutOfMemoryError``, it frees the failed step's
+  tensors, puts back every ``.grad`` (:class:`GradKeeper`, so gradient accumulation survives) and
+  the RNG states, re-plans at ``shrink`` times the budget and runs the same step on the same batch
+  again, so the loss curve is that of a run that never hit the limit; after ``max_retries`` it
+  raises a RuntimeError naming the budgets tried (:func:`redo_out_of_memory` is that loop alone);
+- no plan fits: :class:`remat.NoPlanFits` before any out-of-memory step; after one, the smallest plan.
 
-Planning never takes more GPU memory than the budget (``profile_device``). Measuring on the
-GPU gives the best times, but the profiler's own work is not a training step: it runs the
-head with full logits (8k tokens x a 128k vocabulary are GiBs in the plain head), three
-queued runs of a block, and a calibration step sized to the GPU's free memory, so a step whose
-re-plan is measured on the GPU can go over the budget while the steps themselves stay well
-under it (``benchmarks/guard_gpu.py`` showed it). So, with
-``profile_device="auto"`` (the default):
+Planning never takes more GPU memory than the budget (``profile_device="auto"``): the first plan
+is measured on the GPU with the allocator capped at the budget (a measurement that does not fit
+falls back to fake tensors), later ones on fake tensors at this GPU's rates, with what the GPU
+already holds taken off the budget. ``"fake"`` and ``"cuda"`` force one way.
 
-- the first plan of a model on a GPU is measured there, before training has filled the GPU,
-  with the caching allocator capped at the budget (``set_per_process_memory_fraction``;
-  the cap bounds reserved memory, which is never below allocated memory). A measurement that
-  does not fit under the cap runs out of memory, is dropped, and the plan is made on fake
-  tensors instead; a calibration step that does not fit is skipped (the profile keeps its
-  uncalibrated measured seconds);
-- every later plan (a longer batch, an out-of-memory step) is made on fake tensors
-  (:func:`remat.profile` with ``device="fake"``): no GPU memory at all, exact saved bytes,
-  roofline seconds with the rate table of this GPU (``gpu=`` its name when remat knows it).
-  What the GPU holds beyond parameters and buffers -- optimizer state the plan was not told
-  about, tensors the loop keeps -- is read from the allocator and taken off the budget the
-  fake plan is made for, as the measured path counts it in its static memory.
+Why a wrapper around the step rather than a hook inside the model: the step is the unit that can
+be redone, and only the caller knows what it is. Keep ``optimizer.step()`` out of ``train_step``: a
+half-applied update cannot be undone.
 
-``profile_device="fake"`` plans on fake tensors every time (no GPU work while planning);
-``"cuda"`` measures every plan under the cap (better seconds, GPU time at every re-plan).
-A model that is not on a GPU is always planned on fake tensors.
-
-Why a wrapper around the step rather than a hook inside the model: the step is the unit that
-can be redone (forward and backward both allocate), and only the caller knows what it is.
-Do not put ``optimizer.step()`` inside ``train_step``: an out-of-memory error in the middle
-of it would leave the parameters half updated, which no retry can undo.
-
-Gradients a step accumulates into (:class:`GradKeeper`): a step that starts with no ``.grad``
-(a plain loop, ``zero_grad(set_to_none=True)``, the first micro-batch) costs nothing: the redo
-sets them back to None. A step that adds to existing gradients (gradient accumulation) keeps a
-copy of a gradient only when autograd is about to add to it (a hook on the parameter, run just
-before its accumulation), so a copy is made at most once a step per parameter, only of those the
-step touches, and not before the step as a whole; the copies sit on the GPU where they fit under
-the budget beside the plan's predicted peak (a device-to-device copy, a fraction of a percent of
-a step), else in pinned host memory (copied without waiting, in the order of the GPU's work).
-Gradients the step never reached are put back as the same tensors, uncopied.
-
-Limits: the budget only shrinks; fake re-plans predict seconds by roofline, so they may pick
-a slower mix of treatments than a measured plan would (the memory side is exact); what is
-undone of the gradients is what autograd accumulated (a step that changes ``.grad`` in place
-itself, say clipping inside ``train_step``, is not undone: clip after it); a step that runs
-out of memory for reasons remat does not control (the optimizer's state, another process on
-the GPU) fails after ``max_retries`` with the message naming the budgets tried.
+Limits: the budget only shrinks; fake re-plans time by roofline; a step that changes ``.grad`` itself
+(clipping inside ``train_step``) is not undone. More: docs/design/planning.md.
 """
 from __future__ import annotations
 
@@ -97,15 +49,32 @@ PROFILE_DEVICES = ("auto", "fake", "cuda")
 
 
 class Guard:
-    """Plans ``model`` from real batches and redoes a step that ran out of memory (module doc).
+    """Plans ``model`` from real batches and redoes a step that ran out of memory (module docstring).
 
-    ``budget``: peak bytes of one step (``"40GiB"``); None: 90% of what the GPU can give now.
-    ``max_retries``: re-plans after out-of-memory steps before giving up. ``shrink``: the
-    budget's factor at each of them. ``profile_device``: ``"auto"`` (first plan measured on
-    the GPU within the budget, later ones on fake tensors), ``"fake"`` or ``"cuda"``.
-    ``say``: where messages go (default: stderr): one line per plan, saying why it was made (the
-    first batch, a longer one, a step that ran out of memory) and the plan it replaced ->
-    the new one. ``plan_options``: passed to :func:`remat.plan`.
+    Args:
+        model: the ``nn.Module`` to train (planned and applied in place at the first call).
+        budget: peak bytes of one step (``"40GiB"``); None: 90% of what the GPU can give now.
+        max_retries: re-plans after out-of-memory steps before giving up.
+        shrink: the budget's factor at each of them, in (0, 1).
+        profile_device: ``"auto"`` (the first plan measured on the GPU within the budget, later
+            ones on fake tensors), ``"fake"`` or ``"cuda"``.
+        say: where messages go (default: stderr): one line per plan, saying why it was made (the
+            first batch, a longer one, a step that ran out of memory) and the plan it replaced ->
+            the new one.
+        **plan_options: passed to :func:`remat.plan`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a bad ``budget``, ``max_retries``, ``shrink`` or ``profile_device``; ``budget=None``
+            for a model not on a GPU.
+
+    Calling it, ``guard(step, batch)`` returns ``step(batch)`` and raises :class:`remat.NoPlanFits`
+    where no plan fits the budget given, or a RuntimeError naming the budgets tried after
+    ``max_retries`` out-of-memory steps.
+
+    Example:
+        >>> guard = remat.Guard(model, budget="40GiB")                  # doctest: +SKIP
+        >>> loss = guard(train_step, batch)                             # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, budget=None, *, max_retries: int = 3, shrink: float = 0.85,
@@ -128,7 +97,19 @@ class Guard:
         self.recovered = 0
 
     def __call__(self, step: Callable, batch):
-        """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error."""
+        """``step(batch)``, planned for this batch's shape, redone after an out-of-memory error.
+
+        Args:
+            step: ``step(batch)``, forward and backward (not ``optimizer.step()``).
+            batch: this step's batch; a batch with more tokens than any before is planned for first.
+
+        Returns:
+            What ``step(batch)`` returns.
+
+        Raises:
+            remat.NoPlanFits: no plan fits the budget given (before any out-of-memory step).
+            RuntimeError: the step still ran out of memory after ``max_retries`` re-plans.
+        """
         tokens = batch_tokens(batch)
         if tokens > self.planned_tokens:   # at the budget given (never shrunk yet), nothing fitting is an error
             why = (f"the first batch ({tokens:,} tokens)" if not self.planned_tokens else

@@ -1,40 +1,30 @@
 """``remat.plan`` and ``remat.auto``: profile, then solve, for a budget; ``auto`` also applies.
 
-This module only joins :mod:`remat.profiling.profiler` (what each block costs), :mod:`remat.planning.solver`
-(the fastest plan within the budget, checked by :mod:`remat.planning.simulator`) and
-:func:`remat.apply`. The prediction rides along in ``plan.notes`` (peak, step time, what
-sets the peak, GPU, batch shape) so that ``remat bench`` / ``doctor`` can put the
-measurement beside it.
+This module only joins :mod:`remat.profiling.profiler` (what each block costs),
+:mod:`remat.planning.solver` (the fastest plan within the budget, checked by
+:mod:`remat.planning.simulator`) and :func:`remat.apply`. The prediction rides along in
+``plan.notes`` (peak, step time, what sets the peak, GPU, batch shape) so that ``remat bench`` /
+``doctor`` can put the measurement beside it.
 
-A model on the GPU is measured there (CUDA events, allocator statistics); any other
-model -- on the CPU, or on the ``meta`` device without weights -- is profiled with fake
-tensors and the rates of ``gpu`` (default h100), so a plan for an 80 GB card can be made
-on a laptop. Offload treatments are only planned when :mod:`remat.offload.engine` imports and the
-target is a GPU; the chunked head only when :mod:`remat.head` can reproduce the model's loss.
+How it profiles: a model on the GPU is measured there (CUDA events, allocator statistics); any
+other model (on the CPU, or on ``meta`` without weights) is profiled with fake tensors at the rates
+of ``gpu`` (default h100), so a plan for an 80 GB card can be made on a laptop. Offload is only
+planned where :mod:`remat.offload.engine` imports and the target is a GPU; the chunked head only
+where :mod:`remat.head` reproduces the model's loss.
 
-Compiled models: ``plan(..., compile=True)`` profiles every block class x treatment and the
-head as ``torch.compile`` runs them (:mod:`remat.profiling._compiled`) and plans for the flow
-``remat.apply(model, plan); model.compile()`` (or ``torch.compile(model)``). Compile changes
-the numbers a lot (the bench model's ``full`` keeps little more than half as much compiled), so
-neither kind of plan transfers: a compiled plan applied to a model that is then *not* compiled
-runs correctly but its peak can be far above the prediction, and an eager plan under compile
-wastes speed. A compiled plan is measured once compiled before it is returned, and solved
-again if it peaked over the budget (:func:`verified`, :mod:`remat.profiling._verify`). The
-plan says which it is (``plan.notes["compile"]``), for ``remat bench`` and ``remat doctor`` to
-check against how the model runs. Compiled plans need the model on a GPU
-(fake tensors cannot run compiled code: ValueError) and never offload (see
-:data:`remat.profiling.OFFLOAD_UNDER_COMPILE`).
+Compiled models: ``plan(..., compile=True)`` profiles each block class x treatment and the head as
+``torch.compile`` runs them (:mod:`remat.profiling._compiled`), for ``remat.apply(model, plan);
+model.compile()``. Compile changes the numbers a lot, so neither kind of plan transfers to the
+other; ``plan.notes["compile"]`` says which it is. A compiled plan is run compiled before it is
+returned and solved again if it peaked over the budget (:func:`verified`), needs the model on a
+GPU, and never offloads (:data:`remat.profiling.OFFLOAD_UNDER_COMPILE`).
 
-The budget is a card: a plan for ``budget`` runs in a process whose allocator may reserve no more.
-The caching allocator reserves more than the peak it hands out, so a plan's predicted peak
-(what ``torch.cuda.max_memory_allocated`` measures) is kept within the budget less
-:func:`allocator_reserve`: a small share of it where :func:`remat.apply` can switch on expandable
-segments (:mod:`remat.treat.allocator`), a share of the step's activation bytes where it cannot;
-``notes["card_bytes"]`` is the smallest card the plan is made for (its peak plus that reserve).
-Planning on the GPU measures inside the budget (:func:`remat.profiling.allocator_cap`): a measurement that needs
-more than the budget is one no plan within it can use, and is left out or made with fake tensors,
-and the calibration and verifying steps run plans that fit it. A budget larger than the card is
-planned for the card, and said.
+The budget is a card: the caching allocator reserves more than the peak it hands out, so a plan's
+predicted peak is kept within the budget less :func:`allocator_reserve` (small with expandable
+segments, a share of the activations without); ``notes["card_bytes"]`` is the smallest card it is
+made for. Planning on the GPU measures inside the budget (:func:`remat.profiling.allocator_cap`),
+and a budget larger than the card is planned for the card, and said. The reserve and margin
+constants and where they were measured: docs/design/planning.md.
 """
 from __future__ import annotations
 
@@ -62,23 +52,19 @@ from remat.units import parse_budget
 
 
 RESERVE_SHARE = 0.03
-"""What a plan leaves of its budget for the caching allocator where expandable segments are on. Not
-fitted: 0.5% was refuted on one H200 (a 16 GiB llama-1b plan, peak 15.55 GiB, ran out of memory on a
-16 GiB card with 1.09 GiB cached and not released, most likely segments made before expandable
-segments were on, which planning now makes expandable too), and uncapped runs reserved 0.07-0.39 GiB
-above llama-1b peaks of 14-20 GiB and 3.5-4.3 GiB above 8B peaks of 73-74 GiB on an 80 GB card
-(benchmarks/results/issue38). A card the size of a plan's budget is not yet shown to hold it."""
+"""What a plan leaves of its budget for the caching allocator where expandable segments are on.
+Not fitted; 0.5% was refuted on an H200, and a card the size of a plan's budget is not yet shown to
+hold it (the runs: docs/design/planning.md, benchmarks/results/issue38)."""
 FRAGMENTATION_SHARE = 0.25
 """Where expandable segments cannot be had (:func:`remat.treat.allocator.expandable_possible`), the
-share of the budget above static memory a plan leaves for the allocator's fragmentation: fixed-size
-segments reserved 35% over the activation bytes of an 8B 131k-token plan uncapped, 14% over a
-14 GiB llama-1b plan's, and a cap 10% over the former ran out of memory (benchmarks/results/issue38)."""
+share of the budget above static memory a plan leaves for the allocator's fragmentation (fixed-size
+segments reserved up to 35% over a plan's activation bytes: docs/design/planning.md)."""
 
 COMPILE_MARGIN = 0.03
 """A compiled plan is solved for its budget less this fraction of the budget above static memory:
-after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peak a
-couple of percent above their prediction, over their budget, the whole graph keeping what no
-block alone does (measured: docs/history.md)."""
+after the compiled calibration (:mod:`remat.profiling._compiled`) mixed plans still peak a couple of
+percent above their prediction, the whole graph keeping what no block alone does
+(docs/design/planning.md)."""
 
 
 def plan(model: nn.Module, batch, budget, *, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
@@ -680,8 +666,27 @@ def _marked(chosen: Plan, prof) -> Plan:
 
 
 def auto(model: nn.Module, batch, budget, **kwargs) -> Plan:
-    """:func:`plan`, then :func:`remat.apply` it to ``model``; returns the plan. With ``compile=True``
-    compile the model yourself afterwards (``model.compile()``): the plan was made for it."""
+    """:func:`plan`, then :func:`remat.apply` the plan to ``model``, in place; returns the plan.
+
+    Args:
+        model: the ``nn.Module`` to train.
+        batch: a batch with the shapes of training (as :func:`plan`).
+        budget: the memory of one device, in bytes or as ``"24GiB"``.
+        **kwargs: :func:`plan`'s keyword arguments; ``blocks`` is passed to :func:`remat.apply` too.
+            With ``compile=True`` compile the model yourself afterwards (``model.compile()``): the
+            plan was made for it.
+
+    Returns:
+        The applied :class:`~remat.planning.plans.Plan`.
+
+    Raises:
+        Everything :func:`plan` and :func:`remat.apply` raise; :class:`remat.NoPlanFits` when nothing
+        fits (the model is then left as it was).
+
+    Example:
+        >>> chosen = remat.auto(model, {"input_ids": ids}, "24GiB")     # doctest: +SKIP
+        >>> loss = model(input_ids=ids, labels=ids).loss; loss.backward()  # doctest: +SKIP
+    """
     from remat.api import apply
     chosen = plan(model, batch, budget, **kwargs)
     apply(model, chosen, blocks=kwargs.get("blocks"))

@@ -13,7 +13,7 @@ Vision-language models (LLaVA, PaliGemma, Qwen2-VL, Qwen2.5-VL) train on images 
 token repeated once per image feature, the pixels, Qwen's image grid and token types,
 PaliGemma's prefix -- from the config alone, so they plan without an image or a tokenizer.
 
-``llama-1b`` is the DESIGN.md bench model (the shape of Llama-3.2-1B with an untied
+``llama-1b`` is the bench model of docs/design/planning.md (the shape of Llama-3.2-1B with an untied
 head, as the anchors measured it); ``qwen2-vl-2b`` has the shape of Qwen2-VL-2B-Instruct.
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ the calls' contributions into one buffer, made by the first backward (the last c
 to ``.grad`` after the last; so the call whose backward runs first leaves
 :attr:`~remat.planning.costs.BlockCost.grad_bytes` and the others leave that much less. Their
 backward peak is the one measured alone, where the new gradients stay to the end (in the step
-each is summed into the buffer and freed): conservative by up to one block's gradients (1.8% of
-the peak of a two-layer ALBERT group fully checkpointed at 2 x 64 tokens, CPU-measured).
+each is summed into the buffer and freed): conservative by up to one block's gradients (how much
+that is on ALBERT: docs/design/planning.md).
 
 Plans stay per module: :func:`per_call` expands one treatment per block into one per call, and the
 solver ties every call of a block to one treatment (:func:`pinned`). A treatment per call (every

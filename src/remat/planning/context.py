@@ -3,56 +3,29 @@ as a profile transform.
 
 How: the profile is taken on one rank's share (``seq / world`` tokens: :func:`remat.plan` cuts the
 batch before profiling, :mod:`remat.parallel.sequence` cuts it the same way when training), so
-every activation, every token-wise cost and the head are already a rank's. What that share alone
-does not show is attention over the rest of the sequence, which :func:`context` adds to each
-block's cost for every treatment, as torch's ring attention runs it on a GPU
-(``torch.distributed.tensor.experimental.context_parallel``, its default all-gather rotation:
+every activation, token-wise cost and the head are already a rank's. What that share does not show
+is attention over the rest of the sequence, which :func:`context` adds to each block's cost for
+every treatment, as torch's ring attention runs it (``context_parallel``, its all-gather rotation:
 :mod:`remat.parallel.attention`), for the layout the batch is cut with (``balance``):
 
-- compute, in ``s x s`` blocks (``s = seq / world``, the share's length; the share's own causal
-  attention, half a block, is in the profile already): balanced (head-tail chunks, the default)
-  every rank attends to ``world / 2`` blocks of the sequence's ``world^2 / 2``, so ``(world - 1) /
-  2`` beyond its own, half a block at each of the ring's ``world - 1`` steps; contiguous
-  (``balance=False``) the last rank attends to ``world - 1`` whole blocks beyond its own causal one
-  (the first to none) and the step waits for it, so the last rank's are charged (1.75x a balanced
-  share at CP 4). A block is forward ``4 b h s^2 d`` FLOPs at the attention rate measured for the
-  head dimension, else the matmul rate x :data:`ATTENTION_EFFICIENCY`; backward
-  :data:`BACKWARD_FACTOR` times that at the backward's rate;
-- exchange: in forward one all-gather of every rank's keys and values (``world x`` a rank's K/V,
-  ``(world - 1) / world`` of it over each GPU's link at the bus rate), overlapped with the rank's own
-  causal block only; in backward the same all-gather again (overlapped with that block's backward),
-  and the K/V gradients passed around the ring in fp32, ``world`` hops, each hidden behind the next
-  step's backward (half a block balanced, a whole one on the contiguous last rank) but the last;
-  what the compute does not hide is added to the block's forward or backward seconds, with
-  :data:`LATENCY_S` per collective. The same bytes move in either layout;
-- memory (:func:`ring_buffer_bytes`): during attention's forward the gathered K/V (``world x`` a
-  rank's) and the merge of each step's output into the running one (:data:`MERGE_QUERIES`); during
-  its backward the gathered K/V again, fp32 accumulators of the query gradient and of the K/V
-  gradients (with the hop's receive and send buffers), the step before's kernel outputs (alive while
-  the next step's kernel runs) and the keys and values concatenated for the exchange: added to the
-  block's forward and backward peaks (transient: nothing more is kept for backward than the share's
-  own q, k, v, output and log-sum-exp, which the profile already holds). Counted from torch's code
-  and measured on it (tests/cp_worker.py runs torch's ring forward and backward on gloo, CP 2 and 4,
-  both layouts, and compares the tensors alive at each kernel with these charges);
-- recompute: a treatment whose recompute runs attention (:data:`RECOMPUTES_ATTENTION`) repeats, in
-  its backward, the forward's extra compute and exchange, and its backward phase peaks at the larger
-  of the forward's and the backward's transients. ``selective`` and ``attn-saved`` keep the attention
-  kernel's output, so its recompute neither exchanges nor attends again on the GPU (the CPU's
-  all-gather path repeats the exchange: tests/test_context_parallel.py counts it).
+- compute: the ``s x s`` attention blocks beyond the share's own (balanced: ``(world - 1) / 2`` of
+  them; contiguous: the last rank's ``world - 1``), at the attention rate of the head dimension;
+- exchange: the K/V all-gather in forward and backward and the K/V gradients' ring in fp32, at the
+  bus rate, less what the compute hides, plus :data:`LATENCY_S` per collective;
+- memory (:func:`ring_buffer_bytes`): the gathered K/V, merge and accumulator buffers, added to the
+  block's forward and backward peaks (transient, nothing more is kept);
+- recompute: a treatment in :data:`RECOMPUTES_ATTENTION` repeats the forward's extra work.
 
 Parameters, gradients and optimizer state are sharded by :func:`remat.planning.sharding.shard` over
-``fsdp_world`` ranks (torchtitan shards them over every rank, CP ranks included: ``fsdp_world =
-cp x dp``); this transform composes with it in either order.
+``fsdp_world`` ranks (torchtitan: ``cp x dp``); the two transforms compose in either order.
 
 Why a transform (as :mod:`remat.planning.sharding`): no process group is needed, so ``remat plan
 --cp 4 --fsdp 4`` answers on a laptop, and the one-GPU profile of a share stays the measured truth.
 
-Limits: modelled, not measured (the GPU bench, ``benchmarks/cp_bench.py``, is what checks it);
-every block is taken to hold one attention of :class:`AttentionShape` (hybrid models' other
-mixers are charged as attention); the ring's traffic and FSDP2's share the link but are charged
-apart; a rank's own causal block is in the profile at the share's length, so it is not charged
-again; the balanced ring's half-block steps are charged at the whole block's FLOP rate (a kernel
-on half the queries or keys may run below it).
+Limits: modelled, not measured (``benchmarks/cp_bench.py`` checks it on GPUs; tests/cp_worker.py
+checks the buffers against torch's code); every block holds one attention of
+:class:`AttentionShape`; the ring's and FSDP2's traffic are charged apart; half-block steps run at
+the whole block's rate. The terms in full: docs/design/planning.md.
 """
 from __future__ import annotations
 

@@ -77,15 +77,10 @@ the roofline makes look free."""
 # Rates per GPU: large bf16 matmul (TFLOP/s as measured, not the datasheet), fp32 matmul,
 # HBM GB/s (the datasheet's; the FSDP2/DDP copies run at a fraction of it, remat.planning.sharding.Overheads),
 # pinned host copies GB/s, collective bus bandwidth GB/s between the GPUs of one host
-# (nccl-tests' "busbw"). H100: DESIGN.md anchors (791 TF/s, 55/48/86 GB/s); a 1 GiB NCCL all-reduce
-# ran at 329 GB/s bus bandwidth on 2 x H100 (NVLink) and 355 on 4, so 330. H200 copies as measured by
-# the offload bench (55/55/101 GB/s); its NVLink is the H100's, so the same bus figure (not measured).
-# A100 (NVLink 3) and the CPU (gloo) bus figures are rough, not measured. A GPU profile measures its
-# own copy rates; the bus rate of a live process group: remat.profiling._calibrate.bus_rate.
-# attention_tflops: causal flash attention (SDPA's flash kernel, bf16, 32 query heads), forward and
-# backward, per head dimension, counting the formula's FLOPs halved for causal: on one H100 at 65k to
-# 262k tokens (benchmarks/attention_rates.py; benchmarks/results/issue28) head dim 64 ran 418-470 forward
-# and 414-416 backward, head dim 128 523-621 and 522-539. The H200 runs the same kernels at the same clocks.
+# (nccl-tests' "busbw"), and attention_tflops: causal flash attention forward and backward per head
+# dimension. Where each figure was measured, and which are rough: docs/design/planning.md, "Rates,
+# anchors and the bench model". A GPU profile measures its own copy rates; the bus rate of a live
+# process group: remat.profiling._calibrate.bus_rate.
 H100_ATTENTION = ((64, 450.0, 415.0), (128, 570.0, 530.0))
 GPUS = {
     "h100": dict(bf16_tflops=791.0, fp32_tflops=50.0, hbm_GBps=3350.0, d2h_GBps=55.0, h2d_GBps=48.0,

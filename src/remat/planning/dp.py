@@ -4,34 +4,25 @@ it solves and why it is exact for the simulator's bound).
 How: :class:`Tables` turns a profile into, per block and per (previous, current) treatment, the
 kept bytes the block adds, its forward and backward peaks above what earlier blocks keep, its
 seconds (FSDP2's exposed collectives and offload copies its neighbours cannot hide included),
-its score (the seconds plus the recompute margin, below) and the bytes it hands the offload
-engine. :func:`dp` walks the blocks in forward order over
-states (previous treatment, whether any earlier block offloaded) x kept-bytes levels (rounded
-*up* to ``scale / resolution``), keeping per state the best value of an objective and a back
-pointer. Two objectives share the states, transitions and memory terms: :class:`MinTime` (the
-least step time, transitions past the budget cut) and :class:`MinPeak` (the least peak). Each block's
-step works on the kept-bytes levels below the highest that some plan reaches so far (and those its
-kept bytes move them to): the levels above hold no plan, and the early blocks reach few.
+its score (the seconds plus the recompute margin) and the bytes it hands the offload engine.
+:func:`dp` walks the blocks in forward order over states (previous treatment, whether any earlier
+block offloaded) x kept-bytes levels (rounded *up* to ``scale / resolution``), keeping per state
+the best value of an objective and a back pointer. Two objectives share the states, transitions
+and memory terms: :class:`MinTime` (the least score, transitions past the budget cut) and
+:class:`MinPeak` (the least peak). Each block's step only works on the levels some plan reaches so
+far, which the early blocks keep few of.
 
-The recompute margin (``margin``): :class:`MinTime` minimises the score, each block's seconds
-plus, for a treatment other than ``keep``, ``margin`` times the block's ``keep`` seconds. A
-treatment that does more work than keeping (a recompute, an offload's copies) is then chosen
-over ``keep`` only when the memory needs it or its predicted gain passes the profile's noise
-(see :data:`remat.planning.solver.RECOMPUTE_MARGIN`); the plan's reported time is still the
-simulator's. The head is held to the same rule (:func:`head_margin`): a chunked head is charged
-``margin`` of the plain head's forward and backward seconds, so the model's own head is kept
-unless the chunked one gains more or the budget needs it.
+- recompute margin (``margin``): a treatment other than ``keep`` is charged ``margin`` times the
+  block's ``keep`` seconds, so more work is chosen only when memory needs it or its predicted gain
+  passes the profile's noise; :func:`head_margin` holds the chunked head to the same rule;
+- tiled chunk sizes: a tiled treatment profiled at several chunks is one option with a variant
+  per chunk, chosen within each transition (a chunk changes the block's transient peaks and
+  seconds, never the state), the best-scoring one whose phase fits, the largest on a tie.
 
-Chunk sizes of the tiled treatments: a tiled treatment profiled at several chunks
-(:attr:`~remat.planning.costs.Profile.tiles`) is one option with a *variant* per chunk, chosen
-within each transition rather than as options of their own: a chunk changes the block's transient
-peaks and its seconds, never what it keeps, offloads or hands the next block, so the state (the
-previous treatment and the kept bytes) is the same whichever chunk a block took, and the DP keeps,
-per state and level, the best-scoring variant whose phase fits (the largest chunk on a tie). That
-costs a few more vectorised steps per tiled option instead of multiplying the options (the states
-and transitions grow with the square of their number); a back pointer per state records the chunk.
-So the chunk is chosen per block: the blocks whose backward sets the peak may take small chunks
-while the others keep large, faster ones.
+Why variants rather than options: the states and transitions grow with the square of the
+options, a variant costs a few more vectorised steps. So the chunk is chosen per block: the blocks
+whose backward sets the peak may take small chunks while the others keep large, faster ones.
+Design notes: docs/design/planning.md.
 """
 from __future__ import annotations
 

@@ -5,51 +5,28 @@ training repository and applied without profiling again. The planner's predictio
 (peak, step time, budget) ride along in ``notes`` so that ``remat doctor``/``bench`` can
 put measurement beside prediction.
 
-Short string specs are turned into plans here too, against a model's discovered blocks:
-``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...),
-``"first:8"`` (``full`` on the first eight; ValueError on a model of fewer blocks), and either
-with another treatment: ``"every:2:offload"``. They count blocks, which are modules: a block the
-model calls several times a step (ALBERT's one layer group) gets its treatment at every call
-(:mod:`remat.planning.calls`).
+Short string specs are turned into plans here too (:func:`resolve`), against a model's discovered
+blocks: ``"full"``, ``"selective"``, ``"every:2"`` (``full`` on blocks 0, 2, 4 ...), ``"first:8"``,
+either with another treatment (``"every:2:offload"``), and ``"segments:K"`` /
+``"segments:sqrt"`` (K consecutive blocks checkpointed as one unit, ``checkpoint_sequential``'s
+semantics, K counting blocks per segment, never across two block lists; each block's treatment is
+``"segment:<i>"``, so the grouping survives JSON). Specs count blocks, which are modules: a block
+called several times a step gets its treatment at every call (:mod:`remat.planning.calls`).
 
-``"segments:K"`` checkpoints K consecutive blocks as one unit (``checkpoint_sequential``'s
-semantics: only the unit's input is kept, its backward recomputes all K blocks), and
-``"segments:sqrt"`` takes K = round(sqrt(n)), the rule of thumb that balances kept inputs
-against the blocks recomputed at once. K counts *blocks per segment* (``checkpoint_sequential``'s
-``segments`` argument counts segments); segments never span two block lists (an encoder's
-and a decoder's), n and K are per list, the last segment of a list may be shorter, and a K
-of n or more makes the whole list one segment. In a plan each such block's treatment is
-``"segment:<i>"``: the blocks that share ``i`` form segment ``i`` and must be consecutive,
-so the grouping is in ``blocks`` itself and survives JSON, renaming and re-applying.
+Fields beside ``blocks``: ``head`` (``plain``, ``chunked``, ``liger``) and its ``chunk_tokens``;
+``tile_tokens``, one size or a ``{block name: size}`` mapping (default
+:data:`DEFAULT_TILE_TOKENS`); ``kernels``, ``stock`` or ``liger``, one name or a per-block mapping.
 
-Plans read from JSON are checked field by field before use: :meth:`Plan.load` and
-:meth:`Plan.from_dict` answer a wrong field (``blocks`` not an object, an unknown
-treatment, a ``head`` that is not ``plain``/``chunked``, a ``chunk_tokens`` of ``"abc"``,
-``0``, ``False`` or ``2.5``, an unknown top-level field) with a ValueError that names the
-file, the field, what it must be and what it was. ``chunk_tokens=None`` is the only way
-to ask for the default chunk; no other falsy value stands in for it.
+Why so strict on input: a plan read from JSON is checked field by field (:meth:`Plan.load`,
+:meth:`Plan.from_dict`) and a wrong field is a ValueError naming the file, the field, what it must
+be and what it was; ``chunk_tokens=None`` is the only way to ask for the default chunk. What a plan
+was made for (model class, dtype, batch, optimizer, GPU, compile mode, versions:
+:func:`made_for_notes`) rides in ``notes`` and reads back as :attr:`Plan.made_for`, so
+:func:`remat.apply` can refuse a plan made for another model and ``remat doctor`` can say what
+differs.
 
-``tile_tokens`` (the chunk of a tiled block's token-wise sub-modules) is one size for every tiled
-block, or a ``{block name: size}`` mapping over tiled blocks (the solver chooses a size per block:
-the blocks whose backward sets the peak can take small chunks while the others run larger, faster
-ones; :mod:`remat.planning.solver`); a tiled block the mapping does not name, or ``None``, takes
-:data:`DEFAULT_TILE_TOKENS`. Plans written before the mapping existed (an integer or no field) load
-as they are.
-
-What a plan was made for rides in ``notes`` too (:func:`made_for_notes`, written by the solver):
-the model's class, its dtype, the batch and sequence, the optimizer, the GPU whose rates timed it,
-the compile mode and the torch / transformers / remat versions; the blocks are the plan's own keys
-(a solved plan names every block of its model). :attr:`Plan.made_for` reads them back, so
-:func:`remat.apply` can refuse a plan made for another model (:func:`resolve` with ``strict``) and
-``remat doctor`` can say what differs. Plans written before these notes existed load as they
-are; they say nothing of their model, so they are applied by name as any hand-made plan.
-
-``kernels`` says which implementation of a block's norms, gated MLP and rotary embedding runs:
-``stock`` (the model's own modules) or ``liger`` (liger-kernel's fused ops, installed per block
-instance by :mod:`remat.treat.kernels`); one name for every block or a ``{block name: kernel}``
-mapping (the planner chooses per block class). The head mode ``liger`` is Liger's fused linear
-cross-entropy as the model's loss (with the final norm's fused kernel), beside ``plain`` and
-``chunked``. Plans without the field (older files) load as stock.
+Limits: plans written before a field existed (``tile_tokens`` an integer or absent, no ``kernels``,
+no made-for notes) load as they are, applied by name as any hand-made plan (docs/design/planning.md).
 """
 from __future__ import annotations
 
@@ -141,15 +118,29 @@ def is_treatment(value) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-block treatments (block name -> treatment) and the head mode.
+    """A treatment per block and the head mode: plain, frozen data that :func:`remat.apply` installs.
 
-    Blocks not named keep everything. ``chunk_tokens`` applies to the ``chunked`` head
-    (None: chosen at apply time); ``tile_tokens`` to the blocks with a tiled treatment
-    (tokens per chunk of their token-wise sub-modules): one size for all, a ``{block name: size}``
-    mapping over tiled blocks (:meth:`tile_of` reads a block's), or None for
-    :data:`DEFAULT_TILE_TOKENS`. ``kernels``: one of :data:`KERNELS` for every block, a
-    ``{block name: kernel}`` mapping over the plan's blocks (:meth:`kernel_of` reads a block's), or
-    None for the model's own modules.
+    Args:
+        blocks: ``{block name: treatment}`` (one of :data:`TREATMENTS` or ``"segment:<i>"``); blocks
+            not named keep everything.
+        head: one of :data:`HEAD_MODES` (``"plain"``, ``"chunked"``, ``"liger"``).
+        chunk_tokens: tokens per chunk of the ``chunked`` head; None: chosen at apply time.
+        notes: what the planner predicted and what the plan was made for (:attr:`made_for`).
+        tile_tokens: tokens per chunk of the tiled blocks' token-wise sub-modules: one size, a
+            ``{block name: size}`` mapping over tiled blocks (:meth:`tile_of`), or None for
+            :data:`DEFAULT_TILE_TOKENS`.
+        kernels: one of :data:`KERNELS` for every block, a ``{block name: kernel}`` mapping
+            (:meth:`kernel_of`), or None for the model's own modules.
+
+    Raises:
+        TypeError: ``blocks`` or ``notes`` not a mapping, a block name not a string.
+        ValueError: an unknown treatment or head, a ``chunk_tokens`` that is not a positive integer
+            (``0``, ``False``, ``2.5``), a bad ``tile_tokens`` or ``kernels``.
+
+    Example:
+        >>> plan = Plan({"model.layers.0": "full", "model.layers.1": "selective"}, head="chunked")
+        >>> plan.save("plan.json")                                      # doctest: +SKIP
+        >>> remat.apply(model, Plan.load("plan.json"))                  # doctest: +SKIP
     """
 
     blocks: Mapping[str, str]

@@ -6,51 +6,26 @@ run wrapped after ``remat.apply``, with DDP's default arguments unless told othe
 ``comm`` (:class:`~remat.planning.comm.Collectives`, ``kind="ddp"``) lists the step's bucketed
 all-reduces. The simulator and the solver read it unchanged, as they read a sharded profile.
 
-Memory, per rank: the whole model stays (nothing is sharded), and the reducer allocates one flat
-buffer per bucket at construction, together the trainable gradients' bytes (``static``). With
-``gradient_as_bucket_view=False`` (DDP's default) autograd's gradients are separate tensors, copied
-into the buckets as they are produced and back once reduced: the profile's own gradient bytes stay
-and the buckets come on top. With ``gradient_as_bucket_view=True`` the gradients become views of the
-buckets: a fresh gradient is copied in and freed (with ``zero_grad(set_to_none=True)``, the default),
-so a block no longer leaves its gradients after its backward; the root's gradients stay counted in
-the head's measured bytes as well as in the buckets (conservative by the root's gradient bytes).
+- memory, per rank: the whole model, plus the reducer's flat bucket buffers (the trainable
+  gradients' bytes, static); with ``gradient_as_bucket_view=True`` the gradients are views of
+  them, so a block no longer leaves its gradients after its backward;
+- time: the gradients form one stream in backward order, cut into buckets as DDP cuts them (the
+  first 1 MiB, then ``bucket_cap_mb``, parameters never split; by the model's parameters where
+  :func:`remat.plan` passes them, else by bytes); a bucket's all-reduce starts once its last
+  gradient is produced and moves ``2 (world - 1) / world`` of its bytes over each link, and the
+  step ends when the link is done;
+- on the compute stream: the copies into (and, without bucket views, out of) the buckets,
+  ``latency_s`` per all-reduce and ``contention`` while the link is busy (:data:`DDP_OVERHEADS`;
+  refit with ``benchmarks/ddp_bench.py --trace``, FSDP2's constants do not carry over).
 
-Time: the trainable gradients form one stream in backward order (the blocks last to first, then
-the root's, all at the end: conservative, the LM head's really come first), cut into buckets of
-``bucket_cap_mb`` (the first 1 MiB under DDP's default). A bucket's all-reduce starts once its last
-gradient is produced, at that fraction of the block's backward; those that end in the root's part
-start after the embeddings' backward, and the step ends when the link is done (the last bucket is
-exposed). An all-reduce moves ``2 (world - 1) / world`` of its bytes over each link (ring: a
-reduce-scatter and an all-gather). On the compute stream (:class:`~remat.planning.sharding.Overheads`):
-each gradient is copied into its bucket (read + write, in its block's backward, the root's after the
-embeddings' backward), with ``gradient_as_bucket_view=False`` every reduced bucket is copied back
-into the gradients once the last all-reduce ends, each all-reduce costs ``latency_s``, and compute
-slows by ``contention`` while the link is busy. The constants are :data:`DDP_OVERHEADS`, the first
-estimates FSDP2 started from, which hold DDP's steps within a few percent of prediction (measured:
-docs/history.md). FSDP2's refit ones do not carry over: its per-collective latency is mostly
-Python hooks, and DDP's reducer launches from C++; to refit them, use the kernel-time breakdown
-``benchmarks/ddp_bench.py --trace`` records, as ``benchmarks/fit_overheads.py`` does for FSDP2.
+Why a transform: as for FSDP2, no process group is needed and the single-GPU profile stays the
+one source of truth. The bucket rules were checked against torch 2.13's ``distributed.py`` and
+``reducer.cpp``.
 
-Checked against torch 2.13's ``torch/nn/parallel/distributed.py`` and ``reducer.cpp``:
-``bucket_cap_mb=None`` means 25 MiB (``_DEFAULT_BUCKET_CAP_MB``) with a first bucket of
-``dist._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB, while a ``bucket_cap_mb`` given explicitly is used for
-the first bucket too; buckets are assigned in reverse parameter order (the order gradients arrive)
-and a parameter is never split (a bucket closes once it reaches its cap); ``initialize_buckets``
-allocates every bucket's flat ``gradients`` tensor whatever ``gradient_as_bucket_view`` says, and
-the docs give the memory it saves as "equal to the total gradients size"; only parameters with
-``requires_grad`` are bucketed.
-
-Buckets: since torch 2.x (checked in 2.13: ``BucketCapacityConfig``) DDP with its default
-arguments starts with one bucket and, after the first iteration, rebuilds them in the order the
-gradients became ready, the first capped at 1 MiB and the rest at ``bucket_cap_mb``, parameters
-never split. With the model's parameters (``stream``, what :func:`remat.plan` passes) buckets are
-cut that way, and the count of all-reduces a step is the one measured (cuts by bytes alone
-over-count them). Without them the stream is cut by bytes, the root's gradients last.
-
-Limits: DDP's forward buffer broadcast (``broadcast_buffers``), ``find_unused_parameters``,
-``static_graph``, communication hooks and DDP's mixed precision are not modelled; backward order
-within a block is taken as the reverse of registration; the first iteration's single bucket is
-not modelled.
+Limits: ``broadcast_buffers``, ``find_unused_parameters``, ``static_graph``, communication hooks and
+DDP's mixed precision are not modelled; backward order within a block is the reverse of
+registration; the first iteration's single bucket is not modelled. The details and measurements:
+docs/design/planning.md.
 """
 from __future__ import annotations
 

@@ -1,109 +1,32 @@
 """FSDP2: what sharding over ``world`` ranks changes in one rank's step, as a profile transform.
 
 How: :func:`shard` returns a new :class:`~remat.planning.costs.Profile` whose static bytes and
-per-block bytes are those of one rank under FSDP2 ``fully_shard`` applied to every block and
-then to the root (after ``remat.apply``, as remat requires), and whose ``comm``
-(:class:`~remat.planning.comm.Collectives`) lists the step's all-gathers and reduce-scatters.
-The simulator and the solver read the transformed profile unchanged, so a plan for a sharded
-run is solved exactly like one for a single GPU. Memory, per rank:
+per-block bytes are those of one rank under FSDP2 ``fully_shard`` applied to every block and then
+to the root (after ``remat.apply``), and whose ``comm`` (:class:`~remat.planning.comm.Collectives`)
+lists the step's all-gathers and reduce-scatters. The simulator and the solver read the
+transformed profile unchanged, so a sharded plan is solved exactly like a single-GPU one.
 
-- parameters and optimizer state: ``1/world`` of them stay (static), and the optimizer's step
-  (``Profile.optimizer_s``) updates ``1/world`` of them;
-- all-gathered parameters in flight: one of the largest block's parameters, all step long.
-  What a rank was measured to hold beyond the profile, with peaks in the head's forward and in
-  blocks' backward alike, is the root's parameters (below) plus one block, not two (the current
-  and the prefetched one). With ``reshard_after_forward=False`` a block stays unsharded from its forward to the end
-  of its backward: its parameters join what it keeps (and its forward and backward peaks),
-  and the prefetched block is the one in static (unmeasured);
-- the root's own parameters (embeddings, final norm, LM head) unsharded, in full, all step
-  long (FSDP2 keeps the root unsharded from its forward to the end of its backward), beside
-  their shard, which FSDP2 keeps as every parameter's;
-- each block's parameter gradients: full size during its backward (already in the block's
-  measured backward peak), then reduce-scattered, so ``1/world`` of them stay afterwards;
-- reduce-scatter buffers in flight: FSDP2 copies a block's gradients into a flat buffer in the
-  reduce dtype (its copy-in) and holds that buffer until the next block's reduce-scatter is
-  issued, so during a block's backward the buffer of the block after it is alive, and at its end
-  its own joins it: two blocks' gradient bytes (reduce dtype) on every block's backward peak and
-  on the embeddings' backward (plans that peak in a block's backward showed these two buffers;
-  plans that peak at the head do not see them).
-
-Time: one all-gather per block in forward and (resharded) again in backward, one
-reduce-scatter per block, the root's all-gather first and its reduce-scatter last; bytes in
-the param dtype (gathers) and the reduce dtype (``MixedPrecisionPolicy(reduce_dtype=...)``,
-default the param dtype); seconds at the bus bandwidth ``bus_Bps`` (the profile's rates, or a
-rate measured on the process group: :func:`remat.profiling._calibrate.bus_rate`). A treatment
-that recomputes adds no all-gather: FSDP2 keeps the block unsharded through its backward, the
-recompute included (the collectives counted per step are the same for every treatment). How the
-collectives overlap compute is the simulator's (:mod:`remat.planning.simulator`).
-
-Eager ``attn-saved`` (the same per-op modes) is left out below :data:`OP_POLICY_FROM_TOKENS` tokens a
-step, where a block's ops are short enough for that to matter; from there on each op runs for
-milliseconds and the host stays ahead. Eager ``selective`` is left out (:data:`EAGER_SELECTIVE_UNDER_FSDP2`, in ``notes["selective"]``):
-under FSDP2 its GPU waits for its host, which no per-block GPU time shows. torch's
-selective-checkpoint modes dispatch every op of its forward and recompute in Python, several
-times the host time of the other treatments (``benchmarks/host_probe.py``), and FSDP2's hooks add
-host work to every block and keep the host at most a block or two ahead, so selective-heavy
-plans run well over their predicted step where plans of the other treatments hold theirs. A
-host-time term (phase = max(GPU, host / share), host times from the profile's chains) is not
-modelled instead: a torchrun profile's host times are not those of a lone process, and such a
-term over-predicted the same plans. Compiled, ``selective`` costs its host nothing special and
-stays; on one GPU the host runs far ahead and it stays too. (The measurements:
-docs/history.md.)
-
-Same plan on every rank: plan on rank 0 and broadcast ``plan.to_dict()``
-(``torch.distributed.broadcast_object_list``; ``examples/train_fsdp.py`` and
-``benchmarks/fsdp_bench.py`` do). A fake-tensor profile is deterministic (FLOP counts and
-bytes), but a measured one is not (each rank times its own kernels, and a small difference
-can flip the solver's choice), so the broadcast is the one rule that holds for both.
-:func:`remat.profiling._calibrate.bus_rate` returns the same number on every rank (the
-slowest rank's), so it never makes ranks disagree.
+- memory, per rank: ``1/world`` of parameters, gradients and optimizer state; one block's
+  all-gathered parameters in flight (its whole forward-to-backward with
+  ``reshard_after_forward=False``); the root's parameters unsharded all step; two blocks'
+  reduce-scatter buffers (reduce dtype) on every block's backward peak;
+- time: one all-gather per block in forward and again in backward, one reduce-scatter per block,
+  the root's first and last, at the bus rate ``bus_Bps``; recompute adds no collective. The
+  overlap with compute is the simulator's; copies, launch latency and contention on the compute
+  stream are :class:`Overheads` (defaults :data:`FSDP2_OVERHEADS`, fitted by
+  ``benchmarks/fit_overheads.py``), charged by :class:`Link`;
+- eager ``selective`` (and ``attn-saved`` below :data:`OP_POLICY_FROM_TOKENS` tokens) is left out:
+  under FSDP2 its host, not its GPU, sets the step, which no per-block GPU time shows.
 
 Why a transform rather than a profile taken under FSDP: it needs no process group, so
-``remat plan --fsdp 8`` answers on a laptop for a cluster, and the single-GPU profile,
-whose numbers are validated, stays the one source of truth.
+``remat plan --fsdp 8`` answers on a laptop, and the validated single-GPU profile stays the one
+source of truth. ``class_param_bytes`` comes from
+:func:`remat.profiling.profiler.block_param_bytes`, so this module never sees a model. Plan on
+rank 0 and broadcast ``plan.to_dict()``: measured profiles differ between ranks.
 
-``class_param_bytes`` (parameter bytes of one block per block class) comes from the model:
-:func:`remat.profiling.profiler.block_param_bytes` reads it, so this module never sees a model.
-
-Overheads beside the link (:class:`Overheads`, fields of the
-:class:`~remat.planning.comm.Collectives`, charged on the compute stream in the phase where they
-happen by :class:`Link`, the simulator's model of the link; the plan's notes and
-:meth:`~remat.planning.simulation.Simulation.stages` show each). A time model that charges only
-the link under-predicts every strategy's step by far more than the link's exposed time. What the
-link time leaves out:
-
-- copies (torch 2.13's ``_fsdp_collectives``): an all-gather first copies the rank's shard into
-  the flat gather buffer (``all_gather_copy_in``: read + write ``2 B / world``; it runs on FSDP2's
-  copy-in stream, charged here on the compute stream as a bound), then splits the gathered buffer
-  into the unsharded parameters (``split_with_sizes_copy``, on the compute stream: read + write
-  ``2 B``). A reduce-scatter first concatenates the unsharded gradients into its flat input
-  (``chunk_cat``, on the compute stream: reads them in the param dtype and writes them in the
-  reduce dtype, the cast included). Charged at ``hbm_Bps_fraction`` of the GPU's HBM bandwidth,
-  in the block's forward (its all-gather's copies) and backward (the backward all-gather's and
-  its reduce-scatter's). Not charged: the reduced shard's cast back to the parameter dtype (on the
-  reduce-scatter stream, ``1/world`` of the bytes);
-- ``contention``: compute runs slower while NCCL's kernels run beside it (they hold SMs and HBM
-  bandwidth); the simulator stretches each phase by ``contention`` x the seconds the link is busy
-  during it;
-- ``latency_s``: a fixed cost per collective on the compute stream (the launch, FSDP2's pre- and
-  post-forward/backward hooks in Python, the stream waits).
-
-The defaults (:data:`FSDP2_OVERHEADS`; each constant's docstring says what it measures) are
-fitted by ``benchmarks/fit_overheads.py`` to the stock rows (``eager``, ``torch_ac``) of traced
-``benchmarks/fsdp_bench.py`` runs, from a profile measured on the GPU on random tokens (all-zero
-tokens run faster than real data and would leave that error to the overheads). Python's garbage
-collector must be kept out of the steps for the prediction to hold: a collection on one rank
-holds the others at the next collective, which is not modelled (it depends on the whole
-program's heap; :mod:`remat.integrations.collector`). :meth:`Overheads.fit` turns a trace's sums
-into constants; pass others to :func:`shard` (and :func:`remat.planning.replication.replicate`)
-for other GPUs. The fits and the runs that checked them: docs/history.md.
-
-Limits: HSDP and CPU offload of shards are not modelled; the root's gradients are kept in full
-(conservative); with a ``MixedPrecisionPolicy`` whose param dtype is narrower than the
-profiled model's, the unsharded blocks in flight are counted at the profiled dtype
-(conservative). The overheads' constants are one set for every GPU and dtype (a reduce-scatter's
-copy-in that casts to fp32 ran at a third of the bf16 one's rate), and a phase's contention is
-taken from the link time overlapping it before it is stretched (one pass, no feedback).
+Limits: HSDP and CPU offload of shards are not modelled; the root's gradients (in full) and a
+narrower ``MixedPrecisionPolicy`` param dtype (at the profiled one) are conservative; one set of
+overheads for every GPU and dtype. The terms in full, the fit, the measurements: docs/design/planning.md.
 """
 from __future__ import annotations
 

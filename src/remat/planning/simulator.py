@@ -1,79 +1,30 @@
 """``remat.simulate``: the peak memory and step time of one training step under a plan.
 
-How: a pure walk over the profile (:mod:`remat.planning.costs`), phase by phase, in the order
-the step runs: embeddings, each block's forward, the head's forward, the head's backward, each
-block's backward in reverse, the embeddings' backward. The live bytes of each phase come from
-:mod:`remat.planning.memory` (the formula the solver uses too):
+How: a pure walk over the profile (:mod:`remat.planning.costs`), phase by phase in the order the
+step runs: embeddings, each block's forward, the head's forward and backward, each block's
+backward in reverse, the embeddings' backward, the optimizer's step. The live bytes of each phase
+come from :mod:`remat.planning.memory` (the formula the solver uses too): static memory, what
+earlier blocks keep, gradients so far, the phase's own peak and the offload engine's bytes. Block
+costs were measured alone with their input as the zero; the simulator rebases each on the live set
+at that point, so the sum is exact for a sequential stack whatever mix of treatments is chosen. It
+returns a :class:`~remat.planning.simulation.Simulation`.
 
-- static: parameters, buffers, optimizer state (allocated before the step);
-- forward of block i: what blocks 0..i-1 keep + the hidden state + block i's forward peak
-  + the offloaded bytes the engine has not released yet;
-- head: everything the blocks keep + the head's working set (logits, loss) + the same;
-- backward of block i: what blocks 0..i-1 keep + gradients produced so far + block i's
-  backward peak (its recompute included; its offloaded tensors are back) + the blocks
-  prefetched for the backward after it + offloaded bytes of earlier blocks still on the GPU.
+- time: each phase takes its profiled (effective) seconds, one after another on the GPU; the host
+  is taken to run ahead except where the offload engine makes it wait for copies;
+- collectives (``profile.comm``, from :mod:`~remat.planning.sharding` or
+  :mod:`~remat.planning.replication`): one FIFO link beside the compute, with FSDP2's one-block
+  prefetch or DDP's buckets; a phase whose parameters have not arrived waits, and each phase pays
+  its copies, launches and contention (:class:`remat.planning.sharding.Link`);
+- offload: a model of :class:`remat.offload.engine.OffloadEngine` (FIFO copies at the GPU's copy
+  rates, a ``window`` of unreleased bytes, ``prefetch`` in backward). It gives an *expected* peak
+  (``peak_bytes``) and a *bound* that holds whatever the timing (``bound_bytes``:
+  :func:`remat.planning.offload_model.gpu_overhead_bytes`); without offload they are equal.
 
-Block costs were measured alone, with their input and shared inputs (rotary tables) as
-the zero; the head's in a step whose blocks keep nothing. The simulator rebases each on
-the live set at that point, so the sum is exact for a sequential stack whatever mix of
-treatments is chosen. What it returns is a :class:`~remat.planning.simulation.Simulation`.
-
-Time: each phase takes its profiled seconds, which are effective times (measured in a
-chain as a step runs them, or the roofline's), one after the other on the GPU; the host is
-taken to run ahead of the GPU except where the offload engine makes it wait for copies,
-and a phase whose data is still being copied waits for it.
-
-Collectives (``profile.comm``: FSDP2 from :func:`remat.planning.sharding.shard`, DDP from
-:func:`remat.planning.replication.replicate`): one FIFO link at the bus rate, beside the compute.
-FSDP2 prefetches one block: the root's all-gather runs first, alone; block i+1's all-gather is
-issued when block i's forward starts (the first block's with the embeddings'), and in backward
-(resharded after forward) block i-1's when block i's starts (the last block's with the head's
-backward); block i's reduce-scatter when its backward ends, the root's last. DDP's all-reduces
-start as its buckets fill during the backward (``Collectives.buckets``), the last buckets' after
-the embeddings' backward. A phase whose parameters have not arrived waits, and the step ends when
-the link is idle: the exposed communication. Each phase also pays, on the compute stream, the
-collectives' copies and launches that belong to it and ``contention`` x the link's busy time
-within it (:class:`remat.planning.sharding.Link`; ``Phase.overhead_s``, the ``Simulation``'s
-``comm_copy_s`` / ``comm_launch_s`` / ``comm_contention_s``). Recomputation adds no collective.
-Without a ``comm`` (one GPU) nothing of this runs and the step is unchanged.
-
-Offload is a model of :class:`remat.offload.engine.OffloadEngine` with the settings in the
-profile's :class:`~remat.planning.offload_model.EngineModel` and the copy rates of its GPU:
-
-- forward: a block's offloaded bytes are copied to the host on a side stream in the
-  order they were saved (FIFO, at the device-to-host rate, not before the block computed
-  them); the engine releases a copy's GPU memory at its next bookkeeping point (each
-  offloaded block's end, and the start of the backward) once the copy has landed, and the
-  host waits whenever more than ``window`` bytes are not released (which is what makes a
-  forward of offloaded blocks bus bound). Copies still queued at the end of the forward
-  (beyond the ``issue`` window) are never moved: they stay on the GPU until their block's
-  backward.
-- backward: a block's bytes come back (host-to-device, FIFO) when its backward starts,
-  and ``prefetch`` blocks before it are fetched at the same time, so their copies overlap
-  this block's backward; a block whose bytes have not arrived waits.
-
-That gives an *expected* peak (``peak_bytes``: copies the engine has seen land by the time
-the host reaches its next check are released), and a *bound* (``bound_bytes``) that holds
-whatever the timing: the engine's own rule,
-:func:`remat.planning.offload_model.gpu_overhead_bytes` (at most the window in forward and
-head; the prefetched block and the older part of the forward's last window in backward).
-Without offload the two are equal. :mod:`remat.planning.solver` keeps an upper bound of it
-(plus a margin) within the budget.
-
-Limits: offload is modelled per block (a block's copies start when it starts and end no
-earlier than its compute; the window is checked at the block's end, the engine checks it at
-every saved tensor); as the host is taken to run ahead, the expected peak is usually the
-bound. When the window makes the host wait at every block, the GPU's queue drains and launch
-latency shows; that is not charged, so such plans run slower than predicted. The optimizer's step
-(``profile.optimizer_s``, 0 without an optimizer) ends the step, after the last collective, as
-its own phase whose bytes are what the backward left plus the step's temporaries
-(``profile.optimizer_temp_bytes``: AdamW's foreach ``sqrt`` of every second moment); data loading
-is not in the step. Collectives: concurrent gathers and reductions share the link;
-a phase's contention is taken from the link time overlapping it before it is stretched.
-Segments plans (``"segment:<i>"`` blocks, from ``"segments:K"``) are applied as given and not
-simulated: no block cost describes K blocks recomputed at once, so :func:`simulate` refuses them.
-A block called several times a step (ALBERT's shared layers) is walked once per call, with one
-treatment for all its calls (:mod:`remat.planning.calls`); phases then name the call (``name#k``).
+Limits: offload is modelled per block, not per saved tensor; a host that waits at every block
+drains the GPU's queue, which is not charged; data loading is not in the step; segments plans
+(``"segments:K"``) are refused, no block cost describing K blocks recomputed at once; a block
+called several times a step is walked once per call (phases named ``name#k``). The phase-by-phase
+memory terms and the link's schedule in full: docs/design/planning.md.
 """
 from __future__ import annotations
 
@@ -193,10 +144,27 @@ def simulate(profile, plan, *, head: Optional[str] = None, chunk_tokens: Optiona
              tile_tokens=None) -> Simulation:
     """Predicted peak bytes, step seconds and what sets the peak, for ``plan`` on ``profile``.
 
-    ``head``/``chunk_tokens`` default to the plan's own (a Plan) or ``"plain"``; ``tile_tokens``
-    (the tiled blocks' chunks: one size, one per block or a mapping, :func:`block_tiles`) to the
-    plan's own. A tiled block is priced at the profiled chunk that stands for its own
-    (:meth:`~remat.planning.costs.Profile.tile_size`: the same size where profiled).
+    Args:
+        profile: a :class:`~remat.planning.costs.Profile` (:func:`remat.profile`).
+        plan: a :class:`~remat.planning.plans.Plan`, a ``{block name: treatment}`` mapping, a list
+            of one treatment per block, or one treatment name for every block.
+        head: the head mode; default the plan's own (a Plan) or ``"plain"``.
+        chunk_tokens: the chunked head's chunk; default the plan's own.
+        tile_tokens: the tiled blocks' chunks (one size, one per block or a mapping:
+            :func:`block_tiles`); default the plan's own. A tiled block is priced at the profiled
+            chunk that stands for its own (:meth:`~remat.planning.costs.Profile.tile_size`).
+
+    Returns:
+        A :class:`~remat.planning.simulation.Simulation`: expected peak and bound, step seconds,
+        the phase that sets the peak, and every phase.
+
+    Raises:
+        ValueError: a segments plan (``"segment:<i>"`` blocks: no cost describes them), a list of
+            the wrong length, block names the profile lacks, a treatment it did not profile.
+
+    Example:
+        >>> sim = remat.simulate(remat.profile(model, batch), "full")   # doctest: +SKIP
+        >>> sim.peak_bytes, sim.step_s                                  # doctest: +SKIP
     """
     treatments = block_treatments(profile, plan)
     segmented = [t for t in treatments if segment_of(t) is not None]

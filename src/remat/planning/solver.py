@@ -1,99 +1,32 @@
 """``remat.solve``: the fastest plan whose predicted peak fits a memory budget.
 
-How: dynamic programming over the block sequence, in forward order, for each head option
-(plain, and chunked at each profiled chunk size). The state after block i is (bytes the
-blocks 0..i keep, rounded *up* to 1/``resolution`` of the budget; the treatment of block
-i; whether any block before it was offloaded), and its value the least step time to reach
-it. Every peak that :mod:`remat.planning.simulator` bounds is a function of that state and of
-block i's own treatment, in the terms of :mod:`remat.planning.memory`:
+How: dynamic programming over the block sequence in forward order (:mod:`remat.planning.dp`),
+once per head option left after :func:`undominated_heads`. The state after block i is (the bytes
+blocks 0..i keep, rounded *up* to ``budget / resolution``; block i's treatment; whether any earlier
+block offloaded); its value the least score to reach it. Every peak that
+:mod:`remat.planning.simulator` bounds (each block's forward and backward, the head, the
+embeddings) is a function of that state and block i's own treatment, in the terms of
+:mod:`remat.planning.memory`, so the DP is exact for the simulator's bound up to the rounding,
+and only ever conservative: every plan it returns simulates within the budget.
 
-- forward of block i: static + embeddings + kept(0..i-1) + its forward peak + what the
-  offload engine may still hold (:func:`~remat.planning.offload_model.engine_bounds`: from the
-  previous block's offloaded bytes and the flag, an upper bound of the engine's own rule);
-- backward of block i: static + head leftovers + kept(0..i-1) + gradients of blocks after
-  i (the same whatever they chose) + its backward peak + the engine's bytes (prefetch
-  included);
-- head: static + kept(all) + the head's working set + the engine's bytes.
+- exact candidates: every uniform plan (one treatment on every block, per head option) is also
+  simulated and the best of those and the DP's plan wins (:func:`plan_score`), so a budget taken
+  from a uniform plan's own peak is never missed by the rounding;
+- recompute margin: the score is each block's seconds plus :data:`RECOMPUTE_MARGIN` of its
+  ``keep`` seconds for any other treatment (the chunked head likewise, against the plain head), so
+  profile noise does not buy a recompute that runs slower; the reported time is the simulator's;
+- offload: plans that offload keep ``offload_margin`` of the budget free above the engine's bound;
+- tied blocks (one module called several times a step: :mod:`remat.planning.calls`) get one
+  treatment for all calls (:func:`_tied`); tiled treatments take a chunk size per block.
 
-- the embeddings' forward and backward: static + their own peaks (+ every block's leftover).
+Why not greedy (checkpoint the biggest block until it fits): it is not optimal once treatments
+trade memory and time at different rates, or once the head mode moves the peak; the tests compare
+the DP against brute force. When nothing fits, the same DP minimising the peak names the smallest
+budget that fits in :class:`NoPlanFits`, with its plan.
 
-So the DP is exact for the simulator's *bound* (the peak whatever the copy timing) up to
-the rounding of kept bytes; up to the leftovers of later blocks, taken at their largest over
-treatments (what a block leaves depends on the input it frees, which the block before it
-made; a few hundred bytes per block for a model whose treatments all leave the same
-gradients); and, for plans that offload, up to ``engine_bounds`` (which
-equals the engine's rule for uniform offload and can exceed it by up to one window when
-offloaded and kept blocks alternate); both only ever make it conservative: every plan it
-returns simulates within the budget, and no plan is missed unless it fits by less than
-``budget / resolution`` per block (plus that slack, with offload; uniform plans are never
-missed: see below). The time it minimises is additive: each block's seconds plus, for
-offload, the copy time its neighbours cannot hide (pairwise). Without offload that is the
-simulator's step time; with offload it is a pessimistic stand-in for the simulator's bus
-model (a copy can also hide behind blocks further on), so the DP may prefer recompute where
-offload would be as fast; the plan's reported time is the simulator's.
-
-Exact candidates: a budget taken from another tool's peak (HF's full checkpointing: ``full``
-on every block) is a uniform plan's own peak give or take a few hundred kilobytes, less than
-the DP's rounding (a ViT-L's 24 blocks at 3 GB: 18 MB), so the DP alone returned a slower
-mix. After the DP, every uniform plan (one treatment on every block, per head option) is
-checked with the simulator's bound (and the offload margin), and the best of those and the
-DP's plan wins, in the DP's own score (:func:`plan_score`). That is treatments x heads
-simulations (under 0.1 s for 80 blocks), where a finer DP costs in proportion to its
-resolution; mixed plans that fit by less than the rounding can still be missed.
-:func:`_smallest` takes the same candidates, so the budget an error names is never above the
-least a uniform plan needs.
-
-Recompute margin: profiled block times carry noise of about a percent, and under compile a
-block timed alone misses what the whole graph fuses across its neighbours, so a treatment that
-does more work than ``keep`` can be timed a fraction of a percent faster than it, be chosen where
-the budget holds ``keep``, and run slower; two profiles of one model can then choose two plans.
-So the solver minimises a score: each block's seconds plus, for a treatment other than
-``keep``, :data:`RECOMPUTE_MARGIN` (1%) of that block's ``keep`` seconds. Recompute, offload and
-every other treatment that does more work than keeping is chosen when the budget needs it, or
-when its predicted gain is larger than the margin. The head likewise: the chunked head is
-charged the margin of the plain head's forward and backward, what it replaces, and not a margin
-of the whole step, which would outweigh several blocks' margins and buy the plain head with
-recompute. The plan found is at most the margin of the step slower in prediction than the
-least-time plan, and the same across profiles whose noise stays under it (the plans that showed
-this: docs/history.md). The plan's reported time is the simulator's.
-
-One DP, two objectives (:mod:`remat.planning.dp`): the least time within a budget, or the
-least peak. Cost: blocks x treatments x 2 x treatments x resolution, vectorised with numpy;
-one DP per head option, and one more per offload window (without offload, with
-``full+offload`` only, with both). A head option another beats whatever the blocks do (no more
-bytes in any phase, fewer seconds) cannot be in the best plan, nor in the smallest, and is
-dropped before any of it (:func:`undominated_heads`: a large model's plain head against a chunked
-one, the largest chunk against a smaller; 5 head options became 3 for an 8B model at 4 x 4096).
-
-Blocks called several times a step (ALBERT's shared layer group: :mod:`remat.planning.calls`): a
-treatment is installed on a module, so all of a block's calls get one. :func:`_tied` solves the
-calls as a stack once per choice of treatments for the repeated blocks (each call pinned to its
-block's choice, the other blocks free) and keeps the best-scoring plan; past
-:data:`TIED_CHOICES` choices, the repeated blocks share one treatment.
-
-Tiling's chunk, per block: a profile that measured the tiled treatments at several chunk sizes
-(:attr:`~remat.planning.costs.Profile.tiles`) lets the DP take, for each block, the chunk of its
-tiled treatment that scores best where its phases fit (smaller chunks hold one chunk's MLP
-intermediates less but pay per-chunk launches and weight-gradient sums; ties go to the larger
-chunk); the uniform candidates are checked at every chunk. The plan's ``tile_tokens`` holds the
-choice: one size where every tiled block took the same, else a ``{block name: size}`` mapping,
-and its predicted peak and time are those of the chosen chunks. Per block rather than plan-wide:
-the blocks whose backward sits on the most kept bytes or gradients (the first and the last) can
-take small chunks while the others keep larger, faster ones; a chunk changes no state of the DP
-(see :mod:`remat.planning.dp`), so this costs about 1.6x the solve of a profile with one chunk
-(an 8B model at 32k tokens, four chunks), not a DP over four times the treatments.
-
-Safety margin: the memory model is exact for every treatment, but the offload engine's
-bytes depend on when copies land. For plans that offload the solver uses the engine's
-bound and, on top, keeps ``offload_margin`` (default 2%) of the budget free: such a plan
-must have ``bound <= budget * (1 - offload_margin)``; a plan without offload may use the
-whole budget.
-
-The obvious alternative, greedy (checkpoint the biggest block until it fits), is not
-optimal once treatments trade memory and time at different rates (selective vs mlp vs
-full) or once the head mode changes which phase sets the peak; the tests compare against
-brute force. When nothing fits, the smallest budget that fits is found by the same DP
-minimising the peak itself, and named in the error, with its plan.
+Limits: mixed plans that fit by less than the rounding can be missed; with offload the DP's time is
+a pessimistic pairwise stand-in for the simulator's bus model. The exactness argument, costs and
+the plans that set the margin: docs/design/planning.md.
 """
 from __future__ import annotations
 
@@ -118,9 +51,22 @@ RECOMPUTE_MARGIN = 0.01
 
 
 class NoPlanFits(ValueError):
-    """No plan fits the budget; ``smallest_peak`` and ``plan`` say what would. ``host_limited``: the
-    plans that fit the GPU need more pinned host memory than the profile's ``host_limit``
-    (``smallest_peak`` and ``plan`` are then the smallest without offload, or None)."""
+    """No plan fits the budget (a ValueError), raised by :func:`solve`, :func:`remat.plan` and
+    :class:`remat.Guard`; its message names the smallest budget that fits.
+
+    Attributes:
+        smallest_peak: the smallest budget, in bytes, that a plan fits (None where none is known).
+        plan: the plan that fits it (None likewise).
+        host_limited: True where the plans that fit the GPU need more pinned host memory than the
+            profile's ``host_limit``; ``smallest_peak`` and ``plan`` are then the smallest without
+            offload, or None.
+
+    Example:
+        >>> try:                                                        # doctest: +SKIP
+        ...     plan = remat.plan(model, batch, "8GiB")
+        ... except remat.NoPlanFits as error:
+        ...     plan = remat.plan(model, batch, error.smallest_peak)
+    """
 
     def __init__(self, message, smallest_peak=None, plan=None, host_limited=False):
         super().__init__(message)
@@ -134,13 +80,31 @@ def solve(profile, budget, *, treatments: Optional[Sequence[str]] = None, heads:
           recompute_margin: float = RECOMPUTE_MARGIN) -> Plan:
     """The plan with the least predicted step time whose predicted peak is within ``budget``.
 
-    ``budget``: bytes or a size string ("24GiB"). ``treatments``: the ones the solver may
-    use (default: every profiled one). ``heads``: head modes allowed (default: profiled).
-    ``offload_margin``: the fraction of the budget a plan that offloads leaves free (see
-    the module doc). ``recompute_margin``: the fraction of a block's ``keep`` seconds another
-    treatment must save to be chosen over ``keep`` (0: the least predicted time, however small
-    the gain). Raises :class:`NoPlanFits` (a ValueError) naming the smallest budget that fits
-    and its plan.
+    Pure: numbers in (a profile), a plan out; nothing runs on a GPU.
+
+    Args:
+        profile: a :class:`~remat.planning.costs.Profile` (:func:`remat.profile`, possibly
+            transformed for several ranks).
+        budget: bytes or a size string (``"24GiB"``).
+        treatments: the treatments the solver may use (default: every profiled one).
+        heads: the head modes allowed (default: every profiled one).
+        resolution: kept-bytes levels of the DP (finer: slower, misses less).
+        offload_margin: the fraction of the budget a plan that offloads leaves free (module doc).
+        recompute_margin: the fraction of a block's ``keep`` seconds another treatment must save to
+            be chosen over ``keep`` (0: the least predicted time, however small the gain).
+
+    Returns:
+        A :class:`~remat.planning.plans.Plan` whose ``notes`` hold the prediction (peak, step time,
+        where the peak is set) and what it was made for.
+
+    Raises:
+        ValueError: a bad budget or margin, no head mode left, a treatment the profile lacks.
+        NoPlanFits: nothing fits; it names the smallest budget that fits, with that plan.
+
+    Example:
+        >>> prof = remat.profile(model, batch)                          # doctest: +SKIP
+        >>> for budget in ("16GiB", "24GiB"):                           # doctest: +SKIP
+        ...     print(budget, remat.solve(prof, budget).summary())
     """
     budget = parse_budget(budget)
     if not 0 <= offload_margin < 1:
