@@ -42,21 +42,36 @@ from remat.diagnosis.findings import (SEVERITIES, Finding, args_checkpointing, c
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
            accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
            compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1, verify: bool = False) -> list:
-    """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
+    """What is wrong with ``model``'s training setup (memory, recomputation, gradients), worst first.
 
-    ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
-    (model state put back). ``budget``: the memory budget the setup must fit (bytes or
-    ``"24GiB"``); with a batch, remat profiles the model to compare plans (``gpu``, ``optimizer``
-    as :func:`remat.plan`). ``run_step``: on CUDA, also measure the applied plan's peak and step
-    time against its prediction. ``loss_fn(model, batch)``: the step's loss (default: a Hugging
-    Face model's ``.loss``, labels = input_ids when absent). ``compiled``: whether training runs
-    the model compiled; default: as it is now (a ``torch.compile`` wrapper, or ``Module.compile()``
-    called on it or its blocks); pass True for a model compiled after this call. ``callback``: the
-    :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train the model: the
-    setup judged is the plan it makes at its budget (default ``budget``). ``fsdp_world``: the model
-    is sharded over that many FSDP2 ranks (the budget is one rank's). ``verify``: with a batch, also run
-    :func:`remat.verify` on the setup as it is (the applied plan, or Hugging Face's checkpointing):
-    gradients beyond rounding are ``wrong-gradients``. Empty list: nothing found.
+    Args:
+        model: the ``nn.Module`` to train (a ``torch.compile`` wrapper is read through).
+        batch: a training batch (dict of tensors or a tensor of ids); one real step is run on it,
+            the model's state put back. Without it only the setup is read.
+        training_args: the Trainer's ``TrainingArguments`` (checkpointing switches, Liger, FSDP).
+        run_step: on CUDA, also measure the applied plan's peak and step time against its prediction.
+        budget: the memory the setup must fit (bytes or ``"24GiB"``); with a batch, remat profiles the
+            model to compare plans (``gpu``, ``optimizer`` as :func:`remat.plan` takes them).
+        accelerate_config: an accelerate config dict (FSDP2 activation checkpointing and its offload).
+        loss_fn: ``loss_fn(model, batch)``, the step's loss (default: a Hugging Face model's ``.loss``,
+            labels = input_ids when absent).
+        compiled: whether training runs the model compiled; default: as it is now (a wrapper, or
+            ``Module.compile()`` on it or its blocks); True for a model compiled after this call.
+        callback: the :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train
+            the model: the setup judged is the plan it makes at its budget (default ``budget``).
+        fsdp_world: the model is sharded over that many FSDP2 ranks (the budget is one rank's).
+        verify: with a batch, also :func:`remat.verify` the setup as it is: ``wrong-gradients``.
+
+    Returns:
+        A list of :class:`~remat.diagnosis.Finding` (check, severity, what, why, fix), errors first;
+        empty when nothing was found.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``callback`` is not a remat callback.
+
+    Example:
+        >>> for finding in doctor(model, batch, training_args=args, budget="40GiB"):  # doctest: +SKIP
+        ...     print(finding)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor expects a torch.nn.Module as its first argument, got {type(model).__name__}; "

@@ -49,19 +49,31 @@ _HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
 
 
 class RematCallback(BatchPlanner, TrainerCallback):
-    """Plans and applies remat inside a ``Trainer`` run; see the module docstring.
+    """A ``TrainerCallback`` that plans remat from the Trainer's own batches and applies it (module docstring).
 
-    ``budget``: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what
-    the device can give. ``spec``: apply this instead of planning (``"full"``, ``"every:2"``, a
-    :class:`remat.Plan` ...). ``head``: ``"plain"`` or ``"chunked"`` to fix the head mode
-    (default: the planner chooses; with ``spec``, plain). ``batch``: an example batch to plan
-    from at ``on_train_begin`` instead of the first real one. ``report_after_steps``: when to
-    print the measured peak (CUDA). ``max_retries``, ``shrink``: how :func:`guard_trainer` redoes
-    an out-of-memory step (re-plans at ``shrink`` times the budget, at most ``max_retries``).
-    ``profile_device``: where plans are profiled (see :class:`remat.Guard`). ``say``: where
-    messages go (default: stderr). ``collect_every``: Python's garbage collection between steps
-    (``"auto"``: every 50 steps under several ranks, Python's own on one; 0: Python's own).
-    ``plan_options``: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``blocks=`` ...).
+    Args:
+        budget: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what the
+            device can give this process.
+        spec: apply this instead of planning (``"full"``, ``"every:2"``, a :class:`remat.Plan` ...).
+        head: ``"plain"`` or ``"chunked"`` to fix the head mode (default: the planner chooses; with
+            ``spec``, plain).
+        batch: an example batch to plan from at ``on_train_begin`` instead of the first real one.
+        report_after_steps: after how many steps the measured peak is printed (CUDA).
+        max_retries, shrink: how :func:`guard_trainer` redoes an out-of-memory step (re-plans at
+            ``shrink`` times the budget, at most ``max_retries`` times).
+        profile_device: where plans are profiled (as :class:`remat.Guard` takes it).
+        say: where messages go (default: stderr).
+        collect_every: Python's garbage collection between steps (``"auto"``: every 50 steps under
+            several ranks, Python's own on one; 0: Python's own; an int: that many steps).
+        **plan_options: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``kernels=`` ...).
+
+    Raises:
+        ValueError: both ``budget`` and ``spec``; an unknown ``head``, budget, ``profile_device``,
+            ``collect_every``, ``max_retries`` or ``shrink``. Training stops with
+            :class:`remat.NoPlanFits` at the first batch when no plan fits ``budget``.
+
+    Example:
+        >>> Trainer(model=model, args=args, callbacks=[RematCallback(budget="40GiB")])  # doctest: +SKIP
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, batch=None,
@@ -262,10 +274,20 @@ def _watched_forward(patch, *args, **kwargs):
 
 
 def guard_trainer(trainer, callback: Optional[RematCallback] = None):
-    """Redo a ``trainer.training_step`` that runs out of memory (module docstring); returns ``trainer``.
+    """Redo a ``trainer.training_step`` that runs out of memory, re-planned at a lower budget.
 
-    ``callback``: the :class:`RematCallback` that plans (default: the one in the Trainer's
-    callbacks). Call after the Trainer is built, before ``train()``.
+    Call after the Trainer is built, before ``train()``; undone at ``on_train_end``.
+
+    Args:
+        trainer: a transformers ``Trainer`` (or TRL's) built with a :class:`RematCallback`.
+        callback: the :class:`RematCallback` that plans (default: the one in the Trainer's callbacks).
+
+    Returns:
+        ``trainer``, its ``training_step`` guarded (calling it twice installs one guard).
+
+    Raises:
+        ValueError: no or several RematCallbacks in the Trainer; a callback that applies a fixed
+            ``spec`` (nothing to re-plan); context parallelism (a redo would shard the batch twice).
     """
     if callback is None:
         found = [c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback)]
@@ -293,10 +315,21 @@ def _guarded_training_step(patch, model, inputs, *args, **kwargs):
 
 
 def without_full_attention_masks(collate: Callable) -> Callable:
-    """``collate`` whose batches drop ``attention_mask`` when it is all ones (no row padded):
-    the same attention for a model that uses the mask only to mask (decoders, encoders), and
-    under ``torch.compile`` SDPA's causal kernel instead of a masked one. Batches with padding
-    keep their mask. See the module docstring."""
+    """A collator whose batches drop ``attention_mask`` where it is all ones (no row padded).
+
+    The same attention for a model that uses the mask only to mask (decoders, encoders), and
+    under ``torch.compile`` SDPA's causal kernel instead of a masked one; batches with padding
+    keep their mask.
+
+    Args:
+        collate: the collator to wrap (``data_collator=`` of the Trainer).
+
+    Returns:
+        A callable that collates as ``collate`` does, then drops an all-ones mask.
+
+    Raises:
+        TypeError: ``collate`` is not callable.
+    """
     if not callable(collate):
         raise TypeError(f"without_full_attention_masks wraps a collator (a callable), got {type(collate).__name__}")
 

@@ -39,15 +39,26 @@ from remat.integrations.collector import collect_every as collect_every_steps, s
 
 
 class RematCallback(BatchPlanner, Callback):
-    """Applies or plans remat for a LightningModule; see the module docstring.
+    """A Lightning ``Callback`` that applies a spec or plans remat from the real batches (module docstring).
 
-    ``budget``: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device
-    can give). ``spec``: apply this instead of planning. ``head``: ``"plain"``/``"chunked"``
-    to fix the head mode. ``loss_fn(module, batch) -> loss`` for the planner. ``blocks``:
-    which modules are the blocks (see :func:`remat.apply`). ``profile_device``: where plans
-    are profiled (see :class:`remat.Guard`). ``collect_every``: Python's garbage collection
-    between batches (``"auto"``: every 50 under several ranks; 0: Python's own; an int: that
-    many batches). ``plan_options``: passed to :func:`remat.plan`.
+    Args:
+        budget: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device can give).
+        spec: apply this instead of planning.
+        head: ``"plain"`` or ``"chunked"`` to fix the head mode (default: the planner chooses).
+        loss_fn: ``loss_fn(module, batch) -> loss`` for the planner (default: the Hugging Face
+            causal LM inside the module, ``lm(**batch).loss``).
+        blocks: which modules are the blocks (as :func:`remat.apply` takes it).
+        report_after_steps: after how many batches the measured peak is printed (CUDA).
+        profile_device: where plans are profiled (as :class:`remat.Guard` takes it).
+        say: where messages go (default: stderr).
+        collect_every: Python's garbage collection between batches (``"auto"``: every 50 under
+            several ranks; 0: Python's own; an int: that many batches).
+        **plan_options: passed to :func:`remat.plan`.
+
+    Raises:
+        ValueError: both ``budget`` and ``spec``; an unknown ``head``, budget, ``profile_device``
+            or ``collect_every``. TypeError (at the first batch): a batch whose loss cannot be told
+            without ``loss_fn``.
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, loss_fn=None, blocks=None,

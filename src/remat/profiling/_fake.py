@@ -247,13 +247,11 @@ class ValuedFakeMode(FakeTensorMode):
     Why not ``FakeTensorMode(shape_env=...)`` with unbacked symbolic sizes: the sizes that follow
     (image tokens, positions per image) would stay symbols, which the byte tracker cannot add
     up; and the step cannot be skipped, the blocks' inputs (M-RoPE positions) are made by it.
+    A random number drawn from no input (LayerDrop's ``torch.rand([])``) is 1.0: every layer runs.
 
-    A few random numbers drawn from no input (LayerDrop's per-layer ``torch.rand([])``) are taken
-    as 1.0, so every layer runs (:meth:`_drawn_high`).
-
-    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x) are still
-    unknown: such a forward raises, as before. A value written into a
-    tensor by an op without values is forgotten (torch invalidates the constant).
+    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x) are
+    unknown: such a forward raises. A value written into a tensor by an op without values is
+    forgotten (torch invalidates the constant).
     """
 
     def __init__(self):
