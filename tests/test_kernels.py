@@ -510,3 +510,24 @@ def test_each_family_s_kernels_match_its_stock_modules(liger, kind):
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, grad in want.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kernels, head", [("liger", None), (None, "liger"), ({"model.layers.0": "liger"}, None)])
+def test_the_doctor_simulates_a_liger_plan_on_liger_s_kernels(liger, kernels, head):
+    """``remat doctor`` on a model with a plan on Liger's kernels (or its fused-loss head) profiles with
+    those kernels: the plan's ``liger`` head was once not among the profiled heads and the doctor raised.
+    Its ``keep-fits`` peak is the one a profile with Liger's kernels predicts, not the stock model's."""
+    from remat.diagnosis import doctor
+    from remat.planning.kernels import with_kernels
+    model = tiny()
+    with references(liger):
+        plan = Plan({n: "full" for n in NAMES}, head=head or "liger", kernels=kernels)
+        remat.apply(model, plan)
+        findings = doctor(model, ids(), budget="1GiB")
+        assert [f.check for f in findings] == ["keep-fits"]
+        stock = remat.simulate(remat.profile(model, ids()), Plan({n: "keep" for n in NAMES}))
+        prof = remat.profile(model, ids(), kernels=("stock", "liger") if kernels != "liger" else "liger")
+        if prof.kernel_variants:
+            prof = with_kernels(prof, {0: plan.kernel_of(NAMES[0])})
+        fused = remat.simulate(prof, Plan({n: "keep" for n in NAMES}, head="liger"))
+    assert findings[0].predicted_peak_bytes == fused.peak_bytes != stock.peak_bytes

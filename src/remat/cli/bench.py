@@ -1,9 +1,9 @@
 """``remat bench``: measure remat's plans beside the stock strategies, in one process.
 
-The measuring is :mod:`remat.prove.bench`; this module picks defaults for the device
-(the DESIGN.md bench model on a GPU), checks every option before any model is built (budgets
-with :func:`remat.units.parse_budget`, counts >= 1, ``--only`` and ``--anchors`` names, each
-``--uniform`` spec), and writes the records, a markdown table and a plot into ``--out``.
+The measuring is :mod:`remat.prove.bench`; this module picks defaults for the device (on a GPU
+the bench model, ``llama-1b``: docs/design/diagnosis.md), checks every option before any model is
+built (budgets with :func:`remat.units.parse_budget`, counts >= 1, ``--only`` and ``--anchors``
+names, each ``--uniform`` spec), and writes the records, a markdown table and a plot into ``--out``.
 Progress goes to stderr, the table to stdout. ``--card`` is parsed and checked against the GPU
 (:func:`remat.prove.card.parse_card`) and ``--uncapped`` against the rows chosen before anything
 is measured; a budget above the card is said on stderr (its plan may run out of memory there) and

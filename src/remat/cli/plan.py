@@ -1,42 +1,29 @@
 """``remat plan``: the fastest plan that fits a memory budget, from a preset or a config file.
 
-The model is built on the ``meta`` device (no weights, no GPU) and profiled with fake
-tensors at the rates of ``--gpu``; see :mod:`remat.planner`. ``--out`` writes the plan as
-JSON for ``remat.apply(model, remat.Plan.load(path))``; ``--json`` prints the same JSON
-on stdout and nothing else, for scripts.
+The model is built on the ``meta`` device (no weights, no GPU) and profiled with fake tensors at the
+rates of ``--gpu`` (:mod:`remat.planner`). ``--out`` writes the plan as JSON for
+``remat.apply(model, remat.Plan.load(path))``; ``--json`` prints the same JSON on stdout and nothing
+else, for scripts.
 
-A vision-language config (LLaVA, PaliGemma, Qwen2-VL, Qwen2.5-VL) plans on image + text
-batches: ``--images`` per sequence of ``--image-size`` (Qwen2-VL: any size, rounded as its
-processor rounds it; LLaVA and PaliGemma: their tower's size), built from the config alone
-(:func:`remat.presets.image_text_batch`: the image token once per image feature,
-inside ``--seq``). The plan covers the vision tower's blocks, the language model's blocks and
-the head; the steps that read the batch's ids (the image-token merge, M-RoPE positions) run
-for real, and the ``real`` line says where.
+A vision-language config (LLaVA, PaliGemma, Qwen2-VL, Qwen2.5-VL) plans on image + text batches built
+from the config alone (``--images`` per sequence of ``--image-size``, rounded as its processor rounds
+it: :func:`remat.presets.image_text_batch`); the plan covers the vision tower's blocks, the language
+model's and the head; the steps that read the batch's ids run for real, and the ``real`` line says where.
 
-``--compile`` plans for the model compiled after ``remat.apply`` (``model.compile()``):
-compile changes every treatment's memory and time, so each block and the head are measured
-compiled (``remat.plan(..., compile=True)``, :mod:`remat.profiling._compiled`). That cannot be
-done with fake tensors, so the model is built on the GPU with random weights (as ``remat
-bench`` builds it), at the GPU's own rates (``--gpu`` is not used); without CUDA the command
-stops before building anything and says to drop ``--compile`` for an eager plan. The plan is
-then run compiled for four steps and solved again if it peaked over the budget
-(:func:`remat.planner.verified`; not for ``--fsdp``/``--ddp``); the ``measured`` line says what it peaked.
+``--compile`` plans for the model compiled after ``remat.apply``: each block and the head are measured
+compiled (:mod:`remat.profiling._compiled`), which fake tensors cannot do, so the model is built on the
+GPU with random weights at the GPU's own rates; without CUDA the command stops before building
+anything. The plan then runs compiled for four steps and is solved again if it peaked over the budget
+(:func:`remat.planner.verified`; not for ``--fsdp``/``--ddp``); the ``measured`` line says its peak.
 
-Everything cheap is checked before the model is built (``--budget`` with
-:func:`remat.units.parse_budget`, ``--batch``/``--seq``/``--fsdp``/``--ddp``, ``--gpu``, the
-``--out`` folder), so a typo fails at once rather than after a minute of profiling; a ``--seq``
-past the model's position table (GPT-2's ``n_positions``, BERT's ``max_position_embeddings``;
-rotary models have none) right after the meta build (:func:`remat.planner.position_limit`).
-Once a step has run for two seconds, each stage (build, profile, shard, solve,
-simulate) prints a line on stderr, and a stage still running says so every few
-seconds: a 70B solve takes tens of seconds and would otherwise look hung. A batch so long
-that its profile takes minutes (the chunked head is profiled a chunk at a time: at 100M
-tokens, 183,000 chunks) is said so before anything is built (:func:`planning_notice`), with
-every stage printed from the start.
-
-When nothing fits, the error names the smallest budget that does and why it sits a
-little above that plan's predicted peak (the solver's margins), and which options to
-change. This module also holds the helpers :mod:`remat.cli.estimate` shares.
+Everything cheap is checked before the model is built (``--budget``, ``--batch``/``--seq``/``--fsdp``/
+``--ddp``, ``--gpu``, the ``--out`` folder; a ``--seq`` past the model's position table right after
+the meta build: :func:`remat.planner.position_limit`), so a typo fails at once, not after a minute of
+profiling. Once a step has run two seconds each stage prints a line on stderr, and one still running
+says so every few seconds (a 70B solve takes tens of seconds); a batch whose profile takes minutes is
+said so before anything is built (:func:`planning_notice`). When nothing fits, the error names the
+smallest budget that does, why it sits a little above that plan's peak (the solver's margins), and
+which options to change. This module also holds the helpers :mod:`remat.cli.estimate` shares.
 """
 from __future__ import annotations
 

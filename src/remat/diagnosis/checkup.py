@@ -4,89 +4,29 @@
     for f in findings:
         print(f)            # severity, what, why it matters, the fix
 
-Each check reads the model (its remat plan, Hugging Face checkpointing switches and their
-keyword arguments, frozen parameters, dropout, config) and, when given, ``TrainingArguments``
-and an accelerate config; with a batch, one real training step (forward and backward, the
-model's parameters, gradients, buffers and RNG put back afterwards: see
-:func:`remat.profiling.snapshot.preserved`); with a budget, remat's profile of the model at
-that batch. A good setup gets an empty list. The checks, cheapest to state first:
+Each check reads the model (its remat plan, Hugging Face checkpointing switches and their keyword
+arguments, frozen parameters, dropout, config) and, when given, ``TrainingArguments`` and an
+accelerate config; with a batch, one real training step (parameters, gradients, buffers and RNG
+put back afterwards: :func:`remat.profiling.snapshot.preserved`); with a budget, remat's profile of
+the model at that batch. A good setup gets an empty list.
 
-- ``does-not-fit``: (with a budget) the setup's predicted peak is above the budget -- the model as
-  it is, with Hugging Face checkpointing, with its applied plan, or with the plan a ``callback``
-  (:class:`~remat.integrations.hf.RematCallback`) will make. The peak is remat's simulation on the
-  profile ``remat estimate`` makes (the two agree to the byte); the fix is the plan that fits, or,
-  when none does, the floor and what lowers it. A callback whose budget nothing fits is this error
-  too: it stops at its first batch, as ``remat.plan`` does.
-- ``plan-mismatch``: the applied plan was made for another model (another class, another number of
-  blocks: applied with ``strict=False``); what it predicts is another model's.
-- ``plan-batch`` / ``plan-dtype``: the applied plan was made for another batch shape or dtype than
-  the step's: its peak and time are for those.
-- ``plan-gpu`` (a note): the plan's times are another GPU's, or it runs on the CPU, where attention
-  kernels keep other tensors than the CUDA ones the plan counts (with attention dropout the CPU's
-  math kernel keeps the [seq x seq] probabilities: CPU peaks 1.4-2x such a plan's).
-- ``plan-versions`` (a note): the plan was made under another torch or transformers (minor version).
-- ``no-grad``: a parameter with ``requires_grad`` gets no gradient in the step (an adapter cut
-  off by reentrant checkpointing, a module the forward never reaches).
-- ``use-cache``: ``config.use_cache`` is on while training a model without remat: the forward
-  builds a cache nobody reads (with remat applied this is fine, and not reported).
-- ``hf-and-fsdp-checkpointing``: ``gradient_checkpointing`` / ``activation_checkpointing`` and
-  FSDP's ``activation_checkpointing`` both on: every block recomputed twice (transformers 5
-  refuses the pair when it builds the accelerator).
-- ``reentrant-frozen-inputs``: reentrant checkpointing (``use_reentrant=True``) on a model whose
-  input embeddings are frozen (LoRA) without ``enable_input_require_grads``: the checkpointed
-  blocks' inputs do not require grad, so the adapters inside get no gradient.
-- ``rng-not-preserved``: ``preserve_rng_state=False`` with dropout: the recomputed forward draws
-  other dropout masks than the forward did, and the gradients are wrong.
-- ``rng-not-preserved`` also for accelerate's FSDP2 activation checkpointing on a model with dropout
-  (accelerate 1.15 wraps each block in ``checkpoint_wrapper(preserve_rng_state=False)``).
-- ``wrong-gradients``: (``verify=True``, a batch) :func:`remat.verify` finds the setup's gradients beyond
-  rounding of the untouched model's.
-- ``head-bypassed``: remat's chunked head sits under TRL's fused LM head, which never calls it.
-- ``compile-mismatch``: the applied plan was made for a compiled model (``notes["compile"]``) and
-  the model runs uncompiled, or the reverse: the plan's peak and time do not hold (compile changes
-  every treatment's memory). "Compiled": a ``torch.compile`` wrapper, ``Module.compile()`` on the
-  model or a block, or ``compiled=True`` for a model compiled after doctor runs. Seen compiled, also
-  a plan for the whole model compiled (``compile=True``) on a model whose blocks alone are compiled
-  (its head runs eager, above the plan's peak), or a ``compile="blocks"`` plan on a whole compiled model.
-- ``compiled-blocks-cache``: blocks compiled each alone (per-block compile) while
-  ``config.use_cache`` is on: each block's call meets the KV cache in another state, so every
-  block is a new graph and past dynamo's ``recompile_limit`` (8) the rest run eager, treated by
-  remat or not.
-- ``fsdp-eager-selective``: blocks treated ``selective`` in a model that FSDP2 shards (``fully_shard``
-  applied), running eager: torch's selective modes keep the host busy enough that the GPU waits for
-  it (the planner leaves eager ``selective`` out under FSDP2: :mod:`remat.planning.sharding`).
-- ``compiled-attention-mask``: the model runs compiled with SDPA and the batch carries an
-  ``attention_mask`` of all ones: under compile transformers then builds the full
-  ``[batch, 1, seq, seq]`` mask (it cannot read the mask's values without a graph break), and
-  SDPA runs a masked kernel over every query-key pair instead of its causal one; remat's skip
-  (:mod:`remat.treat.mask_skip`) only acts on batches without a mask.
-- ``keep-fits``: checkpointing is on but keeping every activation fits the budget: the
-  recomputation (20-30% of a step) buys nothing.
-- ``faster-plan``: another plan fits the same budget with a predicted step time at least 5%
-  shorter than the applied one (Hugging Face checkpointing counts as ``full`` on the blocks it
-  checkpoints, ``every_n_layers`` and ``offload=True`` read as they are: see ``setup-vs-plan``).
-- ``setup-vs-plan`` (a note): the setup uses transformers' ``every_n_layers`` or ``offload=True``,
-  accelerate's FSDP2 activation checkpointing (with its offload) or Liger's ``use_liger_kernel``: its
-  predicted peak and step beside remat's plan at the same budget, and how each flag was read
-  (:func:`remat.diagnosis.run_checks.check_plans`).
-- ``prediction-off``: (``run_step=True`` on CUDA, a remat plan applied) the measured peak or
-  step time is more than 10% from the plan's prediction.
-- ``plans-not-checked`` (a note): ``keep-fits`` / ``faster-plan`` could not be judged: a segments
-  plan (not simulated: no prediction to compare) or a compiled run (remat's profile here is eager).
+The checks, by each finding's ``check`` (what each means: docs/design/diagnosis.md): the plan
+against the setup (``does-not-fit``, ``plan-mismatch``, ``plan-batch``, ``plan-dtype``, ``plan-gpu``,
+``plan-versions``, ``compile-mismatch``); the gradients (``no-grad``, ``reentrant-frozen-inputs``,
+``rng-not-preserved``, ``wrong-gradients``); switches that cost memory or time (``use-cache``,
+``hf-and-fsdp-checkpointing``, ``head-bypassed``, ``compiled-blocks-cache``, ``fsdp-eager-selective``,
+``compiled-attention-mask``); the plan's speed (``keep-fits``, ``faster-plan``, ``setup-vs-plan``,
+``prediction-off``, ``plans-not-checked``).
 
-The checks that only read the setup live here with the entry, those of how the model is
-compiled or sharded in :mod:`remat.diagnosis.compile_checks`; those that run a step, a profile
-or a measurement are in :mod:`remat.diagnosis.run_checks`. What a finding is, and the readings of
-the model they share, are in :mod:`remat.diagnosis.findings`.
+Layout: the checks that only read the setup live here with the entry; those of how the model is
+compiled or sharded in :mod:`remat.diagnosis.compile_checks`; those that run a step, a profile or
+a measurement in :mod:`remat.diagnosis.run_checks`; what a finding is, and the readings of the
+model the checks share, in :mod:`remat.diagnosis.findings`. Errors (wrong results, a crash to come)
+come before warnings (memory or time lost), then notes; within each, by ``cost`` (the fraction at stake).
 
-Ordering: errors (wrong results or a crash to come) before warnings (memory or time lost)
-before notes; within a severity, by ``cost``: the fraction of the step's time or memory at
-stake, as far as remat can estimate it.
-
-Limits: the step, the profile and the measurement run on the model as it is (its device, its
-dtype); a model on the ``meta`` device can be profiled but not stepped. The step and the profile
-run a compiled model eagerly (compiling there would take minutes and measure nothing they need);
-only the measurement (``run_step``) runs it compiled, as it trains.
+Limits: everything runs on the model as it is (its device, its dtype); a ``meta`` model can be
+profiled but not stepped; a compiled model is stepped and profiled eagerly (compiling would take
+minutes and measure nothing they need), only ``run_step``'s measurement runs it compiled.
 """
 from __future__ import annotations
 
@@ -102,21 +42,36 @@ from remat.diagnosis.findings import (SEVERITIES, Finding, args_checkpointing, c
 def doctor(model: nn.Module, batch=None, training_args=None, run_step: bool = False, budget=None, *,
            accelerate_config=None, loss_fn=None, gpu: Optional[str] = None, optimizer: str = "none",
            compiled: Optional[bool] = None, callback=None, fsdp_world: int = 1, verify: bool = False) -> list:
-    """Findings for ``model`` (and ``training_args``, an accelerate config dict), worst first.
+    """What is wrong with ``model``'s training setup (memory, recomputation, gradients), worst first.
 
-    ``batch``: a training batch (dict of tensors or a tensor of ids); one real step is run on it
-    (model state put back). ``budget``: the memory budget the setup must fit (bytes or
-    ``"24GiB"``); with a batch, remat profiles the model to compare plans (``gpu``, ``optimizer``
-    as :func:`remat.plan`). ``run_step``: on CUDA, also measure the applied plan's peak and step
-    time against its prediction. ``loss_fn(model, batch)``: the step's loss (default: a Hugging
-    Face model's ``.loss``, labels = input_ids when absent). ``compiled``: whether training runs
-    the model compiled; default: as it is now (a ``torch.compile`` wrapper, or ``Module.compile()``
-    called on it or its blocks); pass True for a model compiled after this call. ``callback``: the
-    :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train the model: the
-    setup judged is the plan it makes at its budget (default ``budget``). ``fsdp_world``: the model
-    is sharded over that many FSDP2 ranks (the budget is one rank's). ``verify``: with a batch, also run
-    :func:`remat.verify` on the setup as it is (the applied plan, or Hugging Face's checkpointing):
-    gradients beyond rounding are ``wrong-gradients``. Empty list: nothing found.
+    Args:
+        model: the ``nn.Module`` to train (a ``torch.compile`` wrapper is read through).
+        batch: a training batch (dict of tensors or a tensor of ids); one real step is run on it,
+            the model's state put back. Without it only the setup is read.
+        training_args: the Trainer's ``TrainingArguments`` (checkpointing switches, Liger, FSDP).
+        run_step: on CUDA, also measure the applied plan's peak and step time against its prediction.
+        budget: the memory the setup must fit (bytes or ``"24GiB"``); with a batch, remat profiles the
+            model to compare plans (``gpu``, ``optimizer`` as :func:`remat.plan` takes them).
+        accelerate_config: an accelerate config dict (FSDP2 activation checkpointing and its offload).
+        loss_fn: ``loss_fn(model, batch)``, the step's loss (default: a Hugging Face model's ``.loss``,
+            labels = input_ids when absent).
+        compiled: whether training runs the model compiled; default: as it is now (a wrapper, or
+            ``Module.compile()`` on it or its blocks); True for a model compiled after this call.
+        callback: the :class:`~remat.integrations.hf.RematCallback` (or Lightning's) that will train
+            the model: the setup judged is the plan it makes at its budget (default ``budget``).
+        fsdp_world: the model is sharded over that many FSDP2 ranks (the budget is one rank's).
+        verify: with a batch, also :func:`remat.verify` the setup as it is: ``wrong-gradients``.
+
+    Returns:
+        A list of :class:`~remat.diagnosis.Finding` (check, severity, what, why, fix), errors first;
+        empty when nothing was found.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``callback`` is not a remat callback.
+
+    Example:
+        >>> for finding in doctor(model, batch, training_args=args, budget="40GiB"):  # doctest: +SKIP
+        ...     print(finding)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"doctor expects a torch.nn.Module as its first argument, got {type(model).__name__}; "

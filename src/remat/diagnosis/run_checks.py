@@ -76,8 +76,9 @@ def check_step(model, batch, loss_fn) -> list:
             check="use-cache", severity="note", cost=0.01,
             what=f"{type(model).__name__}.config.use_cache is True during training, without remat",
             why="a training forward builds a key/value cache nobody reads (transformers warns and turns it off "
-                "under its own checkpointing); with remat applied it is fine: a treated block gets an empty cache "
-                "of its own at each call",
+                "under its own checkpointing); with remat applied it is fine: a treated block gets a view of the "
+                "model's cache (it reads the caller's layers, writes copies of its own), so a recompute appends "
+                "to nothing twice",
             fix="model.config.use_cache = False before training (TRL's SFTTrainer passes use_cache=False itself), "
                 "or apply remat"))
     return findings
@@ -123,7 +124,7 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
             "compile changes every treatment's memory and time, so eager numbers would judge the wrong step",
             f"on the GPU, remat.plan(model, batch, budget='{format_size(budget)}', compile=True) (remat plan "
             "--compile) gives the fastest plan for a compiled step; compare its notes['predicted_step_s']")]
-    prof = _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world)
+    prof = _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world, applied_plan(model))
     setup, source, refused = _setup(model, batch, prof, budget, training_args, callback, accelerate_config)
     if refused is not None:
         return [refused]
@@ -178,16 +179,34 @@ def check_plans(model, batch, budget, training_args, loss_fn, gpu, optimizer, co
     return side.findings(now, now_s)
 
 
-def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world):
+def _profile(model, batch, loss_fn, gpu, optimizer, fsdp_world, applied=None):
     """remat's profile of the model as it would train, Hugging Face checkpointing and any compile set
-    aside (the profile measures each treatment itself), sharded for ``fsdp_world`` ranks."""
+    aside (the profile measures each treatment itself), sharded for ``fsdp_world`` ranks. With the
+    ``applied`` plan's kernels: a plan on Liger's kernels (or its ``liger`` head) is simulated on blocks
+    and a head measured with them, as :func:`remat.plan` measured them."""
+    from remat.planning.kernels import with_kernels
     from remat.profiling.profiler import block_param_bytes, profile
+    kernels = _kernels_of(applied)
     with hf_checkpointing_off(model), eager(model), batch_check_held(model):
-        prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer)
+        prof = profile(model, batch, loss_fn=loss_fn, gpu=gpu, optimizer=optimizer, kernels=kernels)
+    if kernels is not None and prof.kernel_variants:   # each block class on the kernels the plan gives it
+        choice = {}
+        for name, cls in zip(prof.block_names, prof.block_class):
+            choice.setdefault(cls, applied.kernel_of(name))
+        prof = with_kernels(prof, choice)
     if fsdp_world != 1:
         from remat.planning.sharding import shard
         prof = shard(prof, fsdp_world, block_param_bytes(model, prof))
     return prof
+
+
+def _kernels_of(plan):
+    """The kernels to profile ``plan`` with: None (the modules as they are) for a stock plan, else each
+    kernel its blocks run, ``liger`` where its head is Liger's fused loss (``stock`` first)."""
+    if plan is None:
+        return None
+    names = {plan.kernel_of(name) for name in plan.blocks} | ({"liger"} if plan.head == "liger" else set())
+    return None if names <= {"stock"} else tuple(sorted(names, key=lambda k: (k != "stock", k)))
 
 
 def _setup(model, batch, prof, budget, training_args, callback, accelerate_config=None):

@@ -7,42 +7,26 @@
 How: the model runs one training step (train mode, dropout on) untouched -- remat's patches taken off
 (:func:`remat.treat.patches.suspended`), Hugging Face checkpointing off -- then treated, then untouched
 again, each from the same parameters, buffers and random state, so a treatment that preserves the RNG
-gives the same dropout masks (the verdicts, their records and the report are in
-:mod:`remat.diagnosis.verdicts`). Compared: the loss, every parameter gradient, the gradient of every
-floating tensor of the batch (given ``requires_grad`` on a fresh copy; the user's batch is untouched)
-and every buffer after the step. Each is ``bitwise``, ``within rounding`` or ``wrong``:
+gives the same dropout masks. Compared: the loss, every parameter gradient, the gradient of every
+floating tensor of the batch (on a fresh copy) and every buffer after the step. Each is ``bitwise``,
+``within rounding`` or ``wrong`` (the verdicts and the report: :mod:`remat.diagnosis.verdicts`):
 
-- ``difference``: ``rms(treated - untouched) / max(rms(untouched), SCALE_FLOOR * G)``, ``G`` the rms of
-  every parameter gradient of the untouched step: a tensor is measured against its own size, and
-  one whose true value is about zero (a key projection's bias: softmax ignores a bias shared by every
-  key) against the model's gradient scale, not against its own noise ("rel 2.1" over 1e-12 is not an
-  error).
-- float64: where the model allows it (room for a float64 copy, every op in float64), both runs are
-  made again on a float64 copy, every floating op forced to float64 (:class:`_Float64`: the model's own
-  upcasts to float32, autocast, ``torch.zeros`` without a dtype). A difference that shrinks by
-  ``1 / SHRINK`` or more there (or is at float64's own noise, ``FLOAT64_NOISE``) is rounding: the same
-  sums taken in another order (tiled tokens, a chunked loss). One that does not is wrong: the
-  treatment computes something else (other dropout masks, a wrong cache).
-- without float64 (no room, an op that refuses float64, ``float64=False``): within ``sqrt(eps)`` of
-  the working dtype (fp32 3.5e-4, bf16 0.088) is rounding, beyond it wrong; the result says that this
-  is the weaker test.
+- the difference is ``rms(treated - untouched)`` over the tensor's own rms, floored at ``SCALE_FLOOR``
+  times the model's gradient scale, so a tensor whose true value is about zero is not an error;
+- where the model allows it, both runs are made again on a float64 copy (:class:`_Float64`): a
+  difference that shrinks by ``1 / SHRINK`` there is rounding (the same sums in another order), one
+  that does not is wrong (other dropout masks, a wrong cache); without float64 the bound is
+  ``sqrt(eps)`` of the working dtype, and the result says that this is the weaker test;
+- a treated step torch's checkpoint refuses (``CheckpointError``) is ``wrong``, with the error.
 
-A treated step that torch's checkpoint refuses (``CheckpointError``: its recompute saved other tensors
-than its forward, e.g. a cache appended to twice) is ``wrong`` too, with the error; any other error of
-either step is raised as it is.
+The untouched model run twice tells whether it can be compared at all: where its two runs differ
+(nondeterministic kernels, state changed outside parameters and buffers) each tensor is judged against
+that spread (``reference_spread``). On CUDA the treated step is also measured beside the prediction.
 
-The untouched model run twice tells whether it can be compared at all: where its second run differs
-from its first (nondeterministic kernels, a forward that changes state outside its parameters and
-buffers) the result says why, names the state that changed, and judges each tensor against the
-model's own run-to-run difference (``reference_spread``) instead of bitwise. On CUDA the treated step
-is also measured (peak allocated and reserved, step time, median of ``timed_steps``) beside the plan's
-prediction (``plan.notes``) and the untouched step.
-
-Left as it was: parameters (the same objects), gradients, buffers, training flags, RNG states, the
-applied remat plan and Hugging Face's switches; the float64 copy is dropped. Limits: one step, eager
-(a compiled model runs uncompiled here); the untouched step must fit in memory (a model that needs
-remat to fit at all: verify at a shorter length, the arithmetic of a treatment does not depend on it);
-a parameter written in place by the forward cannot be put back (reported).
+Left as it was: parameters, gradients, buffers, flags, RNG states, the applied plan and Hugging Face's
+switches. Limits: one step, eager; the untouched step must fit in memory (verify at a shorter length:
+a treatment's arithmetic does not depend on it); a parameter the forward writes in place cannot be
+put back (reported). The thresholds and their reasons: docs/design/diagnosis.md.
 """
 from __future__ import annotations
 

@@ -8,32 +8,25 @@
     # remat_head: chunked        # fix the LM head mode (default: the planner chooses)
     # remat_options: {gpu: h100} # more keyword arguments of remat.plan
 
-How it fits Axolotl's order of events (0.21, ``axolotl.integrations.base.BasePlugin``):
+How it fits Axolotl's order of events (0.21, ``axolotl.integrations.base.BasePlugin``): ``register(cfg)``
+runs on the YAML as written, before Axolotl validates it, switches off the settings that make Axolotl
+recompute, offload or tile on its own (``gradient_checkpointing``, ``activation_offloading``,
+``selective_checkpointing``, ``tiled_mlp``) with one message saying what was, and checks the ``remat_*``
+keys, so a bad budget fails before a model is loaded; ``get_input_args()`` names :class:`RematArgs`
+for Axolotl's schema; ``pre_model_load(cfg)`` switches off again what a validator turned back on;
+``add_callbacks_pre_trainer(cfg, model)`` hands Axolotl a :class:`~remat.integrations.hf.RematCallback`,
+which plans from the first training batch as Axolotl collated it, as in a Hugging Face Trainer.
 
-1. ``register(cfg)`` runs on the YAML as written, before Axolotl validates it. The settings that make
-   Axolotl recompute, offload or tile on its own are taken over here -- ``gradient_checkpointing``
-   (``true``, and the legacy ``offload`` / ``offload_disk`` values), ``activation_offloading``
-   (``true``, ``legacy``, ``disk``, ``hidden_states``), ``selective_checkpointing`` and ``tiled_mlp``
-   (with ``tiled_mlp_num_shards``) are switched off, and one message says what was: Axolotl's
-   validators, its model loader (``prepare_model_for_kbit_training(use_gradient_checkpointing=)``),
-   its class-wide tiled-MLP monkeypatch and TRL's offloader then never switch on, and remat's plan
-   decides per block what to recompute, offload to the host or tile (the same mechanisms, chosen by
-   a memory model instead of by hand). It is the Trainer callback's take-over of
-   ``gradient_checkpointing=True`` (:mod:`remat.integrations.hf`), done where Axolotl can still be
-   told. The ``remat_*`` keys are checked here too, so a bad budget fails before a model is loaded.
-2. ``get_input_args()`` names :class:`RematArgs`, which Axolotl merges into its config schema.
-3. ``pre_model_load(cfg)`` looks at the validated config once more (a validator that turned one of
-   the settings back on is switched off again, with the same message).
-4. ``add_callbacks_pre_trainer(cfg, model)`` hands Axolotl a
-   :class:`~remat.integrations.hf.RematCallback` with the YAML's budget, spec or plan, head and
-   options; it is in the Trainer from its construction, and plans from the first training batch as
-   Axolotl collated it, exactly as in a Hugging Face Trainer (re-planning a longer batch, the peak
-   reported on CUDA, TRL's fused head respected).
+Why at ``register``: it is the last point at which Axolotl's validators, its model loader, its
+class-wide tiled-MLP monkeypatch and TRL's offloader can still be told not to switch on; remat's plan
+then decides per block what to recompute, offload or tile (the same mechanisms, chosen by a memory
+model instead of by hand), as the Trainer callback takes over ``gradient_checkpointing=True``.
 
 Limits: one GPU's plan per rank as the callback makes it (FSDP2 and context parallelism as
 :mod:`remat.integrations.hf` reads them from the Trainer's arguments; DeepSpeed is not planned for).
 Axolotl's Liger plugin patches the model's forward with a fused loss; with it, keep ``remat_head``
-unset or ``plain`` (remat's chunked head would sit under Liger's and never run).
+unset or ``plain`` (remat's chunked head would sit under Liger's and never run). Each setting taken
+over, value by value: docs/design/diagnosis.md.
 """
 from __future__ import annotations
 

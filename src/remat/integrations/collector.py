@@ -8,26 +8,22 @@
     collector.stop()                   # Python's automatic collection as it was
 
 Why: under several ranks (FSDP2, DDP) an automatic collection starts on one rank whenever its
-allocation counters say so, in the middle of a step, and every other rank waits for it at the
-next collective: an FSDP2 plan heavy in ``selective`` (whose per-op dispatch makes garbage), and
-a DDP plan too, ran measurably slower with automatic collection (``benchmarks/results/issue12``,
-docs/history.md). A collection
-every ``every`` steps at the step's end happens at the same step on every rank, so they pause
-together, once. torchtitan and torchtnt train the same way.
+allocation counters say so, in the middle of a step, and every other rank waits for it at the next
+collective (selective-heavy FSDP2 plans and DDP plans ran measurably slower with it: the record is
+``benchmarks/results/issue12``). A collection every ``every`` steps at the step's end happens at the
+same step on every rank, so they pause together, once. torchtitan and torchtnt train the same way.
 
 How: :meth:`StepCollector.start` runs one full collection and turns automatic collection off;
-:meth:`step` runs a full one on every ``every``-th step; :meth:`stop` turns automatic collection
-back on if it was on at :meth:`start`. ``every=0`` leaves Python's collector alone.
-:func:`collect_every` is what the integrations pass: ``"auto"`` is :data:`EVERY` steps under
-several ranks and 0 on one (where a collection delays one process only, hidden while the GPU
-runs ahead).
+:meth:`step` runs a full one on every ``every``-th step; :meth:`stop` turns automatic collection back
+on if it was on at :meth:`start`. ``every=0`` leaves Python's collector alone. :func:`collect_every`
+is what the integrations pass: ``"auto"`` is :data:`EVERY` steps under several ranks and 0 on one
+(where a collection delays one process only, hidden while the GPU runs ahead).
 
-Limits: objects in reference cycles live until the next full collection (``every`` steps), so a
-loop that makes much cyclic garbage holds more host memory between collections. A loop that
-raises between :meth:`start` and :meth:`stop` leaves automatic collection off unless the caller
-stops the collector (``try/finally``; the Hugging Face Trainer calls no callback on an
-exception, which is one reason ``RematCallback`` does this only under several ranks, where a
-failed rank ends its process).
+Limits: objects in reference cycles live until the next full collection, so a loop that makes much
+cyclic garbage holds more host memory between collections. A loop that raises between :meth:`start`
+and :meth:`stop` leaves automatic collection off unless the caller stops the collector
+(``try/finally``; the Hugging Face Trainer calls no callback on an exception, one reason
+``RematCallback`` does this only under several ranks, where a failed rank ends its process).
 """
 from __future__ import annotations
 

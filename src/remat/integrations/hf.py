@@ -2,120 +2,30 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[RematCallback(budget="40GiB")])   # or spec="full", head="chunked"
+    guard_trainer(trainer)          # optional: a training step that runs out of memory is redone
 
-How it fits the Trainer's order of events (transformers 5.x, ``Trainer.train``):
+How: :class:`RematCallback` takes Hugging Face checkpointing over at ``on_init_end`` (both switches
+off, one message: ``train()`` enables it before any ``on_train_begin``, and would checkpoint every
+block a second time), then plans from the first *training* batch exactly as the Trainer collated
+it, through a watcher on the model's ``forward`` (patch registry, tag ``"hf-callback"``), and
+re-plans before every batch with more tokens than any planned so far, the head mode kept. It never
+draws a batch from the loader itself: a second iterator would change the data order and dropout.
+``spec=`` or ``batch=`` applies or plans at ``on_train_begin``; the plan stays after ``on_train_end``.
 
-1. ``Trainer.__init__`` ends with ``on_init_end``. If ``TrainingArguments`` ask for Hugging
-   Face checkpointing (``gradient_checkpointing=True``, renamed ``activation_checkpointing``
-   in transformers 5; TRL's ``SFTConfig`` turns it on by default), the callback takes it
-   over here: both switches are set to False and one message says so (a model with it already
-   on is switched off with ``activation_checkpointing_disable``, transformers 5's name, where
-   it exists: the old name warns there). ``train()`` calls
-   ``activation_checkpointing_enable`` *before* any callback's ``on_train_begin``, so this is
-   the last moment at which the Trainer can be stopped from checkpointing every block a
-   second time (``remat.apply`` guards that method and would raise). A callback added later
-   with ``trainer.add_callback`` finds checkpointing already on at ``on_train_begin``, and
-   switches it off there with the same message.
-2. ``on_train_begin`` (the model is prepared, the optimizer exists): with ``spec=`` the spec
-   is applied now; with ``batch=`` a plan is made from it now. Otherwise nothing is planned
-   yet: a watcher is installed on the model's ``forward`` through the patch registry
-   (:mod:`remat.treat.patches`, tag ``"hf-callback"``), and the first *training* forward --
-   the first real batch, exactly as the Trainer collated it -- is planned and applied before
-   it runs. That is why the callback never draws a batch from the data loader itself: a
-   second iterator would advance the sampler's RNG (a different data order and dropout than
-   the run without remat) and leave accelerate's ``GradientState`` with a loader that never
-   ended.
-3. Every later training forward whose batch holds more tokens (elements of its largest
-   tensor, as :class:`remat.Guard` counts them) than any planned so far is re-planned before
-   it runs, with the head mode kept (the loss is computed the same way).
-4. ``on_step_end`` after ``report_after_steps`` steps: on CUDA the measured peak
-   (``torch.cuda.max_memory_allocated``) is printed beside the plan's prediction.
-5. ``on_train_end`` removes the watcher; the plan stays applied (``remat.remove(model)``
-   takes it off).
+What it reads from the Trainer: TRL's fused LM head (the blocks planned with the ``plain`` head,
+remat's chunked head kept off), Liger's ``use_liger_kernel`` (the patched model planned as it is:
+``kernels="liger"``), context parallelism (one rank of the mesh: :mod:`remat.integrations._parallelism`),
+several ranks (the garbage collector between steps: :mod:`remat.integrations.collector`).
+``budget=None`` on CUDA is 90% of what the device can give this process; a budget nothing fits
+stops at the first batch with :class:`remat.NoPlanFits`, as :func:`remat.plan` does.
 
-Under several ranks (``args.world_size > 1``) Python's garbage collector runs between steps,
-every 50, on every rank at once, and not inside a step (:mod:`remat.integrations.collector`:
-an automatic collection on one rank holds the others at the next collective, and selective-heavy
-FSDP2 plans ran slower with it); ``collect_every=0`` leaves it to Python, an int
-sets the steps. One message says so when it is on; ``on_train_end`` gives Python its collector
-back (a ``train()`` that raises calls no callback: there ``gc.enable()`` is the caller's).
-
-TRL 1.x adds its own fused LM head after ``Trainer.__init__`` (``add_fused_lm_head``: an
-instance ``forward`` whose training path calls the backbone and computes log-probabilities
-in tiles, never calling the model's ``forward`` nor its ``lm_head``). remat's chunked head
-installed under it would never run; installed over it, it would hand TRL ``labels=None``.
-So when TRL's head is found the callback plans the blocks with remat's ``plain`` head mode
-(remat leaves the head alone; TRL's fused head already avoids the full logits, so the
-plain-head prediction is an upper bound of the head's memory), says so once, and, if remat's
-chunked head was applied before the trainer was built, takes it off with a message rather
-than leave it silently bypassed.
-
-Liger (``TrainingArguments(use_liger_kernel=True)``, or TRL's ``SFTConfig``): the Trainer patches the
-model's norms, gated MLP, rotary embedding and (not under TRL) its loss with Liger's kernels when
-``train()`` starts, before ``on_train_begin``. The callback plans that patched model as it is: its blocks
-are measured with Liger's kernels (a fake-tensor profile stands in for them: a Triton kernel never
-sees a fake tensor), the plain head is Liger's fused linear cross-entropy and the chunked head the other
-choice, and the plan records ``kernels="liger"``; one message says so. ``plan_options`` may pass
-``kernels=`` (``"liger"`` on a model the Trainer does not patch: remat installs Liger's per block).
-
-Budget: ``budget=None`` on CUDA is 90% of what the device can give this process (free memory
-plus what torch already holds); on the CPU a budget or a ``spec`` must be given. A budget no
-plan fits stops training at the first batch with :class:`remat.NoPlanFits` naming the smallest
-budget that fits, as :func:`remat.plan` does (``remat doctor --callback`` says so beforehand);
-only after an out-of-memory step, at a budget remat lowered itself, is the smallest plan used.
-A plan applied before the Trainer was built is replaced by the callback's, with a message. The optimizer
-state counted is ``adamw`` for the Trainer's AdamW optimizers (``adamw8bit`` for 8-bit ones),
-none otherwise.
-
-Out of memory: a callback cannot catch an error raised inside ``Trainer.training_step`` (the
-Trainer calls it, not the callback, and callbacks are not handed the Trainer). So one more
-line does it::
-
-    trainer = Trainer(..., callbacks=[RematCallback(budget="40GiB")])
-    guard_trainer(trainer)          # a training step that runs out of memory is redone
-    trainer.train()
-
-:func:`guard_trainer` installs, through the patch registry (tag ``"hf-oom-guard"``, undone at
-``on_train_end``), an instance ``training_step`` that runs the Trainer's own under
-:func:`remat.guard.redo_out_of_memory`, the loop :class:`remat.Guard` uses: on
-``torch.OutOfMemoryError`` in the forward or the backward of a micro-batch, the failed step is
-freed, every ``.grad`` is put back as it was before that micro-batch (what earlier micro-batches
-of a gradient-accumulation step added is kept), the RNG states are restored, the callback
-re-plans at ``shrink`` times its budget with the head mode kept, and the same inputs are run
-again, at most ``max_retries`` times. ``training_step`` is the unit that can be redone: it
-holds one micro-batch's forward and backward and nothing the Trainer counts (steps, tokens
-seen, the optimizer step) happens inside it.
-
-Under ``torch_compile=True``: collators hand the model an ``attention_mask`` even when no row
-is padded, and under compile transformers then builds the full causal mask (it cannot read
-the mask's values), so SDPA runs its masked kernel. :func:`without_full_attention_masks` wraps
-a collator so that a batch whose mask is all ones goes without it; the applied model then runs
-SDPA's causal kernel under compile (:mod:`remat.treat.mask_skip`). It is a wrapper the user
-puts in, never something the callback does to the batches on its own::
-
-    trainer = Trainer(..., data_collator=without_full_attention_masks(collator), callbacks=[...])
-
-Context parallelism (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N, ...))``,
-accelerate >= 1.10, or an ``Accelerator`` built with one): the Trainer hands the model each rank's
-share of the sequence, cut in place by torch's ``context_parallel`` (head-tail when its load
-balancing is on and the length divides into ``2 N`` chunks), and FSDP2 shards the model over the
-``dp_shard x cp`` ranks. The callback plans one rank of that mesh (:mod:`remat.integrations._parallelism`):
-``remat.plan(..., cp_world=N, fsdp_world=dp_shard_size * N, cp_balance=<as torch cuts>)`` on a
-stand-in for the whole sequences, profiled with torch's own SDPA put back
-(:func:`remat.parallel.plain_attention`: inside the step torch's ring replaces it). A ``batch=``
-is taken as whole sequences; ``plan_options`` may set those three itself. :func:`guard_trainer` is
-refused under CP (the Trainer shards the batch in place: a redo would shard it twice).
-
-Budget while planning: plans are profiled as :class:`remat.Guard` profiles them
-(``profile_device="auto"``: the first on the GPU with the allocator capped at the budget,
-later ones on fake tensors), so re-planning never takes more GPU memory than the budget.
-
-Limits: planning happens inside the first training forward, outside any autocast wrapper
-accelerate installed later than the watcher; without :func:`guard_trainer` a batch that runs
-out of memory is not redone. Under CP the callback's plan has been checked on the CPU with the
-parallelism config stood in for (tests/test_integrations_hf.py); a Trainer run over GPUs (NCCL,
-FSDP2, torch's ring) has not been made from this module. Planning on a GPU profiles the model for a few seconds at the
-first step; later plans are made on fake tensors (host seconds).
+:func:`guard_trainer` redoes an out-of-memory ``training_step`` (a callback cannot catch it) under
+:func:`remat.guard.redo_out_of_memory`, re-planning at ``shrink`` times the budget;
+:func:`without_full_attention_masks` wraps a collator so that a compiled model runs SDPA's causal
+kernel on unpadded batches. Limits: planning runs inside the first training forward, outside any
+autocast wrapper accelerate installs later; the CP plan has been checked on the CPU only;
+:func:`guard_trainer` is refused under CP. The order of events and each case in full:
+docs/design/diagnosis.md.
 """
 from __future__ import annotations
 
@@ -139,19 +49,31 @@ _HF_SWITCHES = ("activation_checkpointing", "gradient_checkpointing")
 
 
 class RematCallback(BatchPlanner, TrainerCallback):
-    """Plans and applies remat inside a ``Trainer`` run; see the module docstring.
+    """A ``TrainerCallback`` that plans remat from the Trainer's own batches and applies it (module docstring).
 
-    ``budget``: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what
-    the device can give. ``spec``: apply this instead of planning (``"full"``, ``"every:2"``, a
-    :class:`remat.Plan` ...). ``head``: ``"plain"`` or ``"chunked"`` to fix the head mode
-    (default: the planner chooses; with ``spec``, plain). ``batch``: an example batch to plan
-    from at ``on_train_begin`` instead of the first real one. ``report_after_steps``: when to
-    print the measured peak (CUDA). ``max_retries``, ``shrink``: how :func:`guard_trainer` redoes
-    an out-of-memory step (re-plans at ``shrink`` times the budget, at most ``max_retries``).
-    ``profile_device``: where plans are profiled (see :class:`remat.Guard`). ``say``: where
-    messages go (default: stderr). ``collect_every``: Python's garbage collection between steps
-    (``"auto"``: every 50 steps under several ranks, Python's own on one; 0: Python's own).
-    ``plan_options``: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``blocks=`` ...).
+    Args:
+        budget: peak memory of one device (bytes or ``"24GiB"``); None on CUDA: 90% of what the
+            device can give this process.
+        spec: apply this instead of planning (``"full"``, ``"every:2"``, a :class:`remat.Plan` ...).
+        head: ``"plain"`` or ``"chunked"`` to fix the head mode (default: the planner chooses; with
+            ``spec``, plain).
+        batch: an example batch to plan from at ``on_train_begin`` instead of the first real one.
+        report_after_steps: after how many steps the measured peak is printed (CUDA).
+        max_retries, shrink: how :func:`guard_trainer` redoes an out-of-memory step (re-plans at
+            ``shrink`` times the budget, at most ``max_retries`` times).
+        profile_device: where plans are profiled (as :class:`remat.Guard` takes it).
+        say: where messages go (default: stderr).
+        collect_every: Python's garbage collection between steps (``"auto"``: every 50 steps under
+            several ranks, Python's own on one; 0: Python's own; an int: that many steps).
+        **plan_options: passed to :func:`remat.plan` (``gpu=``, ``treatments=``, ``kernels=`` ...).
+
+    Raises:
+        ValueError: both ``budget`` and ``spec``; an unknown ``head``, budget, ``profile_device``,
+            ``collect_every``, ``max_retries`` or ``shrink``. Training stops with
+            :class:`remat.NoPlanFits` at the first batch when no plan fits ``budget``.
+
+    Example:
+        >>> Trainer(model=model, args=args, callbacks=[RematCallback(budget="40GiB")])  # doctest: +SKIP
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, batch=None,
@@ -352,10 +274,20 @@ def _watched_forward(patch, *args, **kwargs):
 
 
 def guard_trainer(trainer, callback: Optional[RematCallback] = None):
-    """Redo a ``trainer.training_step`` that runs out of memory (module docstring); returns ``trainer``.
+    """Redo a ``trainer.training_step`` that runs out of memory, re-planned at a lower budget.
 
-    ``callback``: the :class:`RematCallback` that plans (default: the one in the Trainer's
-    callbacks). Call after the Trainer is built, before ``train()``.
+    Call after the Trainer is built, before ``train()``; undone at ``on_train_end``.
+
+    Args:
+        trainer: a transformers ``Trainer`` (or TRL's) built with a :class:`RematCallback`.
+        callback: the :class:`RematCallback` that plans (default: the one in the Trainer's callbacks).
+
+    Returns:
+        ``trainer``, its ``training_step`` guarded (calling it twice installs one guard).
+
+    Raises:
+        ValueError: no or several RematCallbacks in the Trainer; a callback that applies a fixed
+            ``spec`` (nothing to re-plan); context parallelism (a redo would shard the batch twice).
     """
     if callback is None:
         found = [c for c in trainer.callback_handler.callbacks if isinstance(c, RematCallback)]
@@ -383,10 +315,21 @@ def _guarded_training_step(patch, model, inputs, *args, **kwargs):
 
 
 def without_full_attention_masks(collate: Callable) -> Callable:
-    """``collate`` whose batches drop ``attention_mask`` when it is all ones (no row padded):
-    the same attention for a model that uses the mask only to mask (decoders, encoders), and
-    under ``torch.compile`` SDPA's causal kernel instead of a masked one. Batches with padding
-    keep their mask. See the module docstring."""
+    """A collator whose batches drop ``attention_mask`` where it is all ones (no row padded).
+
+    The same attention for a model that uses the mask only to mask (decoders, encoders), and
+    under ``torch.compile`` SDPA's causal kernel instead of a masked one; batches with padding
+    keep their mask.
+
+    Args:
+        collate: the collator to wrap (``data_collator=`` of the Trainer).
+
+    Returns:
+        A callable that collates as ``collate`` does, then drops an all-ones mask.
+
+    Raises:
+        TypeError: ``collate`` is not callable.
+    """
     if not callable(collate):
         raise TypeError(f"without_full_attention_masks wraps a collator (a callable), got {type(collate).__name__}")
 

@@ -2,35 +2,29 @@
 
     trainer = L.Trainer(..., callbacks=[RematCallback(budget="40GiB")])   # or spec="full", head="chunked"
 
-How it fits Lightning's order of hooks (``Trainer.fit``): callbacks' ``setup`` ->
-the module's ``setup`` -> ``configure_model`` -> the strategy wraps the model (DDP, FSDP) and
-moves it to its device -> ``on_fit_start`` -> for each batch ``on_train_batch_start(batch)``.
+How it fits Lightning's order of hooks (``Trainer.fit``): callbacks' ``setup`` -> the module's
+``setup`` -> ``configure_model`` -> the strategy wraps the model (DDP, FSDP) and moves it to its
+device -> ``on_fit_start`` -> for each batch ``on_train_batch_start(batch)``.
 
-- ``spec=`` is applied in ``setup("fit")``, before any strategy wraps or shards the model
-  (remat goes before FSDP2 ``fully_shard`` and ``torch.compile``). A module that builds its
-  network in ``configure_model`` has no blocks at ``setup``; the spec is then applied at
-  ``on_fit_start``, which is fine for one device and DDP. Under FSDP with ``configure_model``,
-  call ``remat.apply(self, spec)`` at the end of your ``configure_model`` instead (the
-  documented hook), before Lightning shards it.
-- ``budget=``: Lightning hands callbacks each batch (``on_train_batch_start``), already on
-  the device, so the plan is made from the first real batch and made again before every
-  batch with more tokens than any planned so far (elements of its largest tensor, as
-  :class:`remat.Guard` counts them), with the head mode kept.
-- On CUDA, after ``report_after_steps`` batches the measured peak
-  (``torch.cuda.max_memory_allocated``) is printed beside the plan's prediction.
-- Under several ranks (``trainer.world_size > 1``) Python's garbage collector runs between
-  batches, every 50, on every rank at once, never inside one (:mod:`remat.integrations.collector`,
-  as :class:`remat.integrations.hf.RematCallback` does); ``collect_every=0`` leaves it to
-  Python, an int sets the batches. ``on_fit_start`` starts it; ``on_fit_end`` and, unlike the
-  Hugging Face Trainer, ``on_exception`` give Python its collector back.
+- ``spec=`` is applied in ``setup("fit")``, before any strategy wraps or shards the model (remat goes
+  before FSDP2 ``fully_shard`` and ``torch.compile``). A module that builds its network in
+  ``configure_model`` gets it at ``on_fit_start`` instead (fine for one device and DDP); under FSDP
+  with ``configure_model``, call ``remat.apply(self, spec)`` at the end of ``configure_model``.
+- ``budget=``: the plan is made from the first real batch (Lightning hands callbacks each batch, on
+  its device) and again before every batch with more tokens than any planned so far (as
+  :class:`remat.Guard` counts them), the head mode kept.
+- On CUDA, after ``report_after_steps`` batches the measured peak is printed beside the prediction.
+- Under several ranks Python's garbage collector runs between batches, every 50, on every rank at
+  once (:mod:`remat.integrations.collector`; ``collect_every=0`` leaves it to Python); ``on_fit_end``
+  and, unlike the Hugging Face Trainer, ``on_exception`` give Python its collector back.
 
 The loss the planner measures: ``loss_fn(module, batch)`` if given; else, for a dict batch,
-``lm(**batch).loss`` of the Hugging Face causal LM inside the LightningModule (the first
-submodule with a ``config`` and an output embedding). ``training_step`` itself is not used:
-it may call ``self.log``, which Lightning only allows inside its loop.
+``lm(**batch).loss`` of the Hugging Face causal LM inside the LightningModule (the first submodule
+with a ``config`` and an output embedding). ``training_step`` itself is not used: it may call
+``self.log``, which Lightning only allows inside its loop.
 
-Limits: the budget is for one device; planning on a GPU profiles the model for a few seconds
-at the first batch and at each new longest one; an out-of-memory step is not redone (use
+Limits: the budget is for one device; planning on a GPU profiles the model for a few seconds at the
+first batch and at each new longest one; an out-of-memory step is not redone (use
 :class:`remat.Guard` in a manual-optimisation ``training_step`` for that).
 """
 from __future__ import annotations
@@ -45,15 +39,26 @@ from remat.integrations.collector import collect_every as collect_every_steps, s
 
 
 class RematCallback(BatchPlanner, Callback):
-    """Applies or plans remat for a LightningModule; see the module docstring.
+    """A Lightning ``Callback`` that applies a spec or plans remat from the real batches (module docstring).
 
-    ``budget``: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device
-    can give). ``spec``: apply this instead of planning. ``head``: ``"plain"``/``"chunked"``
-    to fix the head mode. ``loss_fn(module, batch) -> loss`` for the planner. ``blocks``:
-    which modules are the blocks (see :func:`remat.apply`). ``profile_device``: where plans
-    are profiled (see :class:`remat.Guard`). ``collect_every``: Python's garbage collection
-    between batches (``"auto"``: every 50 under several ranks; 0: Python's own; an int: that
-    many batches). ``plan_options``: passed to :func:`remat.plan`.
+    Args:
+        budget: peak memory of one device (``"24GiB"``; None on CUDA: 90% of what the device can give).
+        spec: apply this instead of planning.
+        head: ``"plain"`` or ``"chunked"`` to fix the head mode (default: the planner chooses).
+        loss_fn: ``loss_fn(module, batch) -> loss`` for the planner (default: the Hugging Face
+            causal LM inside the module, ``lm(**batch).loss``).
+        blocks: which modules are the blocks (as :func:`remat.apply` takes it).
+        report_after_steps: after how many batches the measured peak is printed (CUDA).
+        profile_device: where plans are profiled (as :class:`remat.Guard` takes it).
+        say: where messages go (default: stderr).
+        collect_every: Python's garbage collection between batches (``"auto"``: every 50 under
+            several ranks; 0: Python's own; an int: that many batches).
+        **plan_options: passed to :func:`remat.plan`.
+
+    Raises:
+        ValueError: both ``budget`` and ``spec``; an unknown ``head``, budget, ``profile_device``
+            or ``collect_every``. TypeError (at the first batch): a batch whose loss cannot be told
+            without ``loss_fn``.
     """
 
     def __init__(self, budget=None, spec=None, *, head: Optional[str] = None, loss_fn=None, blocks=None,

@@ -1,34 +1,29 @@
 """Each block configuration alone per treatment: its memory marks, saved bytes and seconds (a ``BlockCost``).
 
-How (:func:`_block_cost`): the treatment is applied to the block, which runs alone on its
-captured inputs (:func:`_block_run`): a fresh input that requires grad, as inside a stack (unless
-the block has no backward in the model: :mod:`remat.profiling._capture`), a forward, an autograd
-sink (:class:`_Sink`) that hands back a fresh output gradient, a backward, with a meter mark at
-each boundary (forward peak and kept + output; kept for backward; backward peak and gradients
-left). Saved-tensor hooks on the warm-up run record
-which storages it saves: whether it keeps its input, and the bytes the offload engine would
-move (``offloadable``: saved storages of at least the request's ``min_offload_bytes``, parameters excluded). On a
-GPU the seconds come from :func:`_block_seconds` instead: several forwards in a row, then
-their backwards, as a step queues them. Compiled (``backend`` given), every run goes through
-the block's compiled call (:mod:`remat.profiling._compiled`), compiled by a first run that
-is not measured.
+How (:func:`_block_cost`): the treatment is applied to the block, which runs alone on its captured
+inputs (:func:`_block_run`): a fresh input that requires grad, as inside a stack (unless the block has
+no backward in the model: :mod:`remat.profiling._capture`), a forward, an autograd sink (:class:`_Sink`)
+that hands back a fresh output gradient, a backward, with a meter mark at each boundary (forward peak
+and kept + output; kept for backward; backward peak and gradients left). Saved-tensor hooks on the
+warm-up run record which storages it saves: whether it keeps its input, and the bytes the offload
+engine would move (``offloadable``: saved storages of at least ``min_offload_bytes``, parameters
+excluded). On a GPU the seconds come from :func:`_block_seconds`: several forwards in a row, then their
+backwards, as a step queues them. Compiled (``backend`` given), every run goes through the block's
+compiled call (:mod:`remat.profiling._compiled`), compiled by a first run that is not measured.
 
-Why chains of one block rather than one run, or the whole model: a step queues every
-block's forward and then their backwards, and a block timed in that pattern reads what it
-costs there, while memory needs one run only.
+Why chains of one block rather than one run, or the whole model: a step queues every block's forward
+and then their backwards, and a block timed in that pattern reads what it costs there; memory needs
+one run only. Stable times (two profiles of one model must choose one plan for one budget; a
+``selective`` block's host time is the unstable term): the median of every reading of ``ROUNDS``
+timed chains, the garbage collector held off.
 
-Stable times (two profiles of one model must choose one plan for one budget; a ``selective``
-block's host-side time is the unstable term): a block's seconds are the median of every reading
-of ``ROUNDS`` timed chains (not of one chain), with Python's garbage collector held off while
-timing.
-
-A block with no backward (frozen parameters, an input that needs no gradient: a frozen vision
+A block with no backward (frozen parameters and an input that needs no gradient: a frozen vision
 tower) runs its forward only; it saves nothing, under any treatment.
 
-Limits: a treatment the block cannot take raises ``ValueError`` (the caller leaves it out);
-a checkpointed sub-module called with one tensor several times cannot run under the
-tracking hooks (a ``CheckpointError``): it runs untracked, and whether it saves its input is
-taken from ``keep``. Offload costs are bytes that would move, not measured copies.
+Limits: a treatment the block cannot take raises ``ValueError`` (the caller leaves it out); a
+checkpointed sub-module called with one tensor several times cannot run under the tracking hooks (a
+``CheckpointError``): it runs untracked, and whether it saves its input is taken from ``keep``.
+Offload costs are bytes that would move, not measured copies.
 """
 from __future__ import annotations
 

@@ -1,37 +1,29 @@
 """The capture forward: what each block is, what it takes and what it returns, before any block is measured.
 
-How: one forward (:func:`_capture`) through the user's loss, with hooks on every block, that
-builds the autograd graph but keeps no saved tensor (saved-tensor hooks pack them to nothing),
-so that each block's input says whether it requires grad at no cost in memory. A pre-hook
-records, for every block, its configuration (:func:`_signature`: class, parameter shapes,
-attention kind, input shape, whether it has a backward) and keeps the inputs (args and kwargs,
-detached, caches dropped: :func:`_without_cache`; the hidden state a leaf that requires grad
-unless the block has no backward) of the first block of each configuration;
-a post-hook records the shape of its output (:class:`_Template`); hooks on the blocks'
-sub-modules record their outputs' structure, which the stubbed step replays to whoever hooked
-them (:mod:`remat.profiling._head`). Every call is recorded in order (``calls``): a block may run
-several times a step (ALBERT calls its one layer group for every layer: :mod:`remat.planning.calls`).
-It stops where the LM head (:func:`remat.treat.discovery.find_head`) is about to run once every
-block has run, a pre-hook raising, so the head and the loss never run; a model without one runs
-its loss (with nothing saved). The hidden-state conventions that the block and head runs share
-(:func:`_hidden_of`, :func:`_with_hidden`) live here too.
+How: one forward (:func:`_capture`) through the user's loss, with hooks on every block, that builds the
+autograd graph but keeps no saved tensor (saved-tensor hooks pack them to nothing), so each block's
+input says whether it requires grad at no cost in memory. A pre-hook records every block's
+configuration (:func:`_signature`: class, parameter shapes, attention kind, input shape, whether it
+has a backward) and keeps the inputs of the first block of each configuration (detached, caches
+dropped: :func:`_without_cache`); a post-hook records its output's shape (:class:`_Template`); hooks
+on the blocks' sub-modules record their outputs' structure for the stubbed step
+(:mod:`remat.profiling._head`). Every call is recorded in order (``calls``: ALBERT runs its one layer
+group for every layer, :mod:`remat.planning.calls`). It stops where the LM head
+(:func:`remat.treat.discovery.find_head`) is about to run once every block has run (a pre-hook
+raising); a model without one runs its loss. The hidden-state conventions the block and head runs
+share (:func:`_hidden_of`, :func:`_with_hidden`) live here too.
 
-Why one real forward with hooks rather than building each block's inputs: the blocks get
-exactly the tensors and keyword arguments (masks, position embeddings) that the model's own
-forward makes for them. Why a signature rather than the class alone: blocks of one class can
-cost differently (Gemma-2's sliding-window and global layers, encoder and decoder), so they
-are profiled apart. Why the graph: a block whose input needs no gradient and whose parameters
-are frozen (a vision-language model's frozen vision tower, the usual way to fine-tune one) saves
-nothing for backward and has no backward; run with an input that requires grad, as every block
-once was, it was charged the memory of a trained one. A block with trainable parameters is run
-with an input that requires grad, as before, even where its input does not (the first block of
-LoRA over frozen embeddings): its one input gradient more is not worth a block class of its own.
+Why one real forward rather than building each block's inputs: the blocks get exactly the tensors and
+keyword arguments (masks, position embeddings) the model's own forward makes. Why a signature rather
+than the class: blocks of one class can cost differently (Gemma-2's sliding-window and global layers,
+encoder and decoder). Why the graph: a frozen block whose input needs no gradient (a frozen vision
+tower) saves nothing and has no backward, and is measured so; a block with trainable parameters runs
+with an input that requires grad even where its own does not (LoRA over frozen embeddings).
 
-Limits: a block must take its hidden state as the first floating-point positional argument
-or as ``hidden_states``, and return a tensor or a tuple that starts with it (the other
-elements are None in the stub run, but for inputs the block hands back: a 4.x KV cache); a
-configuration attribute not in :data:`CONFIG_ATTRIBUTES` is not seen, so blocks that differ
-only there share one profile; a block that the forward never calls is a ``ValueError``.
+Limits: a block must take its hidden state as the first floating-point positional argument or as
+``hidden_states`` and return a tensor or a tuple that starts with it (the other elements are None in
+the stub run, but for inputs the block hands back); a configuration attribute not in
+:data:`CONFIG_ATTRIBUTES` is not seen; a block that the forward never calls is a ``ValueError``.
 """
 from __future__ import annotations
 

@@ -1,53 +1,30 @@
 """Profiling for compiled models: each block × treatment and the head measured as ``torch.compile`` runs them.
 
 The user's flow is ``plan = remat.plan(model, batch, budget, compile=True); remat.apply(model,
-plan); model.compile()``, or, under FSDP2 as torchtitan trains, each block compiled alone
-before ``fully_shard`` while the root (embeddings, head, loss) runs eager:
-``remat.plan(..., compile="blocks")`` (:data:`SCOPES`). Compile changes every treatment's
-memory (AOTAutograd's partitioner saves other tensors than eager autograd, and inductor fuses
-the pointwise ops whose outputs eager keeps; the bench model's ``full`` keeps little more than
-half as much compiled) and its time, so a compiled plan must be profiled compiled. How:
+plan); model.compile()``, or each block compiled alone before FSDP2's ``fully_shard`` with the root
+eager, as torchtitan trains: ``compile="blocks"`` (:data:`SCOPES`). Compile changes every treatment's
+memory (AOTAutograd's partitioner saves other tensors than eager autograd; inductor fuses the
+pointwise ops whose outputs eager keeps) and its time, so a compiled plan is profiled compiled:
 
-- A block class × treatment: the treated block's call is compiled alone (:func:`compile_block`:
-  ``torch.compile`` of the block's call, ``dynamic=False``, once per class × treatment, taken out
-  of dynamo's cache after)
-  and measured by the same meter and the same chains as an eager block
-  (:mod:`remat.profiling._blocks`); a first call compiles, outside any measurement.
-- The head: the stubbed step (blocks replaced by stubs) runs with the whole model compiled as
-  ``Module.compile()`` compiles it (:func:`compiled_model`); each stub is a ``torch.compiler.disable``
-  frame, so the embeddings and the head+loss are compiled graphs of their own and the meter
-  reads between them. The chunked head's interception runs eager as it does in the user's flow.
-- ``compile="blocks"``: the blocks as above, the head as eager runs it (no model compile around
-  the stubs), and the calibration steps compile each block alone, not the model: plans made for
-  the whole model compiled peak above their prediction when only their blocks are, the plain
-  head's eager logits and loss being the difference.
-- Calibration (:func:`calibrate_compiled`): one real compiled step of the fastest uniform plan
-  that fits in free memory; forward and backward seconds are scaled by in-step / profiled, as
-  the eager calibration does per block (a compiled step has no block boundaries to time).
-  Memory too: the whole model compiled as one graph keeps more than its blocks compiled alone
-  (with the plain and with the chunked head alike), so the step's measured peak beyond the
-  prediction is added to the calibrated treatment's kept bytes, an equal share per block. Only
-  ever added: a step that peaks lower leaves the profile as it is (over-predicting costs speed,
-  under-predicting breaks the budget). A second compiled step, uniform ``full``, does the same
-  for the region checkpoints (``full``, ``mlp``, ``attention``, whose plans otherwise peak about
-  one hidden state per ``full`` block above their prediction); ``selective`` keeps its own
-  numbers, which hold. (The plans that showed each: docs/history.md.)
+- a block class × treatment: the treated block's call compiled alone (:func:`compile_block`,
+  ``dynamic=False``), measured by the eager blocks' meter and chains (:mod:`remat.profiling._blocks`),
+  a first call compiling outside any measurement;
+- the head: the stubbed step with the whole model compiled (:func:`compiled_model`), each stub a
+  ``torch.compiler.disable`` frame; under ``compile="blocks"`` the head runs eager;
+- calibration (:func:`calibrate_compiled`): one real compiled step of the fastest uniform plan that
+  fits scales forward and backward seconds, and its peak beyond the prediction is added (never taken
+  away) to the kept bytes, a share per block; a second step, uniform ``full``, does the same for the
+  region checkpoints (``full``, ``mlp``, ``attention``); ``selective`` keeps its own numbers.
 
-A backend that counts graphs (:class:`CountingBackend`) wraps inductor: a block that compiled
-no graph (dynamo skipped the frame, or fell back to eager at a cache limit) raises instead of
-returning eager numbers as compiled ones. Each compile here is remat's own and is taken back out
-of dynamo's cache when its measurement ends (:mod:`remat.treat.dynamo_cache`: a trampoline on a
-code object of its own, a region of its own where torch has them): the next treatment compiles
-afresh, the user's own ``model.compile()`` later does not meet the profile's entries against its
-recompile limit, and whatever else the process had compiled stays compiled (``torch._dynamo.reset()``
-would drop it all).
+:class:`CountingBackend` wraps inductor, so a block that compiled no graph raises instead of
+returning eager numbers as compiled ones. Each compile here is taken back out of dynamo's cache when
+its measurement ends (:mod:`remat.treat.dynamo_cache`): the user's own compile later does not meet it
+against its recompile limit, and the process's other graphs stay (``torch._dynamo.reset()`` would not).
 
-Offload treatments are left out of compiled plans (:data:`OFFLOAD_UNDER_COMPILE`): dynamo breaks
-the graph at the offload engine's ``saved_tensors_hooks`` (every offloaded block becomes a
-graph boundary) and AOTAutograd saves its own tensors, not what the eager engine was modelled
-on. Limits: a block compiled alone cannot fuse across its boundary with its neighbours as the
-whole-model graph does (the calibration absorbs the time part of that); there is no fake-tensor
-path (``remat.profile(..., compile=True)`` needs the model on a GPU).
+Limits: offload treatments are left out of compiled plans (:data:`OFFLOAD_UNDER_COMPILE`: dynamo breaks
+the graph at the offload engine's ``saved_tensors_hooks``); a block compiled alone cannot fuse with its
+neighbours (the calibration absorbs the time part of that); there is no fake-tensor path (a GPU is
+needed). Why each calibration is there: docs/design/diagnosis.md.
 """
 from __future__ import annotations
 

@@ -1,37 +1,29 @@
 """Fake-tensor runs: parameters swapped for fake tensors, SDPA run as the CUDA kernels would.
 
-How: :func:`_swap_to_fake` replaces every parameter and buffer by a ``FakeTensor`` of
-the same shape, stride and dtype (tied weights stay tied) and returns the undo, so a
-model on the ``meta`` device, or one too large for the host, profiles with no memory and
-no weights. :func:`_cuda_attention` stands in for ``F.scaled_dot_product_attention`` for
-the length of a fake run, calling the CUDA flash or memory-efficient ops, whose shape
-functions run on fake CPU tensors: a CPU-only profile then sees what the GPU kernels save
-(output, log-sum-exp and the inputs) rather than what the CPU kernels save. (The chunked
-head skips its probe of the model's logit transform on fake tensors itself.)
-:class:`_KernelStandIns` stands in for two ops of the MoE experts in transformers that fake
-tensors cannot run as the model does: ``aten._grouped_mm`` (their grouped matmul) takes the
-dtypes its CPU kernel takes (its fake-tensor (meta) function copies the CUDA kernel's checks and
-refuses anything but bf16, so an fp32 MoE that trains on the CPU could not be profiled), and
-``aten.bincount`` with a ``minlength`` (tokens per expert, in transformers 5.x before its switch to
-``histc``) is shaped ``minlength`` (its size depends on the values: no fake run could go on).
-:class:`ValuedFakeMode` is the fake mode itself: the batch's integer tensors (token ids, masks, a
-vision-language model's image grids) keep their values, so the steps that read them (the
-image-token merge, M-RoPE positions) run for real on those small tensors and are recorded for the
-plan's notes; :func:`_tensors_of_values` lets ``torch.tensor([...])`` read such values, and
-:func:`fake_attributes_restored` takes back the fake tensors a forward leaves on the model's
-modules (Qwen2-VL's ``rope_deltas``). ``F.scaled_dot_product_attention``, transformers' packing
-and mask checks and ``torch.tensor`` are replaced only for the length of a fake run, and put back.
+How: :func:`_swap_to_fake` replaces every parameter and buffer by a ``FakeTensor`` of the same shape,
+stride and dtype (tied weights stay tied) and returns the undo, so a model on the ``meta`` device, or
+one too large for the host, profiles with no memory and no weights. :func:`_cuda_attention` stands in
+for ``F.scaled_dot_product_attention`` with the CUDA flash or memory-efficient ops, whose shape
+functions run on fake CPU tensors, so a CPU-only profile sees what the GPU kernels save (output,
+log-sum-exp, the inputs). :class:`_KernelStandIns` covers two ops of transformers' MoE experts that
+fake tensors cannot run as the model does: ``aten._grouped_mm`` takes the dtypes its CPU kernel takes
+(its meta function refuses anything but bf16), and ``aten.bincount`` with a ``minlength`` is shaped
+``minlength`` (its size depends on values). :class:`ValuedFakeMode` keeps the values of the batch's
+integer tensors, so the steps that read them (a vision-language model's image-token merge, M-RoPE
+positions) run for real and are recorded for the plan's notes; :func:`_tensors_of_values` lets
+``torch.tensor([...])`` read such values; :func:`fake_attributes_restored` takes back the fake tensors
+a forward leaves on modules (Qwen2-VL's ``rope_deltas``). All of these are replaced only for the
+length of a fake run, and put back.
 
-Why not run on the ``meta`` device: meta tensors share no storages, so the live-bytes
-tracker could not tell a view from a new tensor; fake tensors keep storages.
+Why not the ``meta`` device: meta tensors share no storages, so the live-bytes tracker could not tell
+a view from a new tensor; fake tensors keep storages.
 
-Limits: values derived from weights or activations are never known (a forward that reads one
-raises, as MoE routing on transformers 4.x does); only SDPA, the grouped matmul and ``bincount``
-are redirected (a ``bincount`` whose ids reach past ``minlength``, which expert routing never
-does, would be shaped too small); a model calling its own attention kernels is measured with
-whatever those do on CPU. The flash stand-in takes head sizes up to 256 without a mask, the
-efficient one equal query and key heads; anything else falls back to the CPU op. Hugging Face's
-packed-sequence check is told "not packed" unless the batch passes ``position_ids``.
+Limits: values derived from weights or activations are never known (a forward that reads one raises,
+as MoE routing on transformers 4.x does); only SDPA, the grouped matmul and ``bincount`` are
+redirected (a ``bincount`` past ``minlength`` would be shaped too small); a model calling its own
+attention kernels is measured with what those do on the CPU. The flash stand-in takes head sizes up
+to 256 without a mask, the efficient one equal query and key heads; anything else falls back to the
+CPU op. Hugging Face's packed-sequence check is told "not packed" unless the batch has ``position_ids``.
 """
 from __future__ import annotations
 
@@ -255,13 +247,11 @@ class ValuedFakeMode(FakeTensorMode):
     Why not ``FakeTensorMode(shape_env=...)`` with unbacked symbolic sizes: the sizes that follow
     (image tokens, positions per image) would stay symbols, which the byte tracker cannot add
     up; and the step cannot be skipped, the blocks' inputs (M-RoPE positions) are made by it.
+    A random number drawn from no input (LayerDrop's ``torch.rand([])``) is 1.0: every layer runs.
 
-    A few random numbers drawn from no input (LayerDrop's per-layer ``torch.rand([])``) are taken
-    as 1.0, so every layer runs (:meth:`_drawn_high`).
-
-    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x) are still
-    unknown: such a forward raises, as before. A value written into a
-    tensor by an op without values is forgotten (torch invalidates the constant).
+    Limits: values derived from floating-point tensors (MoE routing on transformers 4.x) are
+    unknown: such a forward raises. A value written into a tensor by an op without values is
+    forgotten (torch invalidates the constant).
     """
 
     def __init__(self):

@@ -1,42 +1,30 @@
 """The rest of the model (embeddings, head and loss) per head mode: a step in which every block is a stub.
 
-How (:func:`_head_cost`): every block's forward is replaced by a stub (:class:`_Stubs`) and
-the step runs (:func:`_stub_run`) with six marks: embeddings, the stubs, head forward and
-backward, the stubs' backward, and the embeddings' backward. The ``chunked`` mode enables the
-chunked head (:mod:`remat.head`) around its runs, once per chunk option (the candidate
-chunk sizes, none above the batch's token count: :func:`_chunk_options`); a model it cannot
-serve gets the reason from :func:`_chunked_unavailable` instead. The ``liger`` mode installs
-Liger's fused linear cross-entropy as the model's loss around its runs
-(:func:`remat.treat.liger_head.install_liger_head`).
+How (:func:`_head_cost`): every block's forward is replaced by a stub (:class:`_Stubs`, through
+:mod:`remat.treat.patches`, tag ``"profile-stub"``, once for all runs of a mode and chunk) and the step
+runs (:func:`_stub_run`) with six marks: embeddings, the stubs, head forward and backward, the stubs'
+backward, the embeddings' backward. The ``chunked`` mode enables the chunked head (:mod:`remat.head`)
+once per chunk option (:func:`_chunk_options`: none above the batch's tokens; a model it cannot serve
+gets the reason from :func:`_chunked_unavailable`); the ``liger`` mode installs Liger's fused linear
+cross-entropy as the loss (:func:`remat.treat.liger_head.install_liger_head`). Seconds are the median
+of ``repeats + 1`` stubbed steps, the garbage collector held off (:func:`remat.profiling._meters._chain`).
 
-A stub returns a fresh tensor of its block's real output shape and dtype that depends on
-its input, so the next block (a CNN stage, a UNet level) gets what it expects and gradients
-reach the embeddings: ``x + zero`` where the shape is kept (one new hidden state, as
-``x.clone()``), else ``(x.sum() * 0 + zero)`` expanded and materialised. ``zero`` is a 0-d
-tensor that requires grad, made before the first mark, so the head is measured even when
-nothing before the blocks requires grad (LoRA over frozen embeddings, a plain model fed a
-plain tensor). Sub-modules inside a block whose outputs other code collects through forward
-hooks (Hugging Face's router-logit recorder on MoE gates) have those hooks called with a
-fresh output of the recorded shape, so the model's auxiliary loss sees one entry per layer.
-Stubs are installed through :mod:`remat.treat.patches` (tag ``"profile-stub"``) once for all
-runs of a mode and chunk, and removed after them. Under a compiled model each stub is a
+A stub returns a fresh tensor of its block's real output shape and dtype that depends on its input
+(``x + zero`` where the shape is kept, else ``x.sum() * 0 + zero`` expanded), so the next block (a CNN
+stage, a UNet level) gets what it expects and gradients reach the embeddings; ``zero`` is a 0-d tensor
+that requires grad, so the head is measured even when nothing before the blocks does (LoRA over frozen
+embeddings). Forward hooks on a block's sub-modules (Hugging Face's router-logit recorder on MoE gates)
+get a fresh output of the recorded shape, one entry per layer. A block called several times a step
+(ALBERT: :mod:`remat.planning.calls`) is a stub at every call; under compile each stub is a
 ``torch.compiler.disable`` frame (:mod:`remat.profiling._compiled`).
 
 Why stubs rather than the whole model: the blocks' costs come from their own runs
-(:mod:`remat.profiling._blocks`), and a step without them reads the embeddings' and the
-head's memory and seconds alone, the loss computed as the user's ``loss_fn`` computes it.
+(:mod:`remat.profiling._blocks`); a step without them reads the embeddings' and the head's memory and
+seconds alone, the loss computed as the user's ``loss_fn`` computes it.
 
-Stable times: the head's seconds are the median of ``repeats + 1`` stubbed steps, with
-Python's garbage collector held off while timing (:func:`remat.profiling._meters._chain`).
-
-A block called several times a step (ALBERT's one layer group: :mod:`remat.planning.calls`)
-is a stub at every call; the marks go at the step's first and last block call, as the capture
-recorded them.
-
-Limits: the blocks must be called as the capture saw them, else the step does not run its
-six phases (a ``ValueError``); a block's tuple output is its hidden state followed by None
-(but for what the block handed back of its own inputs, the KV cache of a transformers 4.x
-layer), so a head that reads a block's other outputs does not see them.
+Limits: the blocks must be called as the capture saw them (else a ``ValueError``); a block's tuple
+output is its hidden state followed by None (but for what it handed back of its own inputs, a
+transformers 4.x layer's KV cache), so a head that reads a block's other outputs does not see them.
 """
 from __future__ import annotations
 

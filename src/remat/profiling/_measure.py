@@ -1,39 +1,31 @@
 """The profiling runs, in order: capture the blocks, each block configuration per treatment, then the head per mode.
 
-How (:func:`_profile_body`, every setting read from one
-:class:`~remat.profiling._request.ProfileRequest`): one forward without gradients (:mod:`remat.profiling._capture`)
-records every block's configuration and output shape, and keeps the inputs of the first
-block of each configuration. Each configuration is then run alone per treatment
-(:mod:`remat.profiling._blocks`); the offload treatments (``DERIVED``) are not run but derived
-from their base treatment's cost, moving its offloadable bytes. The tiled treatments run once more
-at each other chunk size of ``tiles`` below the step's tokens (:data:`~remat.planning.costs.TILE_CANDIDATES`:
-the body's ``tiles``), the other treatments once: a chunk changes only what tiling does. The rest of the model is one
-step per head mode and chunk option in which every block is a stub
-(:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`:
-the costs per configuration, which configuration each block has, the heads and, where a block runs
-more than once a step, the calls in order (:mod:`remat.planning.calls`; each cost carries its
-block's gradient bytes for that).
+How (:func:`_profile_body`, every setting read from one :class:`~remat.profiling._request.ProfileRequest`):
+one forward without gradients (:mod:`remat.profiling._capture`) records every block's configuration and
+output shape and keeps the inputs of the first block of each configuration. Each configuration then
+runs alone per treatment (:mod:`remat.profiling._blocks`); the offload treatments (``DERIVED``) are not
+run but derived from their base treatment, moving its offloadable bytes; the tiled treatments run once
+more at each other chunk size of ``tiles`` below the step's tokens (a chunk changes only what tiling
+does). The rest of the model is one step per head mode and chunk option with every block a stub
+(:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`: the
+costs per configuration, each block's configuration, the heads and, where a block runs more than once
+a step, the calls in order (:mod:`remat.planning.calls`; each cost carries its gradient bytes for that).
 
-Why a block at a time: blocks of one configuration cost the same, so a deep model costs one
-block per configuration plus its head, and :mod:`remat.planning.simulator` assembles any
-plan from the pieces instead of running the whole model per treatment. Blocks that differ
-only in configuration (Gemma-2's sliding-window and global layers, encoder and decoder) are
-profiled apart.
+Why a block at a time: blocks of one configuration cost the same, so a deep model costs one block per
+configuration plus its head, and :mod:`remat.planning.simulator` assembles any plan from the pieces.
+Blocks that differ only in configuration (Gemma-2's sliding-window and global layers, encoder and
+decoder) are profiled apart.
 
-Compiled (``backend`` given, ``remat.plan(..., compile=True)``): the same runs through the
-block's compiled call and with the model compiled around the stubs (``compile="blocks"``: the
-head's runs eager, as the root runs when only the blocks are compiled); see
-:mod:`remat.profiling._compiled`. Offload treatments are not derived then. A treatment other
-than ``keep`` that does not compile is left out (noted as ``compile:<treatment>``, and
-warned); each compiled measurement takes its graphs back out of dynamo's cache when it ends
-(:mod:`remat.treat.dynamo_cache`), so the user's own compile starts without them and the user's
-other compiled graphs stay.
+Compiled (``backend`` given): the same runs through the block's compiled call and with the model
+compiled around the stubs (``compile="blocks"``: the head eager; :mod:`remat.profiling._compiled`).
+Offload is not derived then; a treatment other than ``keep`` that does not compile is left out
+(``compile:<treatment>``, warned); each compiled measurement takes its graphs back out of dynamo's
+cache (:mod:`remat.treat.dynamo_cache`), so the user's own compile starts without them.
 
-Limits: treatments a block cannot take (no attention sub-module, say) are left out of its
-costs; a head mode the model refuses is noted and left out, and a model whose embeddings
-and head run in no mode is a ``ValueError``; a missing loss (:class:`MissingLoss`) is raised,
-never swallowed. Which error leaves what out, noted or warned, and which is raised, is one
-function's table (:func:`refusal`), for the treatments, the head modes and the kernels alike.
+Limits: treatments a block cannot take are left out of its costs; a head mode the model refuses is
+noted and left out (none at all: a ``ValueError``); a missing loss (:class:`MissingLoss`) is raised,
+never swallowed. Which error leaves what out, noted or warned, and which is raised, is one function's
+table (:func:`refusal`), for the treatments, the head modes and the kernels alike.
 """
 from __future__ import annotations
 

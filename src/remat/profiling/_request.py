@@ -7,10 +7,10 @@ the block classes per treatment, the head per mode, one block's run) takes the r
 own list of settings, and reads the fields it needs. The long-context path changes one field (the
 rates, with the attention measured on the GPU) with :func:`dataclasses.replace`.
 
-Why a frozen record rather than keyword arguments at each level: the same ten to fourteen settings
-used to travel by position through five signatures, so an option meant editing all five (and every
-test that called one); now an option is one field here and the line that reads it. Frozen, so a run
-deep in the profile cannot change what the runs after it measure.
+Why a frozen record rather than keyword arguments at each level: ten to fourteen settings passed
+through five signatures make an option an edit to all five (and to every test that calls one); here
+an option is one field and the line that reads it. Frozen, so a run deep in the profile cannot
+change what the runs after it measure.
 
 Limits: what a run measures *on* (the model, its batch and loss, its blocks, the meter) is not a
 setting and stays an argument; so do the notes a run writes (``skipped``), which are the profile's

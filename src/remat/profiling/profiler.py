@@ -1,76 +1,32 @@
 """``remat.profile``: what each block costs under each treatment, in bytes and seconds.
 
-How: one forward without gradients captures each block's inputs (hidden states, rotary
-tables, mask) and output shape. Then each *block class* (same module class, parameter
-shapes, attention configuration and input shape) is run once per treatment, alone, on the
-input its first block really received, forward then backward, with a meter reading live bytes at the phase
-boundaries: its forward peak, what it keeps for backward, its backward peak (recompute
-included) and what it leaves (parameter gradients, the input gradient); the tiled treatments
-once more at each chunk size of ``tile_candidates`` below the step's tokens (``Profile.tiles``:
-what the solver chooses a chunk per block from). The rest of the model is measured by one
-more forward+backward per head mode in which every block is a stub (a fresh tensor of the
-block's output shape): embeddings, then the final norm, LM head and loss, and their backward. The loss is ``loss_fn(model, batch)`` (any model, any batch),
-or a Hugging Face model's ``.loss``. Profiling changes nothing in the model: see
-:mod:`remat.profiling.snapshot` and :func:`remat.treat.patches.suspended`.
-:mod:`remat.planning.simulator` puts the pieces together for any plan; a 70B model is 80 copies of
-one block, so it is profiled as one block plus its head.
+How: one forward without gradients captures each block's inputs and output shape
+(:mod:`~remat.profiling._capture`). Each *block class* (same module class, parameter shapes,
+attention configuration and input shape) then runs alone once per treatment, on the input its first
+block really received, forward then backward, a meter reading live bytes at the phase boundaries
+(:mod:`~remat.profiling._blocks`); the rest of the model is one step per head mode in which every
+block is a stub (:mod:`~remat.profiling._head`). :mod:`remat.planning.simulator` assembles any plan
+from those pieces: a 70B model is 80 copies of one block, profiled as one block plus its head. The
+model comes back exactly as it was (:mod:`remat.profiling.snapshot`).
 
-Two meters. Without a GPU (or with ``device="fake"``) parameters and inputs are replaced by
-``FakeTensor``s (no memory, no weights needed; a model on the ``meta`` device works), the
-batch's integer tensors keeping their values so that steps that read them (a vision-language
-model's image-token merge) run for real on them and are named in ``notes["ran_for_real"]``
-(:class:`~remat.profiling._fake.ValuedFakeMode`), and a
-``TorchDispatchMode`` counts every new storage once, freed through a weak reference when
-it dies; times are a roofline per op: FLOPs from ``torch.utils.flop_counter``'s formulas
-over the matmul rate, bytes read and written over HBM bandwidth, whichever is larger,
-plus a launch cost, with the rates of the GPU named by ``gpu`` (:data:`GPUS`). On a CUDA
-model, the allocator's own ``memory_allocated``/``max_memory_allocated`` are read, so
-internal workspaces and the real kernels are in the numbers. Times are *effective*: CUDA
-events around runs queued back to back as a step queues them (a block: three forwards in
-a row, then their three backwards; the head: three stubbed steps), the first one dropped,
-so launch latency overlaps the work queued before it and only a host that cannot keep up
-(a ``selective`` block's Python call per op on a small model) shows, as it does in a step.
-Timing a lone, synchronised run instead over-predicts ``selective`` (its host time no longer
-overlaps work queued before it); timing the GPU alone behind a sleep and the host apart, as
-two pipelined clocks, misses too (a host run from an idle GPU reads more per checkpointed block
-than a step shows; both measured: docs/history.md). A last real step (``calibrate``) scales the seconds to in-step ones, and the
-pinned copy rates are measured. Saved-tensor hooks (warm-up run only) record which
-storages a block saves, to tell whether it keeps its input and how many bytes the offload
-engine would move.
+Two meters (:mod:`remat.profiling._meters`). Without a GPU (or ``device="fake"``) parameters and
+inputs are ``FakeTensor``s (no memory, no weights; a ``meta`` model works: :mod:`~remat.profiling._fake`),
+new storages are counted by a dispatch mode, and times are a roofline per op at the rates of the GPU
+named by ``gpu``. On CUDA the allocator's own counters are read and times are *effective*: CUDA
+events around runs queued back to back as a step queues them, scaled to in-step seconds by one real
+step (``calibrate``: :mod:`~remat.profiling._calibrate`). From :data:`LONG_CONTEXT_TOKENS` tokens a
+GPU model takes the fake path at the GPU's measured attention and copy rates (:func:`_profile_long`);
+``compile=True`` measures compiled runs (:mod:`~remat.profiling._compiled`).
 
-Long context on a GPU: from :data:`LONG_CONTEXT_TOKENS` tokens a step on (or when measuring a
-block runs out of GPU memory) a model on the GPU is profiled with fake tensors, as without a GPU,
-but at the attention rates measured on that GPU for the model's heads at the length planned for
-and at its measured copy rates (:func:`_profile_long`): measuring each treatment of a block at
-262k tokens would hold one block's inner memory at a time for minutes, and no real step is taken
-to calibrate. ``notes["profiled"]`` says which was done.
+Why a block at a time, not the whole model per treatment (or the allocator's memory history): that
+costs depth x treatments and needs the real model on a real GPU; blocks are exact for sequential stacks.
 
-Compiled models (``compile=True``): the same runs, each block class x treatment compiled
-alone and the stubbed step with the model compiled; calibrated on one compiled step. Needs a
-GPU (no fake path: a clear ValueError). See :mod:`remat.profiling._compiled`.
-
-Stability: each GPU timing is a median over several chains (``REPEATS``, ``ROUNDS``), the
-garbage collector held off, so that independent profiles pick the same plan.
-
-Why not profile the whole model per treatment, or use ``torch.cuda.memory._record_memory_history``?
-Whole-model runs cost depth x treatments and need the real model on a real GPU; the block
-decomposition is exact for sequential block stacks and costs one block.
-
-Limits: blocks of one class are assumed to cost the same (a configuration attribute not
-in :data:`remat.profiling._capture.CONFIG_ATTRIBUTES` is not seen); offload costs are derived, not measured: the
-bytes that ``offload`` moves are the saved storages of ``keep`` (``full`` for
-``full+offload``) of at least ``min_offload_bytes``, excluding parameters; optimizer state is
-counted as bytes per parameter, its step's time as the bytes its kernels read and write over HBM
-bandwidth (:data:`~remat.planning.costs.OPTIMIZER_PASSES`), its step's temporaries by the
-optimizer's implementation (:func:`~remat.planning.costs.optimizer_temp_bytes`).
-
-Layout: this module is the entry (:func:`profile`, the fake and CUDA paths, the
-``progress=`` printer); what one call measures and how is one frozen
-:class:`~remat.profiling._request.ProfileRequest`, built here and handed down. The numbers it returns are in :mod:`remat.planning.costs`; the meters in
-:mod:`remat.profiling._meters`; the fake-tensor swap and CUDA-attention stand-in in
-:mod:`remat.profiling._fake`; the runs in :mod:`remat.profiling._measure` (the flow),
-:mod:`~remat.profiling._capture`, :mod:`~remat.profiling._blocks` and :mod:`~remat.profiling._head`;
-the copy rates and the in-step calibration in :mod:`remat.profiling._calibrate`.
+Limits: blocks of one class are assumed to cost the same (a configuration attribute not in
+:data:`remat.profiling._capture.CONFIG_ATTRIBUTES` is not seen); offload costs are derived from the
+saved storages, not measured; the optimizer's state and step are modelled
+(:data:`~remat.planning.costs.OPTIMIZER_PASSES`). This module is the entry (:func:`profile`, the fake
+and CUDA paths, the ``progress=`` printer); one call's settings are one frozen
+:class:`~remat.profiling._request.ProfileRequest`. Timing and layout in full: docs/design/diagnosis.md.
 """
 from __future__ import annotations
 

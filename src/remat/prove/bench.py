@@ -1,7 +1,7 @@
 """The side-by-side proof: remat's plans and the stock strategies, one process, one batch.
 
 Every strategy gets a freshly built model with the same seed (same weights) and the same
-batch, and is measured with one protocol, the one the anchors in DESIGN.md use: a step is
+batch, and is measured with one protocol, the anchors' (docs/design/diagnosis.md): a step is
 ``zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
 ``loss.backward()`` (the outputs are dropped before backward, as the HF Trainer does) and, with
 ``optimizer="adamw"``, ``torch.optim.AdamW``'s step; ``warmup`` steps, then the peaks over

@@ -6,29 +6,24 @@
         loss.backward()
     counter.counts.all_gather, counter.counts.reduce_scatter, counter.counts.as_dict()
 
-How: a CPU-activity ``torch.profiler`` session around the code, then the ``c10d::`` operators
-in its raw event list. Every collective of a ``ProcessGroup`` goes through one of these
-dispatcher operators (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``,
-``c10d::allreduce_`` ...), whoever issues it and on any backend: FSDP2's
-``dist.all_gather_single``, FSDP1's flat-parameter all-gather (``c10d::allgather_`` on gloo),
-DDP's bucketed all-reduce, which its C++ reducer issues without passing through Python, and
-functional collectives (DTensor, ``torch.compile``), whose ``_c10d_functional::`` operator
-wraps one ``c10d::`` operator. An operator that runs inside another counted one is counted
-once (the outer one), so a wrapper that forwards to a second ``c10d::`` operator is not
-counted twice. What the backend does below that (gloo implements a reduce-scatter with an
-all-reduce) is not counted: the count is what the caller asked for.
+How: a CPU-activity ``torch.profiler`` session around the code, then the ``c10d::`` operators in its
+raw event list. Every collective of a ``ProcessGroup`` goes through one of these dispatcher operators
+(``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``, ``c10d::allreduce_`` ...), whoever issues
+it and on any backend: FSDP2's ``dist.all_gather_single``, FSDP1's flat-parameter all-gather, DDP's
+bucketed all-reduce (issued by its C++ reducer, never through Python), and functional collectives
+(DTensor, ``torch.compile``), whose ``_c10d_functional::`` operator wraps one ``c10d::`` operator. An
+operator inside another counted one is counted once (the outer one). What the backend does below that
+(gloo implements a reduce-scatter with an all-reduce) is not counted: the count is what was asked for.
 
-Why not the obvious alternatives: patching ``torch.distributed``'s Python functions misses
-DDP's reducer and functional collectives, and depends on which spelling a torch version uses
-(torch 2.13 FSDP2 calls ``all_gather_single``, earlier ones ``all_gather_into_tensor``); a
-``TorchDispatchMode`` would sit in the dispatch stack of the very step it measures, next to
-remat's selective-checkpointing modes. Only the raw events are read (no ``FunctionEvent``
-tree), so reading a large step costs milliseconds, not seconds.
+Why not the obvious alternatives: patching ``torch.distributed``'s Python functions misses DDP's
+reducer and functional collectives, and depends on which spelling a torch version uses (torch 2.13
+FSDP2 calls ``all_gather_single``, earlier ones ``all_gather_into_tensor``); a ``TorchDispatchMode``
+would sit in the dispatch stack of the very step it measures, next to remat's selective modes. Only
+the raw events are read (no ``FunctionEvent`` tree), so reading a large step costs milliseconds.
 
-Limits: one profiler at a time (not inside another ``torch.profiler`` session); the
-profiler slows the step, so time other steps. Coalesced calls
-(``allgather_into_tensor_coalesced_``) count once per call. Collectives of every process
-group the rank is in are counted; ``by_op`` tells them apart by operator only.
+Limits: one profiler at a time (not inside another ``torch.profiler`` session); the profiler slows the
+step, so time other steps. Coalesced calls (``allgather_into_tensor_coalesced_``) count once per call.
+Collectives of every process group the rank is in are counted; ``by_op`` tells them apart by operator.
 """
 from __future__ import annotations
 

@@ -1,35 +1,29 @@
 """What a CPU can prove about remat, in well under a minute: ``remat bench`` on a machine without a GPU.
 
-A CPU cannot time a GPU's training step, and on a shared machine its own step times measure the
-load more than the code (two runs of the same CPU bench can put one row at several times
-another's ratio to eager). So without a GPU the bench shows only what a CPU measures exactly:
+A CPU cannot time a GPU's training step, and on a shared machine its own step times measure the load
+more than the code. So without a GPU the bench shows only what a CPU measures exactly:
 
-1. **Gradients** (:func:`exactness`): every treatment on the built-in ``llama-tiny`` (fp32,
-   attention dropout 0.1, so checkpointing must replay the same dropout masks) against an untouched
-   copy with the same weights, batch and RNG: the loss and every parameter gradient compared with
-   ``torch.equal``. The chunked head and the tiled treatments sum in another order (the loss over
-   chunks of tokens, a tiled block's weight gradients chunk by chunk), so they are compared within
-   a relative 1e-5 and the largest difference is printed. Offload needs CUDA (on a CPU an offloaded
-   block keeps its tensors in place), so it is listed and not claimed.
+1. **Gradients** (:func:`exactness`): every treatment on the built-in ``llama-tiny`` (fp32, attention
+   dropout 0.1, so checkpointing must replay the same dropout masks) against an untouched copy with
+   the same weights, batch and RNG: the loss and every parameter gradient compared with ``torch.equal``.
+   The chunked head and the tiled treatments sum in another order, so they are compared within a
+   relative 1e-5 and the largest difference is printed. Offload needs CUDA: listed, not claimed.
 2. **Memory** (same table): the peak of one training step measured tensor by tensor
    (:class:`remat.prove.memtrack.PeakTracker`) beside :func:`remat.simulate`'s prediction from a
-   profile made with the CPU's rates. This part runs with attention dropout off: with it on, the
-   CPU's attention runs its math kernel, which keeps the ``[seq x seq]`` probabilities CUDA's
-   kernels do not, and remat's profiles count what the CUDA kernels save (the README says so).
-   That each treatment did something shows in the peak: a treatment that silently did nothing
-   would peak as ``keep`` does.
+   profile at the CPU's rates, with attention dropout off (with it on, the CPU's math attention keeps
+   the ``[seq x seq]`` probabilities CUDA's kernels do not, and remat counts what CUDA's save). A
+   treatment that silently did nothing would peak as ``keep`` does.
 3. **The frontier on a real GPU, predicted** (:func:`frontier`): the planner's prediction for the
-   ``llama-1b`` preset (DESIGN.md's bench model: 16 layers, hidden 2048, vocab 128256, bf16, batch
-   4 x 4096) on an H100, from its config on the ``meta`` device: the stock strategies (no
-   checkpointing, Hugging Face checkpointing, every second layer, op-level selective) and remat's
-   plan at 10, 16, 25, 32 and 45 GiB, as a table and a plot. Every number there is a prediction;
-   the README's "Measured" section has the same model measured on an H100.
+   ``llama-1b`` preset (the bench model of docs/design/diagnosis.md: 16 layers, hidden 2048, vocab
+   128256, bf16, batch 4 x 4096) on an H100, from its config on the ``meta`` device: the stock
+   strategies (no checkpointing, Hugging Face checkpointing, every second layer, op-level selective)
+   and remat's plan at 10, 16, 25, 32 and 45 GiB, as a table and a plot. Every number there
+   is a prediction; the README's "Measured" section has the same model measured on an H100.
 
 CPU step times are not shown: ``remat bench --device cpu`` measures them (median and spread of
-``--steps``) for whoever wants them, labelled as what they are.
-
-The records go to ``bench.jsonl`` (one JSON object a row, ``"predicted": true`` on the frontier's),
-the tables to ``bench.md`` and the frontier plot to ``bench.png``, as ``remat bench`` writes them.
+``--steps``), labelled as what they are. The records go to ``bench.jsonl`` (``"predicted": true`` on
+the frontier's rows), the tables to ``bench.md`` and the plot to ``bench.png``, as ``remat bench``
+writes them.
 """
 from __future__ import annotations
 

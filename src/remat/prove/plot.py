@@ -15,7 +15,7 @@ Labels are placed, not nudged: once the axes are laid out, each label tries posi
 point, nearest first (right, left, above, below, then further out with a leader line), and takes
 the first whose box overlaps no label already placed, no marker and not the legend, inside the
 axes; :func:`overlaps` checks a drawn figure for any that remain (a test runs
-it on the committed records). A far-off point (``save_on_cpu`` at 0.14x) is drawn at the bottom
+it on the committed records). A far-off point (``save_on_cpu``, far below the rest) is drawn at the bottom
 edge with its ratio and an arrow, so it does not squash the rest.
 
 matplotlib is optional: without it :func:`plot` returns why it drew nothing.

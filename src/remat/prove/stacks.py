@@ -1,33 +1,30 @@
 """The stacks users already run, as bench rows beside remat's plans (``remat bench --anchors``).
 
-A claim that remat is fast is made against what a user turns on with one flag, measured in the
-same process on the same batch: Liger's fused kernels with Hugging Face checkpointing
-(``use_liger_kernel=True`` in ``TrainingArguments``), Liger without checkpointing (the ceiling of
-those kernels, where it fits), ``torch.compile`` over HF checkpointing, and Unsloth's offloaded
-checkpointing. transformers' own every-N and offload checkpointing are the bench's default rows
-(``hf_every2``, ``hf_offload``: :mod:`remat.prove.strategies`).
+A claim that remat is fast is made against what a user turns on with one flag, measured in the same
+process on the same batch: Liger's fused kernels with Hugging Face checkpointing (``use_liger_kernel``),
+Liger without checkpointing (the ceiling of those kernels, where it fits), ``torch.compile`` over HF
+checkpointing, and Unsloth's offloaded checkpointing. transformers' own every-N and offload
+checkpointing are the bench's default rows (:mod:`remat.prove.strategies`).
 
-Liger patches a model family module-wide: ``apply_liger_kernel_to_llama`` replaces
-``LlamaRMSNorm``, ``LlamaMLP`` and ``apply_rotary_pos_emb`` in ``modeling_llama`` and
-``LlamaForCausalLM.forward`` on the class, so every model built after it, and every call of the
-rotary embedding, is Liger's. A Liger row therefore runs inside :func:`liger_patched`: the modeling
-module's globals and its classes' attributes are saved, Liger is applied, the row's model is built,
-prepared and measured, and on exit everything Liger replaced is put back, so the rows before and
-after it run the stock modules (a test holds it). The row's :attr:`Strategy.around` is that scope;
-the bench enters it before it builds the model.
+Liger patches a model family module-wide (``apply_liger_kernel_to_llama`` replaces ``LlamaRMSNorm``,
+``LlamaMLP`` and ``apply_rotary_pos_emb`` in ``modeling_llama`` and ``LlamaForCausalLM.forward`` on the
+class), so every model built after it is Liger's. A Liger row therefore runs inside
+:func:`liger_patched`: the modeling module's globals and its classes' attributes are saved, Liger is
+applied, the row's model is built, prepared and measured, and on exit everything Liger replaced is put
+back, so the rows before and after it run the stock modules (a test holds it). The row's
+:attr:`Strategy.around` is that scope; the bench enters it before it builds the model.
 
 Rows (:data:`STACKS`; ``stacks`` names them all):
 
 - ``liger_hf``: Liger (rope, rms_norm, swiglu, fused linear cross-entropy) + HF checkpointing;
 - ``liger_keep``: the same kernels, no checkpointing: the ceiling other rows are a fraction of;
-- ``liger_remat``: a ``liger_remat@<budget>`` row per budget, ``remat.plan`` on the Liger-patched
-  model (a remat row, measured profile; its profile is its own, never the stock model's);
+- ``liger_remat@<budget>``: ``remat.plan`` on the Liger-patched model (its profile its own);
 - ``compile_hf``: HF checkpointing, then ``torch.compile``;
 - ``unsloth``: HF checkpointing through Unsloth's offloaded checkpointer (``unsloth_zoo``).
 
 Rows that cannot run here are ``skipped`` with the reason (liger-kernel or unsloth-zoo does not
-import, no GPU for Triton kernels, a family Liger does not patch), never refused: one command
-names several stacks, and one absent package must not cost the others.
+import, no GPU for Triton kernels, a family Liger does not patch), never refused: one command names
+several stacks, and one absent package must not cost the others.
 """
 from __future__ import annotations
 

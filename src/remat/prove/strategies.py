@@ -1,34 +1,28 @@
 """The rows of ``remat bench``: each strategy is a name, a kind and a ``prepare(model, batch)``.
 
-``prepare`` turns a freshly built model into what the bench times: ``(forward, context
-manager factory, plan or None[, notes dict])``; :func:`remat.prove.bench.measure` runs it under
-one protocol for every row. A strategy that cannot apply raises :class:`Skip` with the reason.
+``prepare`` turns a freshly built model into what the bench times: ``(forward, context manager
+factory, plan or None[, notes dict])``; :func:`remat.prove.bench.measure` runs it under one protocol
+for every row. A strategy that cannot apply raises :class:`Skip` with the reason.
 
-Anchors: ``eager`` (no checkpointing), ``hf_full`` (HF gradient checkpointing,
-non-reentrant), ``every2`` (``checkpoint_wrapper`` on every second layer), ``sac`` (HF
-checkpointing with an op-level policy saving matmul and attention outputs),
-``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``hf_every2`` and
-``hf_offload`` (transformers' own ``activation_checkpointing_enable(every_n_layers=2)`` /
-``(offload=True)``; transformers 5.17 has the same arguments on ``gradient_checkpointing_enable``;
-where neither is there the rows are skipped, saying so) and, optionally, ``compile_<b>``
-(``torch.compile`` with ``activation_memory_budget=b``) and the field's fused losses on a
-``keep`` model (``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's
-``cut_cross_entropy.linear_cross_entropy``; :mod:`remat.prove.anchors`), when they import.
-remat rows: ``remat:<spec>`` (a uniform spec), ``remat@<budget>`` (the planner's plan for it)
-and ``remat+compile@<budget>`` (``remat.plan(model, batch, budget, compile=True)``, applied,
-then ``model.compile()``; the compile happens in the warm-up steps, whose time is recorded as
-``warmup_s``), with ``compile_1+mask_skip`` before them: stock ``torch.compile`` with only
-remat's attention-mask skip (:mod:`remat.treat.mask_skip`), to show what the plans add to it.
-Compiled rows record ``mask_skip``: whether that skip was in force (never for the stock
-``compile_<b>`` rows: every remat model of an earlier row has been freed by then).
+Anchors: ``eager`` (no checkpointing), ``hf_full`` (HF gradient checkpointing, non-reentrant),
+``every2`` (``checkpoint_wrapper`` on every second layer), ``sac`` (HF checkpointing with an op-level
+policy saving matmul and attention outputs), ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu
+(pin_memory=True)``), ``hf_every2`` and ``hf_offload`` (transformers' own ``every_n_layers=2`` /
+``offload=True`` checkpointing, skipped where the arguments are absent) and, optionally,
+``compile_<b>`` (``torch.compile`` with ``activation_memory_budget=b``) and the field's fused losses on
+a ``keep`` model (``liger``, ``cce``: :mod:`remat.prove.anchors`), when they import.
+
+remat rows: ``remat:<spec>`` (a uniform spec), ``remat@<budget>`` (the planner's plan for it) and
+``remat+compile@<budget>`` (``remat.plan(..., compile=True)``, applied, then ``model.compile()``; the
+compile happens in the warm-up steps, recorded as ``warmup_s``), with ``compile_1+mask_skip`` before
+them: stock ``torch.compile`` with only remat's attention-mask skip (:mod:`remat.treat.mask_skip`), to
+show what the plans add to it. Compiled rows record ``mask_skip``: whether that skip was in force.
 
 The stacks users run (``stacks``: :mod:`remat.prove.stacks`): ``unsloth``, ``liger_hf``,
 ``liger_keep``, ``liger_remat@<budget>`` and ``compile_hf``; a Liger row builds its model inside
 :func:`remat.prove.stacks.liger_patched` (:attr:`Strategy.around`), so the rows around it run the
-stock modules.
-
-Compiled rows come last in :func:`strategies` (a compile takes most of a minute, and the rest
-should not wait on it).
+stock modules. Compiled rows come last in :func:`strategies` (a compile takes most of a minute, and
+the rest should not wait on it). Which transformers version names what: docs/design/diagnosis.md.
 """
 from __future__ import annotations
 
