@@ -309,10 +309,13 @@ def test_the_installed_versions_wrap_exactly_what_their_compile_path_gets_wrong(
 
 
 def test_a_deleted_model_is_released_by_its_finalizer(rule_5_17):
+    gc.collect()   # models of earlier tests in this worker, released by their finalizers
+    before = mask_skip.wrapped()   # a model another test still holds keeps its wraps (CI saw one)
     model = remat.apply(_tiny(), "keep")
     finalizer = mask_skip._holders[id(model)]
     assert finalizer.alive and mask_skip.wrapped()
     del model
     gc.collect()
-    assert not finalizer.alive and not mask_skip.wrapped()
-    assert masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
+    assert not finalizer.alive and mask_skip.wrapped() == before
+    if not before:
+        assert masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
