@@ -312,10 +312,12 @@ def test_a_deleted_model_is_released_by_its_finalizer(rule_5_17):
     gc.collect()   # models of earlier tests in this worker, released by their finalizers
     before = mask_skip.wrapped()   # a model another test still holds keeps its wraps (CI saw one)
     model = remat.apply(_tiny(), "keep")
-    finalizer = mask_skip._holders[id(model)]
+    id_model = id(model)
+    finalizer = mask_skip._holders[id_model]
     assert finalizer.alive and mask_skip.wrapped()
     del model
     gc.collect()
-    assert not finalizer.alive and mask_skip.wrapped() == before
-    if not before:
-        assert masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17
+    assert not finalizer.alive and id_model not in mask_skip._holders and mask_skip.wrapped() == before
+    # the rule is put back exactly when no model holds the wraps any more
+    assert (masking_utils._ignore_causal_mask_sdpa is _rule_of_5_17) == (not mask_skip._holders)
+    assert bool(mask_skip.wrapped()) == bool(mask_skip._holders)
