@@ -167,17 +167,21 @@ def test_parameters_and_small_tensors_stay():
     s = engine.stats()
     assert s["tensors_kept_param"] > 0 and s["tensors_kept_small"] > 0 and s["slots"] > 0
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = []
+    seen, kept_with_graph = [], []
     engine._pack_orig = engine._pack
 
     def spy(record, t):
         out = engine._pack_orig(record, t)
-        if out is not t:
+        if isinstance(out, torch.Tensor):  # kept in place: handed back detached, never with its grad_fn
+            if out is t or out.grad_fn is not None:
+                kept_with_graph.append(tuple(t.shape))
+        else:
             seen.append(t.untyped_storage().data_ptr())
         return out
     engine._pack = spy
     _step(model, _ids())
     assert seen and not params.intersection(seen)
+    assert not kept_with_graph
 
 
 def test_views_of_one_storage_move_once_and_come_back_as_views():
@@ -567,13 +571,17 @@ def test_gpu_bf16_sdpa_bench_shapes_small():
     assert s["bytes_d2h"] > 0 and s["tensors_kept_param"] > 0 and s["pinned_in_use_bytes"] == 0
 
 
+@pytest.mark.parametrize("min_bytes", [0, 8192])   # every tensor moved; small ones kept on the device
 @pytest.mark.parametrize("limit", [200_000, 8_000_000])   # the first block's pack, a later block's
-def test_a_step_stopped_by_the_pool_limit_leaves_nothing_alive(limit):
+def test_a_step_stopped_by_the_pool_limit_leaves_nothing_alive(limit, min_bytes):
     """A forward stopped by the pinned pool's limit raises, and once the caller drops the model its
-    memory can go: the half-built graph holds no cycle through autograd's saved-tensor hooks (a
-    pack hook that handed back the tensor itself after the failure kept the whole model alive)."""
+    memory can go: the half-built graph, never differentiated, holds no cycle through autograd's
+    saved-tensor hooks (a pack hook that hands back a kept tensor itself, grad_fn included, makes
+    one: output -> grad_fn -> saved variable -> output, which gc cannot see; it kept the model and
+    ~3 GiB per failed step alive on an H200)."""
     model = _tiny()
-    remat.apply(model, "offload", offload_options=dict(min_bytes=0, _inline=True, host_memory_limit=limit))
+    remat.apply(model, "offload", offload_options=dict(min_bytes=min_bytes, _inline=True,
+                                                       host_memory_limit=limit))
     ids = _ids(seq=256)
     alive = weakref.ref(model)
     with pytest.raises(ValueError, match="pinned host memory would exceed its limit"):

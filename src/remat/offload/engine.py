@@ -238,6 +238,11 @@ class OffloadEngine(_Backward):
                         self._drop_gpu(slot)
 
     def _pack(self, record: _Record, t: torch.Tensor):
+        """The pack hook: a slot's handle, or for a tensor kept in place ``t.detach()``, never ``t``
+        itself: a saved output handed back with its grad_fn is a cycle (output -> grad_fn -> saved
+        variable -> output) that gc cannot see, so a forward that never reaches its backward (a step
+        stopped by an error) would keep its whole graph and the model alive. Autograd re-attaches
+        the grad_fn on unpack, so detaching loses nothing."""
         with self._lock:
             self._drain()
             c = self._counts
@@ -246,7 +251,7 @@ class OffloadEngine(_Backward):
             dev = None if reason else self._device(t.device)
             if reason or dev is None:
                 c[reason or "other"] += 1
-                return t
+                return t.detach()
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             es = t.element_size()
@@ -260,7 +265,7 @@ class OffloadEngine(_Backward):
             nbytes = byte_hi - byte_lo
             if nbytes < self.min_bytes:
                 c["small"] += 1
-                return t
+                return t.detach()
             span = (t.device, ptr, byte_lo, byte_hi)
             slot = record.by_span.get(span)
             # Same address is same storage only if the storage object is the one first seen (PyTorch

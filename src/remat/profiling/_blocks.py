@@ -124,7 +124,7 @@ def _block_run(block, args, kwargs, meter, params, track=True, call=None):
             input_saved[0] = True
         else:
             saved[id(storage)] = storage.nbytes()
-        return t
+        return t.detach()  # not ``t``: a saved output with its grad_fn is a cycle gc cannot see
 
     # Garbage of earlier runs (reference cycles: a model's outputs held by a caught exception's
     # frames) is collected before the marks, never between them, where its frees would read as this
