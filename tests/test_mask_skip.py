@@ -60,6 +60,7 @@ def _rule_of_5_17(padding_mask, q_length, kv_length, q_offset, kv_offset, local_
 
 @pytest.fixture
 def rule_5_17(monkeypatch):
+    _release_all()  # an earlier test's model, still alive in this worker, would hold the wrappers through the test
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", _rule_of_5_17)
     yield
     _release_all()
