@@ -278,7 +278,7 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
 
     # private: which block runs are compiled is internal to the profile; no public result shows it
     from remat.profiling import _blocks, _compiled, _measure
-    from remat.profiling._request import ProfileRequest
+    from remat.profiling import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
     from remat.treat.discovery import discover
@@ -362,7 +362,7 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
 
     # private: as above
     from remat.profiling import _measure
-    from remat.profiling._request import ProfileRequest
+    from remat.profiling import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
     from remat.treat.discovery import discover

@@ -21,7 +21,7 @@ from remat.planning import solver
 from remat.planning.costs import rates_for
 from remat.planning.solver import NoPlanFits, solve, undominated_heads
 from remat.profiling._measure import MissingLoss, refusal
-from remat.profiling._request import ProfileRequest
+from remat.profiling import ProfileRequest
 
 
 def test_a_request_is_built_by_keyword_and_cannot_change():

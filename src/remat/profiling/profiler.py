@@ -52,6 +52,7 @@ from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _Kerne
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
 from remat.profiling._request import ProfileRequest, _silent
+from remat.profiling import reuse
 from remat.planning.costs import (  # noqa: F401  (re-exported: remat.profiling.profiler is where these were defined)
     CHUNK_CANDIDATES, DERIVED, GPUS, MEASURED_TREATMENTS, OPTIMIZER_STATES, TILE_CANDIDATES, BlockCost,
     HeadCost, Profile, Rates, optimizer_state_bytes, optimizer_step_bytes, optimizer_step_seconds, optimizer_temp_bytes,
@@ -144,7 +145,15 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
             named = discover(model, blocks).blocks(model)
             model.train()
             if device == "fake":
-                return _profile_fake(model, batch, loss_fn, named, request)
+                key = reuse.key_of(model, batch, loss_fn, request, blocks)
+                prof = reuse.kept(model, key, loss_fn)
+                if prof is not None:
+                    request.say("profile: the one a previous call measured on this model, batch and settings "
+                                "(remat.caches.clear() measures again)")
+                    return prof
+                prof = _profile_fake(model, batch, loss_fn, named, request)
+                reuse.keep(model, key, loss_fn, prof)
+                return prof
             return _profile_cuda(model, batch, loss_fn, named, request, held_grad_bytes=held.held_grad_bytes)
     except torch.OutOfMemoryError as error:
         if device != "cuda" or request.scope:
