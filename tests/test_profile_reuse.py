@@ -127,3 +127,16 @@ def test_the_kept_profiles_are_bounded_and_hold_their_model_weakly(fresh_caches)
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_a_model_whose_forward_writes_its_config_once_reuses_its_profile(fresh_caches):
+    """ViT's classification head sets ``config.problem_type`` on its first call with labels."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_labels=3)
+    model = transformers.ViTForImageClassification(config)
+    batch = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([0, 2])}
+    assert config.problem_type is None
+    _profiled(model, batch)
+    assert config.problem_type is not None
+    assert _profiled(model, batch)[1]

@@ -20,7 +20,10 @@ tensor's shape, dtype, device and a digest of its values; the loss function; the
 A batch tensor over :data:`DIGEST_LIMIT` bytes, or a batch leaf that is not a tensor or a plain value,
 makes the call uncacheable: it profiles, as without this module.
 
-Limits: :data:`KEPT` profiles at most, the oldest dropped first; the entries hold the model weakly.
+A profile is kept under the key of the model before it ran and after (a forward may write its
+config once: ViT's classification head sets ``problem_type`` on its first call with labels).
+
+Limits: :data:`KEPT` keys at most, the oldest dropped first; the entries hold the model weakly.
 ``remat.caches.clear()`` empties them (the process caches' one switch).
 """
 from __future__ import annotations
@@ -38,8 +41,8 @@ from torch.utils._pytree import tree_flatten
 
 from remat import caches
 
-KEPT = 4
-"""Profiles kept at once (one per model, batch and settings)."""
+KEPT = 8
+"""Keys kept at once (a profile is kept under one or two: see the module docstring)."""
 DIGEST_LIMIT = 256 * 2**20
 """Bytes of one batch tensor above which a call is not cached (its digest would cost what it saves)."""
 _PLAIN = (bool, int, float, str, type(None))
