@@ -55,6 +55,11 @@ RESERVE_SHARE = 0.03
 """What a plan leaves of its budget for the caching allocator where expandable segments are on.
 Not fitted; 0.5% was refuted on an H200, and a card the size of a plan's budget is not yet shown to
 hold it (the runs: docs/design/planning.md, benchmarks/results/issue38)."""
+RESERVE_FLOOR = 64 * 2**20
+"""The least a plan profiled on its GPU leaves for the caching allocator with expandable segments: a
+small plan's reserve is not a share (an H200, a 595 MiB budget: the allocated peak was the predicted
+574.7 MiB, the reserved peak 626 MiB, and 3% of the budget ran out of memory on its card). Not applied
+to a fake profile's plan, whose budgets in tests are kilobytes."""
 FRAGMENTATION_SHARE = 0.25
 """Where expandable segments cannot be had (:func:`remat.treat.allocator.expandable_possible`), the
 share of the budget above static memory a plan leaves for the allocator's fragmentation (fixed-size
@@ -308,7 +313,11 @@ def allocator_reserve(prof: Profile, budget_bytes: int) -> tuple:
         return 0, "a CPU has no caching allocator to reserve for"
     why = expandable_possible()
     if why is None:
-        return int(RESERVE_SHARE * budget_bytes), "expandable segments (remat.apply switches them on)"
+        share = int(RESERVE_SHARE * budget_bytes)
+        if prof.device == "cuda" and share < RESERVE_FLOOR:
+            return RESERVE_FLOOR, f"expandable segments (remat.apply switches them on), at least " \
+                                  f"{RESERVE_FLOOR // 2**20} MiB"
+        return share, "expandable segments (remat.apply switches them on)"
     share = int(FRAGMENTATION_SHARE * max(0, budget_bytes - prof.static_bytes))
     return share, f"fixed-size segments ({why}): {FRAGMENTATION_SHARE:.0%} of the budget above static memory kept " \
                   "for their fragmentation"
@@ -446,6 +455,8 @@ def solve_profiled(prof: Profile, budget_bytes: int, *, treatments=None, heads=N
         # the budget a user must give: the smallest peak plus what the allocator reserves on top of it
         if how.startswith("expandable"):
             need = int((e.smallest_peak + margin) / (1 - RESERVE_SHARE)) + 1
+            if prof.device == "cuda":
+                need = max(need, e.smallest_peak + margin + RESERVE_FLOOR + 1)
         else:
             need = int((e.smallest_peak + margin - FRAGMENTATION_SHARE * prof.static_bytes)
                        / (1 - FRAGMENTATION_SHARE)) + 1

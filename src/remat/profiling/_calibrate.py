@@ -45,8 +45,11 @@ def _copy_rates(device, nbytes: int = 512 * 2**20, repeats: int = 5) -> tuple:
     """Pinned host copy rates (bytes/s) on ``device``: device to host, host to device.
 
     The fastest of ``repeats`` copies: interference only slows a copy down, so a median can read
-    half the rate every other measurement reads.
+    half the rate every other measurement reads. The GPU buffer is at most a quarter of what the
+    allocator can still hand out (planning runs capped at its budget: a 512 MiB probe under a 600 MiB
+    card raised a CUDA OOM), never under 8 MiB, where a copy still runs near the bus's rate.
     """
+    nbytes = max(8 * 2**20, min(nbytes, available_bytes(device) // 4))
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     rates = []
