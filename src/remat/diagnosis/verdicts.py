@@ -5,7 +5,7 @@ bitwise, else the rms of the difference and of the reference), then judged (:fun
 its own scale floored at ``SCALE_FLOOR`` of the model's gradient rms, by the float64 re-run where there
 was one (a difference that shrinks by ``1 / SHRINK`` or reaches ``FLOAT64_NOISE`` is rounding, one that
 does not is wrong), else against ``sqrt(eps)`` of the working dtype, and for a model that does not run
-twice alike against its own run-to-run difference (``SPREAD_MARGIN`` times it). :func:`fingerprint`
+twice alike against its own run-to-run difference (``SPREAD_MARGIN`` times it). :func:`~remat.profiling.snapshot.fingerprint`
 and :func:`changed_state` name the plain state a forward changed; :func:`why_of` and :func:`report` put the
 verdict into words and a table (:meth:`Verification.__str__`).
 
@@ -251,25 +251,7 @@ def judge(reference: Step, treated: Step, again: Step, pair64, dtype) -> tuple:
     return checks, spread_any
 
 
-# -- state a forward may change --------------------------------------------------------------------
-_SIMPLE = (bool, int, float, str, type(None))
-
-
-def fingerprint(model: nn.Module) -> dict:
-    """``{module.attribute: value}`` of every plain attribute (numbers, strings, tensors that are not
-    parameters or buffers) of every module; remat's own left out."""
-    found = {}
-    for name, module in model.named_modules():
-        for key, value in module.__dict__.items():
-            if key.startswith("_remat") or key in ("training",):
-                continue
-            if isinstance(value, _SIMPLE):
-                found[f"{name}.{key}" if name else key] = value
-            elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                found[f"{name}.{key}" if name else key] = ("tensor", id(value), value._version)
-    return found
-
-
+# -- state a forward may change (fingerprint: remat.profiling.snapshot) ---------------------------------
 def changed_state(before: dict, after: dict) -> list:
     return [f"{k}: {_short(before.get(k))} -> {_short(after.get(k))}"
             for k in sorted(set(before) | set(after)) if before.get(k, ABSENT) != after.get(k, ABSENT)]

@@ -49,9 +49,10 @@ from torch.utils.checkpoint import CheckpointError
 
 from remat.api import apply, batch_check_held, current_plan
 from remat.diagnosis.verdicts import (ABSENT, VERDICTS, Measured, Step, Verification, all_bitwise, batch_shape,
-                                      changed_state, compare_tensors, fingerprint, judge, nondeterminism, why_of,
+                                      changed_state, compare_tensors, judge, nondeterminism, why_of,
                                       working_dtype)
 from remat.diagnosis.findings import Finding, hf_checkpointing_on, unwrapped
+from remat.profiling.snapshot import fingerprint
 from remat.diagnosis.run_checks import eager, hf_checkpointing_off
 from remat.planning.plans import Plan
 from remat.profiling.snapshot import restore, snapshot

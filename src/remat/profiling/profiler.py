@@ -153,8 +153,6 @@ def profile(model: nn.Module, batch, *, loss_fn=None, gpu: Optional[str] = None,
                     return prof
                 prof = _profile_fake(model, batch, loss_fn, named, request)
                 reuse.keep(model, key, loss_fn, prof)
-                # and as the model is now: a forward may write its config once (ViT's problem_type)
-                reuse.keep(model, reuse.key_of(model, batch, loss_fn, request, blocks), loss_fn, prof)
                 return prof
             return _profile_cuda(model, batch, loss_fn, named, request, held_grad_bytes=held.held_grad_bytes)
     except torch.OutOfMemoryError as error:

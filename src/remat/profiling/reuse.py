@@ -13,7 +13,8 @@ now (an optimizer created since, another model on the card), which no key can te
 
 The key: per module its name, class, class ``forward``, an instance ``forward`` and hook counts
 (remat's own patches are off while it is taken: an applied plan does not stop reuse), and its plain
-attributes (flags such as ``training``, ``gradient_checkpointing``, dropout rates); per parameter and
+attributes and tensor attributes (:func:`~remat.profiling.snapshot.fingerprint`: flags such as
+``gradient_checkpointing``, dropout rates, cached masks); per parameter and
 buffer its name, shape, dtype, device, ``requires_grad``, address and version (an optimizer step or a
 ``load_state_dict`` changes them); the model's config as JSON; the batch's structure with every
 tensor's shape, dtype, device and a digest of its values; the loss function; the request's settings.
@@ -40,12 +41,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from remat import caches
+from remat.profiling.snapshot import fingerprint
 
 KEPT = 8
 """Keys kept at once (a profile is kept under one or two: see the module docstring)."""
 DIGEST_LIMIT = 256 * 2**20
 """Bytes of one batch tensor above which a call is not cached (its digest would cost what it saves)."""
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN = (bool, int, float, str, type(None))  # batch leaves keyed by value
 
 PROFILES = caches.register(collections.OrderedDict(), "profiling.reuse.PROFILES")
 """key -> (weakref to the model, loss_fn, profile), oldest first."""
@@ -84,11 +86,14 @@ def kept(model: nn.Module, key: Optional[tuple], loss_fn):
 
 
 def keep(model: nn.Module, key: Optional[tuple], loss_fn, profile) -> None:
-    """Keep a copy of ``profile`` under ``key`` (nothing when the call was not cacheable)."""
+    """Keep a copy of ``profile`` under ``key`` and under the key of ``model`` as it is now, after the
+    profile ran (nothing when the call was not cacheable)."""
     if key is None:
         return
-    PROFILES[key] = (weakref.ref(model), loss_fn, copy.deepcopy(profile))
-    PROFILES.move_to_end(key)
+    entry = (weakref.ref(model), loss_fn, copy.deepcopy(profile))
+    for each in (key, (key[0], _model_fingerprint(model), *key[2:])):
+        PROFILES[each] = entry
+        PROFILES.move_to_end(each)
     while len(PROFILES) > KEPT:
         PROFILES.popitem(last=False)
 
@@ -106,14 +111,12 @@ def _digest(tensor: torch.Tensor):
 def _model_fingerprint(model: nn.Module) -> tuple:
     modules = []
     for name, module in model.named_modules():
-        plain = tuple(sorted((k, v) for k, v in vars(module).items()
-                             if isinstance(v, _PLAIN) and not k.startswith("__")))
         hooks = tuple(len(getattr(module, attribute, ()) or ()) for attribute in (
             "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
             "_state_dict_hooks", "_load_state_dict_pre_hooks"))
         instance_forward = vars(module).get("forward")
         modules.append((name, type(module).__qualname__, id(type(module).forward),
-                        None if instance_forward is None else id(instance_forward), hooks, plain))
+                        None if instance_forward is None else id(instance_forward), hooks))
     tensors = tuple((name, tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad, _address(t), t._version)
                     for name, t in (*model.named_parameters(remove_duplicate=False),
                                     *model.named_buffers(remove_duplicate=False)))
@@ -122,7 +125,7 @@ def _model_fingerprint(model: nn.Module) -> tuple:
         config_text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     except (TypeError, ValueError):  # a config holding something JSON cannot write
         config_text = repr(config)
-    return tuple(modules), tensors, config_text
+    return tuple(modules), tuple(sorted(fingerprint(model).items())), tensors, config_text
 
 
 def _address(tensor: torch.Tensor) -> int:

@@ -17,7 +17,9 @@ parameter written in place during a profile is reported (RuntimeError), not sile
 
 Limits: CUDA random states are restored only for a CUDA that was initialised before the
 profile (one initialised by it has nothing to go back to); state outside the module tree
-(``model.config``, globals a model's forward sets) is not recorded.
+(``model.config``, globals a model's forward sets) is not recorded. :func:`fingerprint` reads the
+modules' plain and tensor attributes, for telling whether a forward changed them (``remat.verify``)
+or whether a kept profile still holds (:mod:`remat.profiling.reuse`).
 """
 from __future__ import annotations
 
@@ -107,3 +109,21 @@ def preserved(model: nn.Module) -> Iterator[ModelState]:
         yield state
     finally:
         restore(state)
+
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def fingerprint(model: nn.Module) -> dict:
+    """``{module.attribute: value}`` of every plain attribute (numbers, strings, tensors that are not
+    parameters or buffers) of every module; remat's own left out."""
+    found = {}
+    for name, module in model.named_modules():
+        for key, value in module.__dict__.items():
+            if key.startswith("_remat") or key in ("training",):
+                continue
+            if isinstance(value, _SIMPLE):
+                found[f"{name}.{key}" if name else key] = value
+            elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                found[f"{name}.{key}" if name else key] = ("tensor", id(value), value._version)
+    return found
