@@ -5,6 +5,8 @@
 #                  (target: under 10 minutes on 2 cores; CI's .ci/run runs this), its 20 slowest last
 #   make test-slow -> only the `slow` tests (tests/conftest.py lists the ones marked there, with why)
 #   make test-all -> the whole suite, slow tests included, then the zoo sweep
+#   make test-axolotl -> Axolotl 0.21 beside the venv (tests/requirements-axolotl.txt), then the Axolotl
+#                  plugin's test, which trains the docs' YAML (CI's .ci/run runs it after make test)
 #   make zoo    -> the registry zoo: every model type transformers maps to a training head, every
 #                  treatment, plain and chunked head, remat.plan (tens of minutes; not in make test)
 # torch is installed first and pinned to the local CPU wheel so that pip never
@@ -40,6 +42,16 @@ demo: install
 test: install
 	$(PYTEST) -m "not slow" --durations=20 tests
 
+# Axolotl's packages go in a folder of their own on PYTHONPATH, not into the venv: the venv stays what
+# make test ran on (bitsandbytes, wandb and numba come with Axolotl)
+AXOLOTL_SITE := $(VENV)/axolotl-site
+$(AXOLOTL_SITE)/.installed: $(VENV)/.installed tests/requirements-axolotl.txt
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(AXOLOTL_SITE) -r tests/requirements-axolotl.txt
+	touch $@
+
+test-axolotl: $(AXOLOTL_SITE)/.installed
+	PYTHONPATH=$(AXOLOTL_SITE) AXOLOTL_DO_NOT_TRACK=1 $(PYTEST) -p no:cacheprovider tests/test_axolotl.py
+
 test-slow: install
 	$(PYTEST) -m slow tests
 
@@ -50,4 +62,4 @@ test-all: install
 zoo: install
 	$(BIN)/python benchmarks/zoo_sweep.py --workers $(ZOO_WORKERS) --timeout $(ZOO_TIMEOUT) --out benchmarks/results/zoo
 
-.PHONY: install demo test test-slow test-all zoo
+.PHONY: install demo test test-slow test-all test-axolotl zoo

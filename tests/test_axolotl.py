@@ -1,8 +1,10 @@
 """remat's Axolotl plugin: the YAML of docs/integrations.md trains a tiny Llama through Axolotl on the
 CPU, with Axolotl's checkpointing, offload and tiled MLP taken over and remat's plan applied.
 
-Runs where Axolotl imports (0.21 asks for Python >= 3.12 and pins transformers 5.20; it runs on 3.11
-and transformers 5.24 installed with ``--no-deps --ignore-requires-python``), else skips. The model,
+Runs where Axolotl imports, else skips: ``make test-axolotl`` (CI runs it) installs Axolotl 0.21 and what
+its training path imports beside the venv (``tests/requirements-axolotl.txt``, ``--no-deps
+--ignore-requires-python``: 0.21 asks for Python >= 3.12 and pins transformers 5.20; it trains on 3.11
+and the venv's transformers). The model,
 its tokenizer (a word-level ``tokenizers`` vocabulary) and the data are made here: nothing is
 downloaded. Axolotl's telemetry is switched off (``AXOLOTL_DO_NOT_TRACK``).
 """
