@@ -118,12 +118,23 @@ def test_reentrant_checkpointing_with_frozen_inputs(tmp_path):
     findings = doctor(lora, _batch())
     assert _checks(findings) == ["reentrant-frozen-inputs", "no-grad"]
     assert findings[0].severity == "error" and "lora_A" in findings[1].what
-    # TrainingArguments asking for it: the Trainer's enable call adds the hook on this transformers
+    # TrainingArguments asking for it: doctor says what the Trainer's enable call will leave, as this
+    # transformers' enable call on a fresh LoRA model shows (the embeddings' output requires grad: hooked)
     args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
-    # private: whether this transformers' enable call adds the hook is the doctor's own reading, not its output
-    from remat.diagnosis.checkup import _enable_adds_input_grads
-    expected = [] if _enable_adds_input_grads(base) else ["reentrant-frozen-inputs"]
+    expected = [] if _hooked_by_enable() else ["reentrant-frozen-inputs"]
     assert _checks(doctor(with_lora(_model()), training_args=args)) == expected
+
+
+def _hooked_by_enable() -> bool:
+    """Whether this transformers' checkpointing switch, as the Trainer calls it, hooks a LoRA model's
+    frozen input embeddings so that their output requires grad."""
+    lora = with_lora(_model())
+    embeddings = lora.base_model.model.get_input_embeddings()
+    assert not embeddings(_batch()["input_ids"]).requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return embeddings(_batch()["input_ids"]).requires_grad
 
 
 def test_a_removed_input_grad_hook_left_on_the_model_is_no_hook():

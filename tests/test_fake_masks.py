@@ -18,7 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.profiling import padded_mask
-# private: transformers 5 runs no 4.x mask check, so no public call reaches this emulation here
+# private: the emulation alone, on stand-ins of transformers 4.x's checks (transformers 5 has none): that a
+# real mask still reaches the original check no fake profile can show, its every mask being fake
 from remat.profiling._fake import _mask_checks
 
 

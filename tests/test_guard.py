@@ -296,30 +296,28 @@ def test_the_copies_go_to_the_gpu_only_where_they_fit_beside_the_plan(monkeypatc
 
 def test_both_budget_none_callers_use_the_one_default(monkeypatch):
     import remat.guard as guard_module
-    # private: the callbacks' shared planner, reached without a Trainer or Lightning run
-    from remat.integrations._planning import BatchPlanner
+    from remat.integrations.hf import RematCallback
     asked = []
 
     def default(module, who, instead):
         asked.append(who)
         return 123 * 2**20
     monkeypatch.setattr(guard_module, "free_memory_budget", default)
+    # where the callbacks' shared planner (both RematCallbacks inherit it) looks the default up
     monkeypatch.setattr("remat.integrations._planning.free_memory_budget", default)
     assert remat.Guard(_llama()).budget == 123 * 2**20
-    assert BatchPlanner().resolve_budget(_llama()) == 123 * 2**20
+    assert RematCallback().resolve_budget(_llama()) == 123 * 2**20
     assert asked == ["remat.Guard", "RematCallback"]
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"RematCallback\(budget=None\).*not on a GPU.*spec='full'"):
-        BatchPlanner().resolve_budget(_llama())
+        RematCallback().resolve_budget(_llama())
 
 
-def test_under_fsdp_every_existing_gradient_is_copied_before_the_step(monkeypatch):
+def test_under_fsdp_every_existing_gradient_is_copied_before_the_step():
     """FSDP adds the reduced gradients to ``.grad`` outside autograd, where no hook sees it: the keeper
     then copies them all when it is made, and a redo still restores them."""
-    import remat.guard as guard_module
     from remat.guard import GradKeeper
-    monkeypatch.setattr(guard_module, "_autograd_accumulates", lambda model: False)
-    model = _llama()
+    model = _fully_sharded(_llama())
     _micro_steps(model, _batches(count=1))
     saved = {id(p): p.grad.clone() for p in model.parameters()}
     keeper = GradKeeper(model, 2**30)
@@ -331,11 +329,24 @@ def test_under_fsdp_every_existing_gradient_is_copied_before_the_step(monkeypatc
     assert all(torch.equal(p.grad, saved[id(p)]) for p in model.parameters())
 
 
+def _fully_sharded(model):
+    """``model`` as FSDP2's ``fully_shard`` leaves its class (``FSDP<Name>``, a subclass made for it),
+    without sharding anything: FSDP's accumulation outside autograd cannot run in one CPU process."""
+    model.__class__ = type(f"FSDP{type(model).__name__}", (type(model),), {})
+    return model
+
+
 def test_autograd_accumulates_except_under_fsdp():
-    # private: FSDP's accumulation outside autograd cannot be run on one CPU process
-    from remat.guard import _autograd_accumulates
+    """The keeper copies the existing gradients when it is made only under FSDP (FSDP2's classes, FSDP1's
+    wrapper modules), where autograd does not add to ``.grad`` itself; elsewhere it copies none before
+    the step's backward reaches them."""
+    from remat.guard import GradKeeper
 
     class FSDPLinear(torch.nn.Linear):
         pass
-    assert _autograd_accumulates(_llama())
-    assert not _autograd_accumulates(torch.nn.Sequential(FSDPLinear(2, 2)))
+    for model, under_fsdp in ((_llama(), False), (_fully_sharded(_llama()), True),
+                              (torch.nn.Sequential(FSDPLinear(2, 2)), True)):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        keeper = GradKeeper(model, 2**30)
+        assert set(keeper.copies) == ({id(p) for p in model.parameters()} if under_fsdp else set()), type(model)

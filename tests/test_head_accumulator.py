@@ -305,6 +305,7 @@ def test_a_fake_profile_bounds_the_real_heads_peak():
     in use growing chunk by chunk), and not far above it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from remat.planning.costs import rates_for
+    # private: the planner's byte meter on fake tensors, the measure bounded here; no public call meters one head
     from remat.profiling._meters import _Tracker
     h, w, _ = _head(seed=7)
     targets = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))[:TOKENS]  # all distinct

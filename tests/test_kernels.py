@@ -30,6 +30,9 @@ from remat.planning.kernels import block_kernels, kernel_choices, kernel_options
 from remat.planning.plans import Plan
 from remat.planning.records import block_records
 from remat.presets import build_model, load_config
+# private: the stand-ins of Liger's functions on fake tensors, entered alone to read what each one
+# saves and refuses; a fake profile (the public path) shows only a block's totals
+from remat.profiling._liger import liger_stand_ins
 from remat.treat import patches
 
 pytest.importorskip("transformers")
@@ -312,7 +315,6 @@ def test_a_fake_profile_of_liger_kernels_never_launches_triton_and_keeps_less(li
 def _stand_in_saves(function, *inputs):
     """The storages (by bytes) ``function``'s stand-in saves, and its outputs, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.profiling._liger import liger_stand_ins
     saved = []
     with FakeTensorMode(), liger_stand_ins():
         fakes = [torch.empty(s, dtype=d).requires_grad_(d.is_floating_point) if isinstance(s, tuple) else s
@@ -338,7 +340,6 @@ def test_the_stand_ins_save_what_liger_s_functions_save(liger):
 
 def test_the_stand_in_rotary_embedding_rotates_q_and_k_in_place_and_saves_its_tables(liger):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.profiling._liger import liger_stand_ins
     saved = []
     with FakeTensorMode(), liger_stand_ins():
         q = torch.empty(2, 16, 4, 8).transpose(1, 2)    # [batch, heads, seq, dim] as the attention makes it
@@ -460,7 +461,6 @@ def test_liger_kernels_under_lora_train_the_adapters_as_the_stock_model_does(lig
 
 def test_a_liger_function_without_a_stand_in_is_refused_by_name_on_fake_tensors(liger):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.profiling._liger import liger_stand_ins
     with FakeTensorMode(), liger_stand_ins():
         x, w, b = torch.empty(4, 8), torch.empty(8), torch.empty(8)
         with pytest.raises(ValueError, match="cannot profile Liger's LigerLayerNormFunction with fake tensors"):

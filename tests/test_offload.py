@@ -249,8 +249,6 @@ class _LaggingEvent:
 
 
 def test_copies_in_flight_at_backward_are_used_from_the_gpu():
-    from remat.offload.engine import _Inline
-
     class Lagging(_Inline):
         @staticmethod
         def event(timing=False):

@@ -23,6 +23,12 @@ import remat
 from remat.presets import build_model, load_config
 from remat.planning.plans import OFFLOADING_TREATMENTS
 from remat.profiling.profiler import profile
+# private: what the public profile runs only on a GPU (compile=True off the GPU is refused): the compiled
+# profile's body and block runs, under a meter that reads nothing; the calibration's arithmetic on made-up
+# steps (a CPU run measures no step); the per-block compile scope, entered alone
+from remat.profiling import _blocks, _compiled, _measure
+from remat.profiling._calibrate import with_residual
+from remat.profiling._compiled import charged_region_checkpoints, compiled_blocks, scaled_to_step
 
 
 def _tiny(device="cpu", dtype=torch.float32, cache=False):
@@ -82,8 +88,6 @@ def test_compiled_calibration_charges_a_higher_peak_to_the_calibrated_treatment(
     """A compiled step that peaks above its prediction raises the calibrated treatment's kept
     bytes by an equal share per block, so the same plan is then predicted at the measured peak;
     a lower peak changes no byte; times scale by in-step / predicted per phase."""
-    # private: the calibration's arithmetic on a made-up step, which a CPU run cannot measure
-    from remat.profiling._compiled import scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     steps = [(2 * (head.pre_fwd_s + head.head_fwd_s + sum(prof.cost(i, "keep").fwd_s for i in range(blocks))),
               0.0, 1.0)] * 3
@@ -102,8 +106,6 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     """After a keep step added 1000 bytes a block, a full step's excess of 300 a block goes to
     ``full``; ``mlp`` and ``attention`` keep part of the block as keep does and get 1000; keep
     and selective are not touched again."""
-    # private: as above
-    from remat.profiling._compiled import charged_region_checkpoints, scaled_to_step
     prof, head, sim, blocks = _keep_plain_head()
     after_keep = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes) + 1000 * blocks)
     charged = charged_region_checkpoints(after_keep, "keep", 300)
@@ -276,8 +278,6 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
     """The compile branch on the CPU (``aot_eager``): what it compiles, how often, and the marks."""
     import torch._dynamo
 
-    # private: which block runs are compiled is internal to the profile; no public result shows it
-    from remat.profiling import _blocks, _compiled, _measure
     from remat.profiling import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -303,7 +303,9 @@ def test_compile_branch_compiles_once_per_class_treatment_and_head(monkeypatch):
         chained.append(call)
         return 0.0, 0.0
     monkeypatch.setattr(_blocks, "_block_seconds", cpu_seconds)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
+    # the chain's length reads the GPU's room: a CPU run has none to read, so a GPU's worth
+    monkeypatch.setattr(_blocks, "available_bytes", lambda device: 2**40)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     said = []
     users_graphs = []
 
@@ -360,8 +362,6 @@ def test_blocks_scope_profiles_the_blocks_compiled_and_the_head_eager(monkeypatc
     keep every treatment."""
     from dataclasses import replace
 
-    # private: as above
-    from remat.profiling import _measure
     from remat.profiling import ProfileRequest
     from remat.profiling.profiler import model_loss
     from remat.planning.costs import rates_for
@@ -400,8 +400,6 @@ def test_compiled_blocks_compiles_each_block_alone_and_restores_them(use_cache):
     """:func:`compiled_blocks`: inside, each block's call is compiled (the root is not) and the loss
     is eager's; outside, every block is as it was. With ``use_cache`` on, as ``from_pretrained``
     gives a model (the blocks then get the cache object), and off, as trainers set it."""
-    # private: the compiled profile's scope, entered alone (the public profile runs it on a GPU only)
-    from remat.profiling._compiled import compiled_blocks
     from remat.treat.discovery import discover
     model = _tiny().train()
     model.config.use_cache = use_cache
@@ -597,8 +595,6 @@ def test_eager_calibration_charges_the_steps_unexplained_time_to_every_plan():
     amount more; a shorter step changes nothing and is noted."""
     from dataclasses import replace
     from remat.planning.solver import plan_seconds
-    # private: the calibration's arithmetic, as above
-    from remat.profiling._calibrate import with_residual
     model = _tiny()
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
     prof = replace(profile(model, ids, device="fake"), notes={"calibration": {"plan": "keep, head plain"}})

@@ -341,7 +341,8 @@ def test_one_dp_both_objectives_against_brute_force(bench3, offload, margin):
     minimising the score within a budget (the time, plus ``margin`` of a block's keep time for
     each other treatment), the best-scoring plan whose bound fits, up to the same slack."""
     from remat.planning.dp import MinPeak, MinTime, Tables, dp, head_margin, head_seconds
-    # private: the brute force scores every plan the way the solver does; the public solve returns one
+    # private: every plan scored in the DP's terms with the DP's options (they set the engine's window and
+    # the leftovers); the public plan_bound and plan_score take a plan's own treatments as the options
     from remat.planning.solver import _evaluate
     prof = bench3
     options = [t for t in prof.treatments(0) if offload or t not in OFFLOADING_TREATMENTS]

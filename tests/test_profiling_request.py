@@ -20,6 +20,8 @@ import remat
 from remat.planning import solver
 from remat.planning.costs import rates_for
 from remat.planning.solver import NoPlanFits, solve, undominated_heads
+# private: the profiler's one table of what is left out, noted or raised, checked case by case; a profile
+# shows a case only for a model that fails that way, and several (OOM, inductor errors) need a GPU
 from remat.profiling._measure import MissingLoss, refusal
 from remat.profiling import ProfileRequest
 

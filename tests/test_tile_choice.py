@@ -291,7 +291,7 @@ def test_every_transform_of_block_costs_reaches_every_chunk():
     from remat.planning.replication import replicate
     from remat.planning.sharding import shard
     prof = tiled_stack()
-    # private: the solver's charge alone, at sizes no CPU profile reaches
+    # private: the solver's host-memory price, charged inside solve() and never handed back as a profile
     from remat.planning.solver import _charged
 
     def change(before, after):
@@ -371,11 +371,10 @@ def test_a_fake_profile_runs_three_chunks_and_charges_them_all(llama, monkeypatc
     """On fake tensors a tiled call runs its first, one middle and its last chunk, the middle one
     counted for every middle chunk: the same costs as running all of them (to float rounding)."""
     from remat.profiling import profiler
-    # private: which chunks a fake-tensor profile runs is internal to the tiled function
-    from remat.treat.tiled import _chunk_runs
+    from remat.treat.tile_function import chunk_runs
     model, sampled = llama
-    assert [start for start, _ in _chunk_runs(TOKENS, 2048, lambda times: contextlib.nullcontext())] == [0, 2048, 14336]
-    assert len(_chunk_runs(TOKENS, 2048, None)) == 8
+    assert [start for start, _ in chunk_runs(TOKENS, 2048, lambda times: contextlib.nullcontext())] == [0, 2048, 14336]
+    assert len(chunk_runs(TOKENS, 2048, None)) == 8
     monkeypatch.setattr(profiler, "sampled_chunks", lambda repeated: contextlib.nullcontext())
     every = remat.profile(model, torch.zeros(1, TOKENS, dtype=torch.long), head_modes=("plain",),
                           tile_candidates=(2048, 4096))

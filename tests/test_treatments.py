@@ -12,7 +12,9 @@ import torch.nn as nn
 import remat
 from remat.api import hf_argument_name, hf_disable_name, treatments
 from remat.treat import patches
-from remat.treat.treatments import treatment_of
+# private (_positional): the checkpoint's positional inputs made from a call; torch restores the RNG
+# only of their devices (a GPU's, not shown on the CPU) and what the closure holds shows on it alone
+from remat.treat.treatments import _positional, treatment_of
 
 import oracle
 from families import FAMILIES
@@ -335,8 +337,6 @@ def test_a_forward_that_raises_leaves_no_checkpoint_state_entered():
 def test_tensor_keywords_become_checkpoint_inputs():
     """checkpoint restores the RNG of the devices of its positional tensors only: a module
     called with keywords only (HF attention) must still have its tensors seen there."""
-    # private: torch's checkpoint restores RNG only for positional tensors; the model tests above show the result
-    from remat.treat.treatments import _positional
     seen = {}
 
     def forward(x, *, hidden_states, mask=None, scale=1.0):
@@ -370,9 +370,6 @@ def test_positional_closure_holds_no_tensor():
     block's input, offloading that input would free nothing on the GPU (a ViT under
     ``full+offload`` measured the peak of ``full`` plus the engine's bytes on an H100)."""
     import weakref
-
-    # private: what the closure holds is seen only on its object; on a GPU the bench measures the bytes
-    from remat.treat.treatments import _positional
     x, mask = torch.randn(4, 3), torch.ones(4, 3)
     function, inputs = _positional(lambda h, m, scale, *, bias: h * m * scale + bias, (x, mask, 2.0),
                                    {"bias": torch.zeros(3)})

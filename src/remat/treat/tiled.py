@@ -35,7 +35,6 @@ import torch.nn as nn
 
 from remat.treat import patches
 from remat.treat.refusals import StepRefusal
-from remat.treat.tile_function import chunk_runs as _chunk_runs  # tests/test_tile_choice.py reads it here
 from remat.treat.tile_function import compiled_chunks, eager_chunks, sampled_chunks
 from remat.treat.tile_skip import CheckpointedCall
 from remat.treat.tile_targets import DEFAULT_TILE_TOKENS, check_tile_tokens, check_tiling, tiled_targets
