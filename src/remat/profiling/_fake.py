@@ -5,7 +5,7 @@ stride and dtype (tied weights stay tied) and returns the undo, so a model on th
 one too large for the host, profiles with no memory and no weights. :func:`_cuda_attention` stands in
 for ``F.scaled_dot_product_attention`` with the CUDA flash or memory-efficient ops, whose shape
 functions run on fake CPU tensors, so a CPU-only profile sees what the GPU kernels save (output,
-log-sum-exp, the inputs). :class:`_KernelStandIns` covers two ops of transformers' MoE experts that
+log-sum-exp, the inputs). :func:`_kernel_stand_in` covers two ops of transformers' MoE experts that
 fake tensors cannot run as the model does: ``aten._grouped_mm`` takes the dtypes its CPU kernel takes
 (its meta function refuses anything but bf16), and ``aten.bincount`` with a ``minlength`` is shaped
 ``minlength`` (its size depends on values). :class:`ValuedFakeMode` keeps the values of the batch's
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, unset_fake_temporarily)
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat import caches
@@ -175,8 +174,10 @@ _GROUPED_MM = torch.ops.aten._grouped_mm.default if hasattr(torch.ops.aten, "_gr
 _BINCOUNT = torch.ops.aten.bincount.default
 
 
-class _KernelStandIns(TorchDispatchMode):
-    """Fake runs of ops whose meta function refuses what the model really runs.
+def _kernel_stand_in(func, args, kwargs):
+    """The fake result of an op whose meta function refuses what the model really runs, or None where
+    ``func`` is not one (run it as it is). Called by :class:`ValuedFakeMode` with itself active, under the
+    byte tracker, so the tracker sees only the op and its result, not the casts made here.
 
     ``aten._grouped_mm``'s meta function mirrors the CUDA kernel's dtype check (bf16 only),
     while the CPU kernel (what an fp32 MoE on the CPU runs) takes fp32 and fp16 too. Here a
@@ -184,27 +185,22 @@ class _KernelStandIns(TorchDispatchMode):
     own dtype: same shape, same strides, new storage, as the real kernel returns.
     ``aten.bincount(ids, minlength=n)`` (no weights) counts tokens per expert (transformers 5.x's experts
     before ``histc``): its length is ``max(n, max(ids) + 1)``, a value fake tensors do not have,
-    and expert ids are below ``n``, so it is handed back as ``n`` counts. Enter it *below* the
-    byte tracker (after the ``FakeTensorMode``, before the tracker) so the tracker sees only the
-    op and its result, not the casts made here.
+    and expert ids are below ``n``, so it is handed back as ``n`` counts.
     """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM:
-            bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
-            a, b = bound["self"], bound["mat2"]
-            if a.dtype != torch.bfloat16 and a.dtype == b.dtype and a.is_floating_point():
-                out_dtype = bound.pop("out_dtype", None) or a.dtype
-                bias = bound.get("bias")
-                shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), bound.get("offs"),
-                              None if bias is None else bias.to(torch.bfloat16))
-                return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=shaped.device)
-        if func is _BINCOUNT:
-            bound = dict(zip(("self", "weights", "minlength"), args), **kwargs)
-            if bound.get("minlength", 0) > 0 and bound.get("weights") is None:
-                return torch.zeros(bound["minlength"], dtype=torch.int64, device=bound["self"].device)
-        return func(*args, **kwargs)
+    if func is _GROUPED_MM:
+        bound = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args), **kwargs)
+        a, b = bound["self"], bound["mat2"]
+        if a.dtype != torch.bfloat16 and a.dtype == b.dtype and a.is_floating_point():
+            out_dtype = bound.pop("out_dtype", None) or a.dtype
+            bias = bound.get("bias")
+            shaped = func(a.to(torch.bfloat16), b.to(torch.bfloat16), bound.get("offs"),
+                          None if bias is None else bias.to(torch.bfloat16))
+            return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=shaped.device)
+    if func is _BINCOUNT:
+        bound = dict(zip(("self", "weights", "minlength"), args), **kwargs)
+        if bound.get("minlength", 0) > 0 and bound.get("weights") is None:
+            return torch.zeros(bound["minlength"], dtype=torch.int64, device=bound["self"].device)
+    return None
 
 
 VALUE_LIMIT = 2**22
@@ -278,6 +274,11 @@ class ValuedFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _GROUPED_MM or func is _BINCOUNT:
+            with self:   # this mode again, for the stand-in's own ops (dispatch runs with it popped)
+                out = _kernel_stand_in(func, args, kwargs)
+            if out is not None:
+                return out
         tensors = tensors_of((args, kwargs))
         has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
         makes_new, seeded = _kind(func)

@@ -47,7 +47,7 @@ from remat.profiling._calibrate import _calibrate, _copy_rates
 from remat.profiling._compiled import BACKEND as COMPILE_BACKEND
 from remat.profiling._compiled import calibrate_compiled, compile_scope
 from remat.profiling._liger import liger_stand_ins
-from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _KernelStandIns, _cuda_attention,
+from remat.profiling._fake import (ValuedFakeMode, _conversions_in_place, _cuda_attention,
                                   _swap_to_fake, _tensors_of_values, fake_attributes_restored, padded_mask)
 from remat.profiling._measure import MissingLoss, _profile_body
 from remat.profiling._meters import _CudaMeter, _Tracker, _TrackerMeter
@@ -400,7 +400,7 @@ def _profile_fake(model, batch, loss_fn, named, request) -> Profile:
     restore_attributes = fake_attributes_restored(model)
     try:
         # Liger's Triton kernels never see a fake tensor: stand-ins of their shapes, saved bytes and costs
-        with fake_mode, _KernelStandIns(), _tensors_of_values(fake_mode), _conversions_in_place(), liger_stand_ins():
+        with fake_mode, _tensors_of_values(fake_mode), _conversions_in_place(), liger_stand_ins():
             # the batch's integer tensors (ids, masks, image grids) keep their values: see ValuedFakeMode
             fbatch = tree_map(partial(_to_fake, fake_mode), batch)
             tracker = _Tracker(request.rates)
