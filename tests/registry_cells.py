@@ -111,7 +111,7 @@ def _refusal(error: BaseException, running: bool = False) -> bool:
         (not running or any(text in str(error).lower() for text in RUNTIME_REFUSALS))
 
 
-_CHUNKED_OPS: dict = {}  # id(case) -> aten ops of one step with the chunked head alone
+_CHUNKED: dict = {}  # id(case) -> (aten ops, bytes saved for backward) of one step with the chunked head alone
 
 FLOAT64_ROUNDING = 1e-9
 """A cell beyond :data:`ROUNDING` in fp32 for a reason that sums in another order (the chunked head,
@@ -152,11 +152,12 @@ def _in_float64(the_case, spec, head, steps: int = 2):
         return None
 
 
-def _verdict(spec, head, model, comparison, baseline_ops, tiles=None, the_case=None, blocks=None) -> tuple:
+def _verdict(spec, head, model, comparison, baseline, tiles=None, the_case=None, blocks=None) -> tuple:
     """``(verdict, detail, largest difference)`` of a cell; ``the_case``: run it again in float64 where
     fp32 rounding is exceeded for a reason that sums in another order (None: the plan cells, whose
     plan is not a spec to apply again); ``blocks``: the case's, as given to ``remat.apply``."""
-    oracle.check_mechanism(model, comparison, blocks=blocks, reference_ops=baseline_ops)
+    baseline_ops, baseline_saved = baseline
+    oracle.check_mechanism(model, comparison, blocks=blocks, reference_ops=baseline_ops, reference_saved=baseline_saved)
     if spec in TILED:  # a call of more rows than a chunk, and no sub-module run on more than a chunk
         assert tiles["calls"] and tiles["largest_chunk"] <= TILE_TOKENS < tiles["largest_call"], \
             f"{spec!r} did not run its sub-modules in chunks of {TILE_TOKENS} tokens: {tiles}"
@@ -236,10 +237,12 @@ def run_cell(the_case: zoo.Case, spec: str, head: str = "plain", steps: int = 2)
         oracle.check_installed(model, the_case.blocks)
         with counted_tiles(model) as tiles:
             comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
-        baseline = comparison.reference_ops if head == "plain" or spec == "keep" else _CHUNKED_OPS.get(id(the_case))
         if spec == "keep" and head == "chunked":
-            _CHUNKED_OPS[id(the_case)] = comparison.ops
-        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline or 0, tiles, the_case,
+            _CHUNKED[id(the_case)] = (comparison.ops, comparison.treated.saved_bytes)
+        # the chunked head's cells beat the chunked head alone, not the untouched model
+        baseline = (comparison.reference_ops, None) if head == "plain" or spec == "keep" else \
+            _CHUNKED.get(id(the_case), (0, None))
+        verdict, detail, worst = _verdict(spec, head, model, comparison, baseline, tiles, the_case,
                                           the_case.blocks)
     except Exception as error:  # noqa: BLE001 -- the sweep records every failure instead of stopping
         detail = rz.first_line(error)
@@ -283,7 +286,7 @@ def run_plan_cell(the_case: zoo.Case, steps: int = 2) -> Cell:
         remat.apply(model, smallest, blocks=the_case.blocks, offload_options=zoo.INLINE_OFFLOAD)
         head = smallest.head
         comparison = zoo.compare(the_case, treated=model, reference=reference, steps=steps)
-        verdict, detail, worst = _verdict("plan", head, model, comparison, comparison.reference_ops,
+        verdict, detail, worst = _verdict("plan", head, model, comparison, (comparison.reference_ops, None),
                                           blocks=the_case.blocks)
         detail = detail or _plan_text(smallest)
     except Exception as error:  # noqa: BLE001

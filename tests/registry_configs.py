@@ -372,6 +372,12 @@ def _ssm_heads(config, changed):
 STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "channels", "hidden_dims", "embed_dim_per_stage")
 
 
+STAGE_DEPTH = {"poolformer": 2}
+"""Layers per stage where one is too few: PoolFormer's stages are lists of layers that its encoder loops
+over, and a list of one layer is no block list, so at depth 1 its blocks would be the patch
+embeddings alone (a conv, whose checkpoint saves what it saves untouched: its input)."""
+
+
 def _stages(config, changed):
     """Hierarchical vision models (ResNet, ConvNeXt, Swin ...): one block per stage, stage widths
     scaled so the widest is ``2 * INTER`` (their ratios kept, multiples of 32 for GroupNorm's 32
@@ -385,7 +391,8 @@ def _stages(config, changed):
                  changed)
     depths = values.get("depths")
     if isinstance(depths, (list, tuple)) and depths and all(isinstance(d, int) for d in depths):
-        _set(config, key="depths", value=type(depths)(min(d, 1) for d in depths), changed=changed)
+        most = STAGE_DEPTH.get(config.model_type, 1)
+        _set(config, key="depths", value=type(depths)(min(d, most) for d in depths), changed=changed)
 
     for key in ("num_heads", "num_attention_heads", "heads"):
         heads = values.get(key)

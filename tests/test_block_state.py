@@ -77,6 +77,42 @@ def test_a_withheld_cache_layer_read_later_is_refused_and_remat_taken_off(monkey
     assert zoo.compare(case, treated=model, reference=reference).first_difference is None
 
 
+@pytest.mark.parametrize("spec", ["attention", "full"])
+def test_inkling2_layers_share_conv_states_between_attention_and_the_rest_of_the_block(spec):
+    """Inkling2's cache layer keeps one convolution state per sub-module (``conv_states``, a dict by
+    convolution): a treated attention fills its own in its copy, and the block's other convolutions
+    then read and fill theirs in the caller's layer, which only the attention's entries refuse."""
+    _exact("inkling2_text", spec)
+
+
+def test_a_layer_withheld_in_part_refuses_only_the_entries_the_block_changed():
+    from remat.treat import cache_views
+    from remat.treat.refusals import StepRefusal
+
+    class Layer:
+        def __init__(self):
+            self.states = {0: None, 1: None}
+            self.rows = [None, None]
+
+    caller, changed = Layer(), Layer()
+    changed.states = {0: torch.ones(2), 1: None}
+    changed.rows = [None, torch.ones(2)]
+    withheld = cache_views._changed_contents(changed, caller)
+    assert withheld == {"states": frozenset({0}), "rows": frozenset({1})}
+    cache_views._withhold(caller, "the treated attention", withheld)
+    try:
+        assert caller.states[1] is None and caller.rows[0] is None   # the others' entries read
+        caller.states[2] = torch.zeros(1)                              # and are written
+        for read in (lambda: caller.states[0], lambda: 0 in caller.states, lambda: caller.rows[1],
+                     lambda: list(caller.rows), lambda: list(caller.states.values())):
+            with pytest.raises(StepRefusal, match=r"filled in a copy of its own"):
+                read()
+    finally:
+        cache_views.release_withheld()
+    assert type(caller) is Layer and type(caller.states) is dict and type(caller.rows) is list
+    assert caller.states[0] is None and torch.equal(caller.states[2], torch.zeros(1))
+
+
 def test_a_prefix_cache_the_caller_hands_in_is_read_as_untouched():
     """Prefix tuning: the caller's cache already holds keys and values when a training forward starts.
     A treated block attends over them as the untouched one does (its view holds the caller's layer),

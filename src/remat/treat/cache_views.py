@@ -149,13 +149,98 @@ class _Unread:
 
 
 _WITHHELD_BY = "_remat_withheld_by"  # on a withheld layer: (the block that withheld it, the attributes)
+
+
+def _withheld_read(where: str, name: str) -> StepRefusal:
+    return StepRefusal(
+        f"the model read a layer of its KV cache ({where}) that {name}, treated "
+        "by remat, filled in a copy of its own in this training forward: remat keeps a treated block's "
+        "keys and values out of the model's cache there (as use_cache=False would), and this model reads "
+        "its cache inside the training forward, so it would attend to an empty layer. remat stops here "
+        "rather than train on it: pass use_cache=False when training, or give the blocks that fill the "
+        "cache the treatment 'keep'.")
+
+
+class _WithheldEntries(list):
+    """A withheld layer's list attribute of which a treated block changed some entries only (states kept
+    one per sub-module of the block): reading one of ``withheld`` raises, as does a walk over the list;
+    the others read and write as in the layer's own list."""
+
+    def __init__(self, items, withheld: frozenset, where: str, name: str):
+        super().__init__(items)
+        self.withheld, self.where, self.name = withheld, where, name
+
+    def _check(self, index) -> None:
+        indices = range(len(self))[index] if isinstance(index, slice) else (index % len(self) if len(self) else index,)
+        if any(i in self.withheld for i in indices):
+            raise _withheld_read(f"{self.where}[{index}]", self.name)
+
+    def __getitem__(self, index):
+        self._check(index)
+        return list.__getitem__(self, index)
+
+    def __iter__(self):
+        self._check(slice(None))
+        return list.__iter__(self)
+
+    def plain(self) -> list:
+        return list.__getitem__(self, slice(None))
+
+
+class _WithheldKeys(dict):
+    """:class:`_WithheldEntries` for a dict attribute (keyed by the sub-module's index): reading, testing
+    or taking one of ``withheld`` raises, as does a walk over the values; other keys are the layer's."""
+
+    def __init__(self, items, withheld: frozenset, where: str, name: str):
+        super().__init__(items)
+        self.withheld, self.where, self.name = withheld, where, name
+
+    def _check(self, key) -> None:
+        if key in self.withheld:
+            raise _withheld_read(f"{self.where}[{key!r}]", self.name)
+
+    def _check_all(self) -> None:
+        if self.withheld:
+            raise _withheld_read(f"{self.where}[{sorted(self.withheld, key=repr)[0]!r}]", self.name)
+
+    def __getitem__(self, key):
+        self._check(key)
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key):
+        self._check(key)
+        return dict.__contains__(self, key)
+
+    def get(self, key, default=None):
+        self._check(key)
+        return dict.get(self, key, default)
+
+    def pop(self, key, *default):
+        self._check(key)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        self._check(key)
+        return dict.setdefault(self, key, default)
+
+    def values(self):
+        self._check_all()
+        return dict.values(self)
+
+    def items(self):
+        self._check_all()
+        return dict.items(self)
+
+    def plain(self) -> dict:
+        return dict(dict.items(self))
 _GUARDED: dict = caches.register({}, "treat.cache_views._GUARDED")  # layer class -> its withheld subclass
 
 
 def _withhold(layer, name: str, attributes) -> None:
     """Mark the caller's ``layer`` as one some of whose contents (``attributes``: the keys and values,
-    a state-space layer's states) treated block ``name`` kept in its own copy: reading any of those
-    raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
+    a state-space layer's states; each mapped to None, or to the indices or keys of the entries of a list
+    or dict changed where the rest were not: see :func:`_changed_contents`) treated block ``name`` kept in its own copy:
+    reading any of those raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
     attributes stay readable (its length while it is empty, its kind, another sub-module's states in
     the same layer object: Zamba2's mamba mixer and its attention share one). The layer keeps its
     class's behaviour otherwise (it becomes an instance of a subclass) until :func:`release_withheld`."""
@@ -166,13 +251,7 @@ def _withhold(layer, name: str, attributes) -> None:
         def __getattribute__(self, attribute, _kind=kind):
             held = object.__getattribute__(self, "__dict__").get(_WITHHELD_BY)
             if held is not None and attribute in held[1]:
-                raise StepRefusal(
-                    f"the model read a layer of its KV cache ({_kind.__name__}.{attribute}) that {held[0]}, treated "
-                    "by remat, filled in a copy of its own in this training forward: remat keeps a treated block's "
-                    "keys and values out of the model's cache there (as use_cache=False would), and this model reads "
-                    "its cache inside the training forward, so it would attend to an empty layer. remat stops here "
-                    "rather than train on it: pass use_cache=False when training, or give the blocks that fill the "
-                    "cache the treatment 'keep'.")
+                raise _withheld_read(f"{_kind.__name__}.{attribute}", held[0])
             return _kind.__getattribute__(self, attribute)
 
         def __copy__(self):  # a view's copy of it stays withheld
@@ -181,26 +260,49 @@ def _withhold(layer, name: str, attributes) -> None:
             return new
 
         def __reduce_ex__(self, protocol, _kind=kind):  # pickles and deep-copies as the layer it was
-            return _rebuild_layer, (_kind, {k: v for k, v in vars(self).items() if k != _WITHHELD_BY})
+            return _rebuild_layer, (_kind, _released_state(vars(self)))
         # ``_layer_type`` None: transformers registers every cache layer subclass that names one as the
         # class its caches build for that layer type (CacheLayerMixin.__init_subclass__)
         _GUARDED[kind] = type(f"Withheld{kind.__name__}", (kind,), {
             "__getattribute__": __getattribute__, "__copy__": __copy__, "__reduce_ex__": __reduce_ex__,
             "__module__": __name__, "_layer_type": None})
-    vars(layer)[_WITHHELD_BY] = (name, frozenset(attributes))
+    whole = set()
+    for attribute, entries in attributes.items():
+        if entries is None:
+            whole.add(attribute)
+        else:   # some entries of a list or dict: those withheld, the rest the layer's as before
+            value = vars(layer)[attribute]
+            guard = _WithheldKeys if type(value) is dict else _WithheldEntries
+            vars(layer)[attribute] = guard(value, entries, f"{kind.__name__}.{attribute}", name)
+    vars(layer)[_WITHHELD_BY] = (name, frozenset(whole))
     layer.__class__ = _GUARDED[kind]
     _HELD.append((weakref.ref(layer), kind))
     if len(_HELD) > 4096:  # released at the end of each forward of remat.apply's model; outside one, dead ones go
         _HELD[:] = [(ref, k) for ref, k in _HELD if ref() is not None]
 
 
-def _changed_contents(new, old) -> set:
+def _changed_contents(new, old) -> dict:
     """The attributes holding tensors (directly or in a dict or list) whose values differ between two of
-    :func:`_copy_state`'s copies of a layer: what a block's update put there."""
+    :func:`_copy_state`'s copies of a layer: what a block's update put there; each mapped to None (the
+    whole attribute), or, for a list of the same length or a dict of which only some entries changed, to
+    their indices or keys (a layer shared by the block's sub-modules, each filling its own entry:
+    Inkling2's ``conv_states``, one per convolution, the attention's and the rest of the block's)."""
     left, right = vars(new), vars(old)
-    return {key for key in set(left) | set(right)
-            if not _same(left.get(key, _Missing), right.get(key, _Missing))
-            and any(_holds_tensor(v) for v in (left.get(key), right.get(key)))}
+    changed = {}
+    for key in set(left) | set(right):
+        a, b = left.get(key, _Missing), right.get(key, _Missing)
+        if _same(a, b) or not any(_holds_tensor(v) for v in (left.get(key), right.get(key))):
+            continue
+        entries, every = None, 0
+        if type(a) is list and type(b) is list and len(a) == len(b):
+            entries, every = frozenset(i for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)), len(a)
+        elif type(a) is dict and type(b) is dict:
+            keys = set(a) | set(b)
+            entries = frozenset(k for k in keys if not _same(a.get(k, _Missing), b.get(k, _Missing)))
+            every = len(keys)
+        # every entry changed: the attribute as a whole (its length and keys with it)
+        changed[key] = None if entries is not None and len(entries) == every else entries
+    return changed
 
 
 def _holds_tensor(value) -> bool:
@@ -222,8 +324,16 @@ def release_withheld() -> None:
         layer, kind = _HELD.pop()
         layer = layer()
         if layer is not None and _WITHHELD_BY in vars(layer):
-            del vars(layer)[_WITHHELD_BY]
+            state = vars(layer)
+            state.update(_released_state(state))
+            del state[_WITHHELD_BY]
             layer.__class__ = kind
+
+
+def _released_state(state: dict) -> dict:
+    """A withheld layer's attributes as the layer's own: its partly withheld lists plain again, no mark."""
+    return {k: v.plain() if isinstance(v, (_WithheldEntries, _WithheldKeys)) else v for k, v in state.items()
+            if k != _WITHHELD_BY}
 
 
 def _rebuild_layer(kind, state):

@@ -1,7 +1,7 @@
 """Find a model's repeated blocks, their attention/MLP sub-modules and its LM head.
 
 How: a *block list* is an ``nn.ModuleList`` or ``nn.Sequential`` holding two or more
-non-leaf modules that carry parameters and are all of one class (a ModuleList of mixed
+callable non-leaf modules that carry parameters and are all of one class (a ModuleList of mixed
 classes is accepted when every class is named like a layer or block, as in hybrid
 models). Of all such lists, only the outermost are kept: the experts list inside a
 Mixtral layer is not a block list, because it lives inside one. This needs no
@@ -162,6 +162,11 @@ def _rejection(container: nn.Module) -> Optional[str]:
 
 
 def _is_block_like(module: nn.Module) -> bool:
+    """A module a forward calls, with sub-modules and parameters. Not an ``nn.ModuleList`` or
+    ``nn.ModuleDict``: those have no forward (PoolFormer's stages are lists of layers, each called
+    by the encoder's loop), so treating one would change nothing; their own layers are the blocks."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False
     has_children = next(module.children(), None) is not None
     has_params = next(module.parameters(), None) is not None
     return has_children and has_params
