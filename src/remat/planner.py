@@ -53,8 +53,9 @@ from remat.units import parse_budget
 
 RESERVE_SHARE = 0.03
 """What a plan leaves of its budget for the caching allocator where expandable segments are on.
-Not fitted; 0.5% was refuted on an H200, and a card the size of a plan's budget is not yet shown to
-hold it (the runs: docs/design/planning.md, benchmarks/results/issue38)."""
+Not fitted; 0.5% was refuted on an H200, where a 16 GiB plan at 3% trained on a 16 GiB card (the
+8B long-context plans are not yet run at a card of their budget; the runs: docs/design/planning.md,
+benchmarks/results/issue38)."""
 RESERVE_FLOOR = 64 * 2**20
 """The least a plan profiled on its GPU leaves for the caching allocator with expandable segments: a
 small plan's reserve is not a share (an H200, a 595 MiB budget: the allocated peak was the predicted
