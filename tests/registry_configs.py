@@ -372,10 +372,10 @@ def _ssm_heads(config, changed):
 STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "channels", "hidden_dims", "embed_dim_per_stage")
 
 
-STAGE_DEPTH = {"poolformer": 2}
-"""Layers per stage where one is too few: PoolFormer's stages are lists of layers that its encoder loops
-over, and a list of one layer is no block list, so at depth 1 its blocks would be the patch
-embeddings alone (a conv, whose checkpoint saves what it saves untouched: its input)."""
+STAGE_DEPTH = {"poolformer": 2, "pvt": 2}
+"""Layers per stage where one is too few: PoolFormer's and PVT's stages are lists of layers that their
+encoders loop over, and a list of one layer is no block list, so at depth 1 their blocks would be the
+patch embeddings alone (a conv, whose checkpoint saves what it saves untouched: its input)."""
 
 
 def _stages(config, changed):

@@ -90,6 +90,26 @@ def test_lists_of_lists_give_their_layers_not_the_uncalled_lists():
     oracle.check(model, reference, torch.randn(4, 8), loss=lambda m, x: m(x).square().mean())
 
 
+@pytest.mark.parametrize("model_type", ["poolformer", "pvt"])
+def test_staged_vision_models_treat_their_layers(model_type):
+    """PoolFormer's and PVT's stages are lists of layers (transformers' own models, from their config's
+    defaults, shrunk by the zoo): ``full`` trains bitwise and saves less than the untouched model, which
+    it would not were the never-called stage lists the blocks (the cell's mechanism check), and the
+    stage layers are among the blocks."""
+    import warnings
+
+    import registry_cells as cells
+    import registry_zoo as rz
+    import zoo
+    case = rz.case(model_type)
+    blocks = remat.discover(zoo.build(case)).block_names
+    assert any(name.count(".") >= 3 and name.split(".")[-2].isdigit() for name in blocks), blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cell = cells.run_cell(case, "full")
+    assert cell.verdict == "exact", cell
+
+
 def test_explicit_blocks_by_container_names_and_predicate():
     model, _ = FAMILIES["t5"]()
     assert len(remat.discover(model, blocks="decoder.block").block_names) == 2

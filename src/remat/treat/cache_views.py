@@ -161,35 +161,10 @@ def _withheld_read(where: str, name: str) -> StepRefusal:
         "cache the treatment 'keep'.")
 
 
-class _WithheldEntries(list):
-    """A withheld layer's list attribute of which a treated block changed some entries only (states kept
-    one per sub-module of the block): reading one of ``withheld`` raises, as does a walk over the list;
-    the others read and write as in the layer's own list."""
-
-    def __init__(self, items, withheld: frozenset, where: str, name: str):
-        super().__init__(items)
-        self.withheld, self.where, self.name = withheld, where, name
-
-    def _check(self, index) -> None:
-        indices = range(len(self))[index] if isinstance(index, slice) else (index % len(self) if len(self) else index,)
-        if any(i in self.withheld for i in indices):
-            raise _withheld_read(f"{self.where}[{index}]", self.name)
-
-    def __getitem__(self, index):
-        self._check(index)
-        return list.__getitem__(self, index)
-
-    def __iter__(self):
-        self._check(slice(None))
-        return list.__iter__(self)
-
-    def plain(self) -> list:
-        return list.__getitem__(self, slice(None))
-
-
 class _WithheldKeys(dict):
-    """:class:`_WithheldEntries` for a dict attribute (keyed by the sub-module's index): reading, testing
-    or taking one of ``withheld`` raises, as does a walk over the values; other keys are the layer's."""
+    """A withheld layer's dict attribute of which a treated block changed some keys only (states kept one
+    per sub-module of the block, as Inkling2's ``conv_states``): reading, testing or taking one of
+    ``withheld`` raises, as does a walk over the values; the other keys read and write as the layer's."""
 
     def __init__(self, items, withheld: frozenset, where: str, name: str):
         super().__init__(items)
@@ -233,14 +208,16 @@ class _WithheldKeys(dict):
 
     def plain(self) -> dict:
         return dict(dict.items(self))
+
+
 _GUARDED: dict = caches.register({}, "treat.cache_views._GUARDED")  # layer class -> its withheld subclass
 
 
 def _withhold(layer, name: str, attributes) -> None:
     """Mark the caller's ``layer`` as one some of whose contents (``attributes``: the keys and values,
-    a state-space layer's states; each mapped to None, or to the indices or keys of the entries of a list
-    or dict changed where the rest were not: see :func:`_changed_contents`) treated block ``name`` kept in its own copy:
-    reading any of those raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
+    a state-space layer's states; each mapped to None, or to the keys of a dict's entries changed where
+    the rest were not: see :func:`_changed_contents`) treated block ``name`` kept in its own copy: reading
+    any of those raises from now on, in the layer's own methods too (``update`` reads its keys). Its other
     attributes stay readable (its length while it is empty, its kind, another sub-module's states in
     the same layer object: Zamba2's mamba mixer and its attention share one). The layer keeps its
     class's behaviour otherwise (it becomes an instance of a subclass) until :func:`release_withheld`."""
@@ -270,10 +247,9 @@ def _withhold(layer, name: str, attributes) -> None:
     for attribute, entries in attributes.items():
         if entries is None:
             whole.add(attribute)
-        else:   # some entries of a list or dict: those withheld, the rest the layer's as before
-            value = vars(layer)[attribute]
-            guard = _WithheldKeys if type(value) is dict else _WithheldEntries
-            vars(layer)[attribute] = guard(value, entries, f"{kind.__name__}.{attribute}", name)
+        else:   # some keys of a dict: those withheld, the rest the layer's as before
+            vars(layer)[attribute] = _WithheldKeys(vars(layer)[attribute], entries, f"{kind.__name__}.{attribute}",
+                                                   name)
     vars(layer)[_WITHHELD_BY] = (name, frozenset(whole))
     layer.__class__ = _GUARDED[kind]
     _HELD.append((weakref.ref(layer), kind))
@@ -284,24 +260,19 @@ def _withhold(layer, name: str, attributes) -> None:
 def _changed_contents(new, old) -> dict:
     """The attributes holding tensors (directly or in a dict or list) whose values differ between two of
     :func:`_copy_state`'s copies of a layer: what a block's update put there; each mapped to None (the
-    whole attribute), or, for a list of the same length or a dict of which only some entries changed, to
-    their indices or keys (a layer shared by the block's sub-modules, each filling its own entry:
-    Inkling2's ``conv_states``, one per convolution, the attention's and the rest of the block's)."""
+    whole attribute), or, for a dict of which only some keys changed, to those keys (a layer shared by the
+    block's sub-modules, each filling its own entry: Inkling2's ``conv_states``, one per convolution, the
+    attention's and the rest of the block's)."""
     left, right = vars(new), vars(old)
     changed = {}
     for key in set(left) | set(right):
         a, b = left.get(key, _Missing), right.get(key, _Missing)
         if _same(a, b) or not any(_holds_tensor(v) for v in (left.get(key), right.get(key))):
             continue
-        entries, every = None, 0
-        if type(a) is list and type(b) is list and len(a) == len(b):
-            entries, every = frozenset(i for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)), len(a)
-        elif type(a) is dict and type(b) is dict:
-            keys = set(a) | set(b)
-            entries = frozenset(k for k in keys if not _same(a.get(k, _Missing), b.get(k, _Missing)))
-            every = len(keys)
-        # every entry changed: the attribute as a whole (its length and keys with it)
-        changed[key] = None if entries is not None and len(entries) == every else entries
+        keys = set(a) | set(b) if type(a) is dict and type(b) is dict else ()
+        entries = {k for k in keys if not _same(a.get(k, _Missing), b.get(k, _Missing))}
+        # every key changed (or not a dict): the attribute as a whole, its keys with it
+        changed[key] = frozenset(entries) if len(entries) < len(keys) else None
     return changed
 
 
@@ -331,9 +302,8 @@ def release_withheld() -> None:
 
 
 def _released_state(state: dict) -> dict:
-    """A withheld layer's attributes as the layer's own: its partly withheld lists plain again, no mark."""
-    return {k: v.plain() if isinstance(v, (_WithheldEntries, _WithheldKeys)) else v for k, v in state.items()
-            if k != _WITHHELD_BY}
+    """A withheld layer's attributes as the layer's own: its partly withheld dicts plain again, no mark."""
+    return {k: v.plain() if isinstance(v, _WithheldKeys) else v for k, v in state.items() if k != _WITHHELD_BY}
 
 
 def _rebuild_layer(kind, state):
