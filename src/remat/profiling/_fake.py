@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+from functools import partial
 from typing import Optional
 
 import torch
@@ -41,7 +42,8 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat import caches
-from remat.profiling._meters import tensors_of
+from remat.profiling._fake_memo import KernelMemo
+from remat.profiling._meters import METADATA_QUERIES, tensors_of
 
 
 @contextlib.contextmanager
@@ -252,6 +254,7 @@ class ValuedFakeMode(FakeTensorMode):
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
+        self._memo = KernelMemo(self)
         self.reads = {}          # "module (Class.method)" -> number of value reads there
         self._names = {}         # id(module) -> qualified name, of the model watched
 
@@ -274,6 +277,8 @@ class ValuedFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in METADATA_QUERIES:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is _GROUPED_MM or func is _BINCOUNT:
             with self:   # this mode again, for the stand-in's own ops (dispatch runs with it popped)
                 out = _kernel_stand_in(func, args, kwargs)
@@ -289,6 +294,12 @@ class ValuedFakeMode(FakeTensorMode):
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel() <= _RANDOM_LIMIT:
                 return self._drawn_high(out)
             return out
+        if tensors and makes_new and not any(has_values):
+            key = self._memo.key(func, args, kwargs)
+            if key is not None:
+                out = self._memo.replay(key)
+                return out if out is not None else self._memo.dispatched(
+                    key, partial(super().__torch_dispatch__, func, types, args, kwargs), tensors)
         # views keep their base's values, in-place ops write them or forget them: torch's own rules
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if (not tensors and func.overloadpacket in _FACTORIES and isinstance(out, torch.Tensor)

@@ -43,6 +43,11 @@ ATTENTION_EFFICIENCY = 0.45
 HBM_EFFICIENCY = 0.75
 LAUNCH_S = 4e-6
 _ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+METADATA_QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.aten.size.default, torch.ops.aten.stride.default,
+                              torch.ops.aten.storage_offset.default})
+"""Ops that read a tensor's metadata and make nothing. Under a Python dispatch mode each ``tensor.device``
+dispatches ``prim.device`` (the autograd engine asks it of every tensor in backward): two thirds of a
+fake profile's dispatches, which the fake profile's modes pass straight on."""
 
 
 class _Tracker(TorchDispatchMode):
@@ -74,6 +79,8 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in METADATA_QUERIES or (_is_view(func) and _views_of_first(args, out)):
+            return out  # no new storage, no kernel
         inputs = tensors_of((args, kwargs))
         seen = {id(t.untyped_storage()) for t in inputs}
         moved = sum(t.numel() * t.element_size() for t in inputs)
@@ -122,6 +129,29 @@ def _collect(items, found: list) -> None:
 
 _MUTABLE = caches.register({}, "profiling._meters._MUTABLE")
 _FORMULAS = caches.register({}, "profiling._meters._FORMULAS")
+
+
+_VIEWS = caches.register({}, "profiling._meters._VIEWS")
+
+
+def _is_view(func) -> bool:
+    """Whether ``func`` only makes views of its inputs (every return aliases one, none written): it
+    allocates nothing and runs no kernel. Read once per op."""
+    view = _VIEWS.get(func)
+    if view is None:
+        schema = func._schema
+        view = _VIEWS[func] = bool(schema.returns) and not schema.is_mutable and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    return view
+
+
+def _views_of_first(args, out) -> bool:
+    """Whether every tensor ``out`` holds shares the storage of the op's first argument (a view of a
+    tensor the fake mode had to convert first, a real constant, is a new fake storage: counted)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    base = id(args[0].untyped_storage())
+    return all(id(t.untyped_storage()) == base for t in tensors_of(out))
 
 
 def _is_mutable(func) -> bool:
