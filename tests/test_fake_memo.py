@@ -6,8 +6,11 @@ import torch
 
 import remat
 from remat.presets import build_model, load_config
-# private: the memo has no public switch; the test turns its replay off to compare
+# private: the memo has no public switch (the test turns its replay off to compare); the byte tracker
+# and fake mode are what a fake profile runs under, read here op by op
 from remat.profiling import _fake_memo
+from remat.profiling._fake import ValuedFakeMode
+from remat.profiling._meters import _Tracker
 
 
 def _profile_without_seconds(model, ids):
@@ -18,6 +21,7 @@ def _profile_without_seconds(model, ids):
 def test_the_memo_replays_repeated_ops_and_changes_no_number(monkeypatch):
     config = load_config("llama-tiny")
     config.num_hidden_layers = 2
+    config.use_cache = True  # as from_pretrained gives it (the presets leave it off)
     torch.manual_seed(0)
     model = build_model(config, device="cpu", dtype=torch.float32)
     ids = torch.randint(0, config.vocab_size, (2, 32))
@@ -33,3 +37,19 @@ def test_the_memo_replays_repeated_ops_and_changes_no_number(monkeypatch):
     assert sum(hits) > 0
     monkeypatch.setattr(_fake_memo.KernelMemo, "replay", lambda self, key: None)
     assert repr(_profile_without_seconds(model, ids)) == repr(memoised)
+
+
+def test_views_cost_nothing_but_a_real_constant_the_fake_mode_converts_is_counted():
+    """Views pass the byte tracker without bookkeeping, except a view whose output is not its input's
+    storage: ``torch.tensor`` in a model's forward lifts a real constant (``lift_fresh``, a view op by
+    its schema) into a new fake storage, which the tracker must count."""
+    from remat.planning.costs import rates_for
+    rates = rates_for("h100")
+    tracker = _Tracker(rates)
+    with ValuedFakeMode(), tracker:
+        x = torch.tensor([1.0, 2.0, 3.0] * 100)   # 1,200 bytes
+        lifted = tracker.current
+        x.view(10, 30).t().unsqueeze(0)
+        assert tracker.current == lifted
+    granularity = rates.granularity
+    assert lifted == -(-1200 // granularity) * granularity

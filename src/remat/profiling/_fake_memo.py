@@ -90,9 +90,10 @@ class KernelMemo:
     def dispatched(self, key, dispatch, inputs: list):
         """``dispatch()`` (the op through the mode), its outputs recorded under ``key`` where torch's
         own cache took the op and they are new fake tensors of the mode (module doc)."""
-        counts = _torch_cache_counts()
+        (taken, bypassed) = _torch_cache_counts()
         out = dispatch()
-        if _torch_cache_counts()[0] > counts[0] and _torch_cache_counts()[1] == counts[1]:
+        taken_after, bypassed_after = _torch_cache_counts()
+        if taken_after > taken and bypassed_after == bypassed:
             recorded = self._metadata(out, inputs)
             if recorded is not None:
                 self.entries[key] = recorded
