@@ -1,0 +1,150 @@
+"""Where a compiled plan's peak leaves its prediction: each treatment x head, compiled and eager.
+
+The model is the bench's layer shapes (Llama-3.2-1B, 4 layers, bf16), batch 2 x 2048 tokens,
+profiled once compiled (``remat.profile(model, ids, compile=True)``) and once eager. For uniform
+``keep``, ``full``, ``attn-saved`` and the mix ``3x attn-saved, 1x keep`` (the plan that peaked 32%
+over its compiled prediction on 2026-12-03), each with the plain head and the chunked head at 2048
+tokens, the plan is applied and run compiled (``model.compile()``, dynamo reset before) and eager;
+the peak is ``torch.cuda.max_memory_allocated()`` over two steps after three warm-up steps, beside
+``simulate`` on the profile of the same mode. Where a compiled peak is over its prediction by more
+than 5%, a third step is recorded with the allocator's history and the largest tensors alive at
+the peak are written with the frames that allocated them.
+
+    PYTHONPATH=src python3 benchmarks/compiled_head_probe.py --out "$OUT"
+
+Writes ``compiled_head_probe.jsonl`` (one record per row, written as it is measured) into ``--out``.
+"""
+import argparse
+import datetime
+import json
+import os
+import traceback
+
+import torch
+
+import remat
+from remat.planning.plans import Plan
+from remat.planning.simulator import simulate
+from remat.presets import build_model, load_config
+
+HEADS = (("plain", None), ("chunked", 2048))
+
+
+def bench_like():
+    config = load_config("llama-1b")
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    return build_model(config, device="cuda", dtype=torch.bfloat16)
+
+
+def step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    del loss
+
+
+def measure(model, ids, compiled: bool):
+    """Peak bytes over two steps after three warm-up steps."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    if compiled:
+        model.compile()
+    try:
+        for _ in range(3):
+            step(model, ids)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            step(model, ids)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+
+
+def alive_at_peak(model, ids, top=10):
+    """The largest allocations alive at one compiled step's peak, with their frames."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model.compile()
+    try:
+        for _ in range(3):
+            step(model, ids)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=500000)
+        step(model, ids)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+    live, total, best, best_live = {}, 0, -1, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > best:
+                best, best_live = total, dict(live)
+        elif event["action"] in ("free_completed",) and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    biggest = sorted(best_live.values(), key=lambda e: -e["size"])[:top]
+
+    def frames(event):
+        kept = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in event.get("frames", [])
+                if "torch/" not in f["filename"] or "torchinductor" in f["filename"]]
+        return kept[:6]
+    return dict(traced_peak_growth_bytes=best, largest=[dict(bytes=e["size"], frames=frames(e)) for e in biggest])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--eager", action="store_true", help="also run every row eager, beside the eager profile")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  gpu=torch.cuda.get_device_name(), torch=torch.__version__, remat=remat.__version__,
+                  model="llama-1b (4 layers)", batch=2, seq=2048, dtype="bfloat16")
+    model = bench_like()
+    ids = torch.randint(0, model.config.vocab_size, (2, 2048), device="cuda")
+    profiles = {"compiled": remat.profile(model, ids, compile=True)}
+    if args.eager:
+        profiles["eager"] = remat.profile(model, ids)
+    names = profiles["compiled"].block_names
+    specs = {"keep": ["keep"] * len(names), "full": ["full"] * len(names),
+             "attn-saved": ["attn-saved"] * len(names),
+             "3x attn-saved, 1x keep": ["attn-saved"] * (len(names) - 1) + ["keep"]}
+    with open(os.path.join(args.out, "compiled_head_probe.jsonl"), "w") as out:
+        out.write(json.dumps(dict(common, calibration=profiles["compiled"].notes.get("calibration"))) + "\n")
+        for mode, prof in profiles.items():
+            for spec, treatments in specs.items():
+                for head, chunk in HEADS:
+                    plan = Plan(blocks=dict(zip(names, treatments)), head=head, chunk_tokens=chunk)
+                    record = dict(common, mode=mode, spec=spec, head=head, chunk_tokens=chunk)
+                    try:
+                        sim = simulate(prof, plan)
+                        record.update(predicted_peak_bytes=int(sim.peak_bytes), predicted_bound_bytes=int(sim.bound_bytes))
+                        remat.apply(model, plan)
+                        try:
+                            record["peak_bytes"] = measure(model, ids, compiled=mode == "compiled")
+                            record["peak_error"] = record["peak_bytes"] / record["predicted_peak_bytes"] - 1
+                            if mode == "compiled" and record["peak_error"] > 0.05:
+                                record["at_peak"] = alive_at_peak(model, ids)
+                        finally:
+                            remat.remove(model)
+                    except Exception as error:  # noqa: BLE001 -- one failing row is recorded, the rest go on
+                        record["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()[:2000]
+                    print(json.dumps(record), flush=True)
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+
+
+if __name__ == "__main__":
+    main()
