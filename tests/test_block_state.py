@@ -114,6 +114,47 @@ def test_a_layer_withheld_in_part_refuses_only_the_entries_the_block_changed():
     assert caller.states[0] is None and torch.equal(caller.states[2], torch.zeros(1))
 
 
+def test_a_cache_layers_counter_a_treated_block_adds_to_counts_once_and_its_recompute_sees_it_as_read():
+    """transformers 5.25's linear-attention layers count tokens into a 0-dim tensor made with the layer
+    (``cumulative_length_linear.add_``). A treated block counts into a copy of its own: the caller's
+    counter (the same tensor object) then holds the count, as the untouched block's would, and the
+    recompute starts from the count as the forward read it and counts into its own copy, so the
+    caller's is not counted twice. A larger tensor written in place (a static cache) is still refused."""
+    from remat.treat.cache_views import CacheView
+    from remat.treat.refusals import StepRefusal
+
+    class Layer:
+        def __init__(self):
+            self.count = torch.tensor(3)
+            self.states = {0: None}
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer()]
+
+    cache = Cache()
+    counter = cache.layers[0].count
+    view = CacheView(cache, "the treated block")
+    forward = view.forward_cache()
+    forward.layers[0].count.add_(5)
+    forward.layers[0].states[0] = torch.ones(2)
+    view.after_forward(write_back=False)
+    assert cache.layers[0].__dict__["count"] is counter and int(counter) == 8
+    recompute = view.recompute_cache()
+    assert int(recompute.layers[0].count) == 3 and recompute.layers[0].count is not counter
+    recompute.layers[0].count.add_(5)
+    assert int(counter) == 8
+    from remat.treat import cache_views
+    cache_views.release_withheld()
+
+    static = Cache()
+    static.layers[0].states[0] = torch.zeros(2)
+    view = CacheView(static, "the treated block")
+    view.forward_cache().layers[0].states[0].add_(1)
+    with pytest.raises(StepRefusal, match="wrote in place"):
+        view.after_forward(write_back=False)
+
+
 def test_a_prefix_cache_the_caller_hands_in_is_read_as_untouched():
     """Prefix tuning: the caller's cache already holds keys and values when a training forward starts.
     A treated block attends over them as the untouched one does (its view holds the caller's layer),

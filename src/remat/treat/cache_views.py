@@ -15,7 +15,11 @@ inside the step), while the rest stays readable (an empty layer's length, the ma
 attention shares a layer with). :func:`release_withheld`, called as the model's forward returns,
 makes them ordinary layers again: the cache the model returns lacks the treated blocks, as
 documented, and may be read. A layer a treated block wrote in place (a static cache) is refused,
-as its recompute would see the new values.
+as its recompute would see the new values. A layer's scalar tensors (0-dim: the token counters
+transformers 5.25's linear-attention layers add to in place) are the exception: the block counts into
+copies of its own (:func:`_own_scalars`), which are written into the caller's counters after the
+forward (a counter holds no activation), and the recompute counts into copies of them as they were
+read, so nothing is counted twice and nothing the block was handed changes under its recompute.
 
 Why a copy per read layer and not the caller's cache: a recompute that appended to the caller's
 cache would grow it twice; why not a new empty cache: a block then attends to nothing of a prefix
@@ -86,6 +90,24 @@ class _Missing:
     pass
 
 
+def _own_scalars(layer) -> list:
+    """Replace ``layer``'s scalar tensors (0-dim: counters such as transformers 5.25's
+    ``cumulative_length_linear``, which a layer's update adds to in place) by copies of their own, as
+    attributes and one level into dicts and lists; returns ``(container, key, copy, original, copy's
+    version)`` for each. A block then counts into its copy, not into the caller's tensor, which its
+    recompute would otherwise see counted twice."""
+    owned = []
+    state = vars(layer)
+    containers = [state] + [v for v in state.values() if type(v) in (dict, list)]
+    for container in containers:
+        for key, value in (container.items() if isinstance(container, dict) else enumerate(container)):
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                copied = value.clone()
+                container[key] = copied
+                owned.append((container, key, copied, value, copied._version))
+    return owned
+
+
 def _plain(value) -> bool:
     return isinstance(value, (bool, int, float, str, type(None)))
 
@@ -103,7 +125,9 @@ class _Layers(list):
     def __init__(self, layers):
         super().__init__(layers)
         self.count = len(layers)
-        self.entry = {}  # index -> (the layer as first read, its tensors' versions then)
+        self.entry = {}  # index -> (the layer as first read, its tensors' versions then, scalars aside)
+        self.as_read = {}  # index -> the layer as first read, its scalars copied then: the recompute's
+        self.scalars = {}  # index -> the block's own copies of the layer's scalar tensors (_own_scalars)
 
     def _read(self, index: int) -> None:
         if index < 0:
@@ -111,8 +135,27 @@ class _Layers(list):
         if 0 <= index < self.count and index not in self.entry:
             layer = list.__getitem__(self, index)
             kept = _copy_state(layer)
-            self.entry[index] = (kept, [(t, t._version) for t in _tensors(kept)])
-            list.__setitem__(self, index, _copy_state(layer))
+            # scalars aside: the recompute reads copies of them as they were now (``as_read``), so writes
+            # into the caller's (its counters go on counting after this read) change nothing it sees
+            self.entry[index] = (kept, [(t, t._version) for t in _tensors(kept) if t.dim() != 0])
+            as_read = _copy_state(layer)
+            _own_scalars(as_read)
+            self.as_read[index] = as_read
+            working = _copy_state(layer)
+            self.scalars[index] = _own_scalars(working)
+            list.__setitem__(self, index, working)
+
+    def scalars_written_back(self) -> None:
+        """Each layer's scalar tensors, where the block's copy is still there, put back as the caller's
+        own, with what the block wrote into its copy written into them: a counter holds no activation,
+        so the caller's counts as the untouched block's would (Inkling2's other convolutions then read
+        it), and the layer is not changed by it."""
+        for owned in self.scalars.values():
+            for container, key, copied, original, version in owned:
+                if container[key] is copied:
+                    if copied._version != version:
+                        original.copy_(copied)
+                    container[key] = original
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -345,6 +388,7 @@ class CacheView:
         for part in self.parts.values():
             part.after_forward(write_back)
         if self.layers is not None:
+            self.layers.scalars_written_back()
             for index, (_, versions) in self.layers.entry.items():
                 if any(t._version != v for t, v in versions):
                     raise StepRefusal(
@@ -388,12 +432,14 @@ class CacheView:
                 if entry is None:
                     layers.append(_Unread(index, self.name))
                     continue
-                kept, versions = entry
+                _, versions = entry
                 if any(t._version != v for t, v in versions):
                     raise ValueError(
                         f"the model wrote in place into a tensor of layer {index} of the KV cache after {self.name} "
                         "(treated by remat) read it: its recompute would see other values than its forward saw, so "
                         "remat stops here. Give this block the treatment 'keep', or pass use_cache=False when training.")
-                layers.append(_copy_state(kept))
+                layer = _copy_state(self.layers.as_read[index])
+                _own_scalars(layer)   # the recompute counts into its own copies too
+                layers.append(layer)
             view.layers = layers
         return view
