@@ -167,3 +167,35 @@ def test_eager_fsdp2_plans_attn_saved_only_where_ops_are_long():
         assert {"attn-saved", "attn-saved+offload"} <= profiled_kinds
         sharded = shard(profiled, 2, block_param_bytes(model, profiled))
         assert set(sharded.treatments()) & profiled_kinds == (profiled_kinds if kept else set()), tokens
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_fake_profile_prices_attn_saved_as_full_only_where_no_attention_kernel_ran(attention, monkeypatch):
+    """A block whose ``keep`` run dispatched no attention kernel (eager attention: matmuls and a
+    softmax; a mamba layer) has nothing for ``attn-saved`` to keep: the fake profile takes ``full``'s
+    cost for it without running it, and that cost is what running it measures. With SDPA the kernel
+    is there: ``attn-saved`` is run, and keeps more than ``full``."""
+    from remat.presets import build_model, load_config
+    from remat.profiling import _blocks, _measure, _meters
+    config = load_config("llama-tiny")
+    config.num_hidden_layers = 2
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    ran = []
+    block_cost = _blocks._block_cost
+
+    def counted(block, treatment, *args, **kwargs):
+        ran.append(treatment)
+        return block_cost(block, treatment, *args, **kwargs)
+    monkeypatch.setattr(_measure, "_block_cost", counted)
+    derived = remat.profile(model, ids, device="fake").classes[0]
+    assert ("attn-saved" in ran) == (attention == "sdpa"), ran
+    monkeypatch.setattr(_meters._TrackerMeter, "ops_run", lambda self: None)   # as on a GPU: every run measured
+    measured = remat.profile(model, ids, device="fake").classes[0]
+    assert derived == measured
+    if attention == "eager":
+        assert derived["attn-saved"] == derived["full"]
+    else:
+        assert derived["attn-saved"].kept > derived["full"].kept

@@ -42,7 +42,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat import caches
-from remat.profiling._fake_memo import KernelMemo
+from remat.profiling._fake_memo import KernelMemo, plain_view
 from remat.profiling._meters import METADATA_QUERIES, tensors_of
 
 
@@ -286,7 +286,7 @@ class ValuedFakeMode(FakeTensorMode):
                 return out
         tensors = tensors_of((args, kwargs))
         has_values = [isinstance(a, FakeTensor) and a.constant is not None for a in tensors]
-        makes_new, seeded = _kind(func)
+        makes_new, seeded, view = _kind(func)
         if any(has_values) and makes_new and not seeded:
             return self._with_values(func, types, args, kwargs, tensors, all(has_values))
         if not tensors and seeded:
@@ -300,6 +300,12 @@ class ValuedFakeMode(FakeTensorMode):
                 out = self._memo.replay(key)
                 return out if out is not None else self._memo.dispatched(
                     key, partial(super().__torch_dispatch__, func, types, args, kwargs), tensors)
+        if view and tensors and args and isinstance(args[0], FakeTensor) and not any(has_values):
+            key = self._memo.key(func, args, kwargs)
+            if key is not None:
+                out = self._memo.replay_view(key, args[0])
+                return out if out is not None else self._memo.dispatched_view(
+                    key, partial(super().__torch_dispatch__, func, types, args, kwargs), args[0])
         # views keep their base's values, in-place ops write them or forget them: torch's own rules
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if (not tensors and func.overloadpacket in _FACTORIES and isinstance(out, torch.Tensor)
@@ -431,11 +437,12 @@ _KINDS = caches.register({}, "profiling._fake._KINDS")
 
 
 def _kind(func) -> tuple:
-    """``(makes new tensors, draws random numbers)`` of an op (:func:`_makes_new`, its
-    ``nondeterministic_seeded`` tag), read once per op: :class:`ValuedFakeMode` asks on every op."""
+    """``(makes new tensors, draws random numbers, a plain view)`` of an op (:func:`_makes_new`, its
+    ``nondeterministic_seeded`` tag, :func:`~remat.profiling._fake_memo.plain_view`), read once per op:
+    :class:`ValuedFakeMode` asks on every op."""
     kind = _KINDS.get(func)
     if kind is None:
-        kind = _KINDS[func] = (_makes_new(func), torch.Tag.nondeterministic_seeded in func.tags)
+        kind = _KINDS[func] = (_makes_new(func), torch.Tag.nondeterministic_seeded in func.tags, plain_view(func))
     return kind
 
 

@@ -1,4 +1,4 @@
-"""A memo of fake kernels' outputs with a cheap key: the fake profile's repeated ops, about three times faster.
+"""A memo of fake kernels' outputs with a cheap key: the fake profile's repeated ops and views, about three times faster.
 
 A fake profile dispatches every op of every block run through ``FakeTensorMode``, whose own cache
 (``FakeTensorMode.cache``) already skips the fake kernel of an op it has seen, but spends most of a
@@ -26,6 +26,14 @@ What it memoises, and why that is safe:
   values (numbers, strings, dtypes, devices, sizes): anything else is dispatched as before;
 - only outputs that are fake tensors of this mode (or a tuple of them and None), none sharing
   storage with an input or another output.
+
+Views (:meth:`KernelMemo.replay_view`) are memoised by the same key, under the same conditions but
+the last: every output must be a view of the op's first argument, a fake tensor of this mode. What is
+recorded of each is its metadata and how far past its base's storage offset it starts; a replay sets
+a new meta tensor onto the base's storage there, as torch's own cache hit does. That distance does
+not depend on where the base starts (a view adds to its base's offset), except for ``as_strided``
+and the like, which take an absolute ``storage_offset``: ops with such an argument are never memoised
+(:func:`plain_view`).
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ class KernelMemo:
     def __init__(self, mode: FakeTensorMode):
         self.mode = mode
         self.entries = {}
+        self.views = {}
 
     def key(self, func, args, kwargs) -> Optional[tuple]:
         """The key of ``func`` on ``args`` and ``kwargs``, or None where an argument cannot be keyed."""
@@ -87,6 +96,44 @@ class KernelMemo:
             torch._C._set_neg(empty, True)
         return FakeTensor(self.mode, empty, device)
 
+    def replay_view(self, key, base: FakeTensor):
+        """The views of ``base`` a memoised view op made, new fake tensors on ``base``'s storage;
+        None where ``key`` was never recorded."""
+        entry = self.views.get(key)
+        if entry is None:
+            return None
+        outputs, is_tuple = entry
+        made = tuple(self._view(base, *meta) for meta in outputs)
+        return made if is_tuple else made[0]
+
+    def _view(self, base, shape, stride, dtype, device, requires_grad, conj, neg, past_base) -> FakeTensor:
+        with in_kernel_invocation_manager(self.mode):
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
+        if conj:
+            torch._C._set_conj(empty, True)
+        if neg:
+            torch._C._set_neg(empty, True)
+        with in_kernel_invocation_manager(self.mode):
+            empty.set_(base.untyped_storage(), base.storage_offset() + past_base, shape, stride)
+        return FakeTensor(self.mode, empty, device)
+
+    def dispatched_view(self, key, dispatch, base: FakeTensor):
+        """``dispatch()`` (a view op of ``base`` through the mode), its outputs recorded under ``key``
+        where torch's own cache took the op and each is a view of ``base`` (module doc)."""
+        (taken, bypassed) = _torch_cache_counts()
+        out = dispatch()
+        taken_after, bypassed_after = _torch_cache_counts()
+        if taken_after > taken and bypassed_after == bypassed:
+            is_tuple = isinstance(out, tuple)
+            outputs = out if is_tuple else (out,)
+            storage = base.untyped_storage()
+            if outputs and all(type(t) is FakeTensor and t.fake_mode is self.mode and t.constant is None
+                               and t.layout is torch.strided and t.untyped_storage() is storage for t in outputs):
+                self.views[key] = (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(),
+                                          t.is_neg(), t.storage_offset() - base.storage_offset())
+                                         for t in outputs), is_tuple)
+        return out
+
     def dispatched(self, key, dispatch, inputs: list):
         """``dispatch()`` (the op through the mode), its outputs recorded under ``key`` where torch's
         own cache took the op and they are new fake tensors of the mode (module doc)."""
@@ -120,6 +167,19 @@ class KernelMemo:
             seen.add(storage)
             recorded.append(meta)
         return tuple(recorded), is_tuple
+
+
+def plain_view(func) -> bool:
+    """Whether ``func`` is a view op of its first argument that adds to its offset: its schema's first
+    argument alone aliases (not written), every return aliases, nothing is written, and no argument
+    sets an absolute ``storage_offset`` (``as_strided``)."""
+    schema = func._schema
+    arguments = schema.arguments
+    return (bool(schema.returns) and bool(arguments) and not schema.is_mutable
+            and arguments[0].alias_info is not None and not arguments[0].alias_info.is_write
+            and all(a.alias_info is None for a in arguments[1:])
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and not any(a.name == "storage_offset" for a in arguments))
 
 
 def _torch_cache_counts() -> tuple:

@@ -43,11 +43,12 @@ from remat.profiling._capture import _capture, _hidden_of, _nbytes
 from remat.profiling._head import _chunk_options, _chunked_unavailable, _head_cost
 from remat.profiling._request import ProfileRequest
 from remat.planning.costs import DERIVED, MEASURED_TREATMENTS, TILED_FROM_TOKENS, ProfileBody
-from remat.planning.plans import DEFAULT_TILE_TOKENS, TILED_TREATMENTS
+from remat.planning.plans import ATTENTION_SAVED, DEFAULT_TILE_TOKENS, TILED_TREATMENTS, variant
 from remat.treat import patches
 from remat.treat.kernels import TAG as KERNEL_TAG
 from remat.treat.kernels import install_kernels, kernel_of, liger_parts, remove_kernels, selective_refused
 from remat.treat.liger_head import liger_head_unavailable
+from remat.treat.selective import saves_attention
 
 
 _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
@@ -246,16 +247,24 @@ def _class_costs(block, args, kwargs, *, meter, params, request, label, skipped,
     tiling = backend is None and rows >= TILED_FROM_TOKENS
     refused = selective_refused(block, kernel or "stock")
     measure = dict(meter=meter, params=params, request=request)
+    without_attention = False  # keep's fake run dispatched no attention kernel (a GPU's runs are not watched)
     for treatment in MEASURED_TREATMENTS:
         if treatment in TILED_TREATMENTS and not tiling:
             continue
         if treatment == "selective" and refused:
             skipped[f"{kernel or 'kernels'}:selective"] = f"selective not available for {type(block).__name__}: {refused}"
             continue
+        if treatment in ATTENTION_SAVED and without_attention and variant(treatment, keeps=None) in costs:
+            # no attention kernel to keep: the run would be its checkpoint's without the policy, op for op
+            costs[treatment] = costs[variant(treatment, keeps=None)]
+            continue
         say(f"profiling {label}: {treatment}" + ("" if backend is None else " (compiling it: tens of seconds on a "
                                                                               "large block)"))
         try:
             costs[treatment] = _block_cost(block, treatment, args, kwargs, keep=costs.get("keep"), **measure)
+            if treatment == "keep":
+                ran = meter.ops_run()
+                without_attention = ran is not None and not any(saves_attention(op) for op in ran)
         except Exception as error:
             why = refusal(error, block=block, treatment=treatment, kernel=kernel, backend=backend)
             if why is None:

@@ -61,6 +61,7 @@ class _Tracker(TorchDispatchMode):
         self.peak = 0
         self.seconds = 0.0
         self.weight = 1  # how many times each op's seconds count: see repeated()
+        self.ran = set()  # every op but views and metadata queries, since the meter's last begin()
 
     @contextlib.contextmanager
     def repeated(self, times: int):
@@ -81,6 +82,7 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in METADATA_QUERIES or (_is_view(func) and _views_of_first(args, out)):
             return out  # no new storage, no kernel
+        self.ran.add(func)
         inputs = tensors_of((args, kwargs))
         seen = {id(t.untyped_storage()) for t in inputs}
         moved = sum(t.numel() * t.element_size() for t in inputs)
@@ -229,7 +231,13 @@ class _TrackerMeter:
     def begin(self):
         self.t.peak = self.t.current
         self._base = self.t.current
-        self._seconds = self.t.seconds
+        # each run's seconds summed from zero: a reading does not depend on how many runs came before
+        self.t.seconds = self._seconds = 0.0
+        self.t.ran = set()
+
+    def ops_run(self) -> frozenset:
+        """The ops (views and metadata queries aside) run since the last :meth:`begin`."""
+        return frozenset(self.t.ran)
 
     def mark(self):
         reading = (self.t.current - self._base, self.t.peak - self._base, self.t.seconds - self._seconds)
@@ -243,6 +251,10 @@ class _TrackerMeter:
 
 class _CudaMeter:
     """Marks from the CUDA caching allocator's statistics and CUDA events."""
+
+    def ops_run(self) -> None:
+        """Not known: the ops a run dispatched are not watched on a GPU (see :meth:`_TrackerMeter.ops_run`)."""
+        return None
 
     def zero(self):
         torch.cuda.synchronize()
