@@ -94,7 +94,10 @@ def test_applying_twice_replaces_and_never_double_wraps():
     remat.apply(model, "selective")
     block = model.model.layers[0]
     forwards = [p for p in patches.patches(block) if p.attribute == "forward"]
-    assert len(forwards) == 1
+    assert [p.module for p in forwards if p.tag == "treatment"] == [block]
+    # transformers 5.25+: the hub-kernel wrappers' modules (remat.treat.hub_kernels), once each
+    unwrapped = [id(p.module) for p in forwards if p.tag == "treatment-hub-kernels"]
+    assert len(forwards) == 1 + len(unwrapped) and len(set(unwrapped)) == len(unwrapped)
     assert set(treatments(model).values()) == {"selective"}
     oracle.check(model, reference, _batch(make_inputs))
     remat.remove(model)
@@ -379,3 +382,40 @@ def test_positional_closure_holds_no_tensor():
     del x, mask, inputs
     assert all(ref() is None for ref in held)
     assert torch.equal(function(*flat), expected)
+
+
+def test_hub_kernel_wrappers_in_a_checkpointed_block_call_their_modules_own_forward(monkeypatch):
+    """transformers 5.25's attention classes run under the ``kernels`` package's wrapper, which writes a
+    context variable at every call (a write dynamo refuses inside a checkpoint: the compiled graph broke
+    at every treated block). A checkpointed block's wrapped modules with no kernel installed call their
+    class's own forward: the variable is never written in a treated step, the gradients are the
+    untouched model's, and ``remat.remove`` puts the wrapper back; a module with a kernel installed
+    keeps it."""
+    import types as pytypes
+    from remat.treat import hub_kernels
+    model, make_inputs = FAMILIES["llama"]()
+    wrapped = [m for m in model.modules() if hub_kernels._wrapped_forward(m) is not None]
+    if not wrapped:
+        pytest.skip("this transformers has no hub-kernel wrappers (before 5.25)")
+    from kernels._internals.layer import layer as kernels_layer
+    variable = kernels_layer._ACTIVE_KERNEL_FUNCS
+    writes = []
+    write = variable.set
+    monkeypatch.setattr(variable, "set", lambda value: writes.append(value) or write(value))
+    reference = copy.deepcopy(model)
+    remat.apply(model, "full")
+    assert all(patches.patch_of(m, "forward", tag="treatment-hub-kernels") is not None for m in wrapped)
+    oracle.check(model, reference, _batch(make_inputs))
+    writes.clear()   # the untouched copy's steps wrote it
+    model(**_batch(make_inputs)).loss.backward()
+    assert writes == []
+    remat.remove(model)
+    assert all("forward" not in m.__dict__ for m in wrapped)
+    model(**_batch(make_inputs))
+    assert len(writes) >= len(wrapped)
+    # a kernel installed (kernelize sets its wrapper module's own forward): the module keeps the wrapper
+    kernel = next(iter(wrapped[0]._kernel_funcs.values()))
+    kernel.forward = pytypes.MethodType(type(kernel).forward, kernel)
+    remat.apply(model, "full")
+    assert patches.patch_of(wrapped[0], "forward", tag="treatment-hub-kernels") is None
+    assert patches.patch_of(wrapped[1], "forward", tag="treatment-hub-kernels") is not None

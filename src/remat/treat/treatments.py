@@ -43,9 +43,11 @@ from remat.treat import block_state, patches, segments, tiled
 from remat.treat.buffers_once import buffers_once, state_slots
 from remat.treat.cache_layout import has_cache, own_cache
 from remat.treat.discovery import find_submodules
+from remat.treat.hub_kernels import unwrap_hub_kernels
 from remat.treat.selective import saves, saves_attention, selective_context
 
 _TAG = "treatment"
+_HUB_TAG = "treatment-hub-kernels"  # a treated block's modules' own forwards (remat.treat.hub_kernels)
 _MARK = "_remat"  # on a treated block: its TreatmentState (what treatment_of reads)
 
 @dataclass
@@ -135,6 +137,8 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None, writ
         if record.tiled:
             patches.install_value(block, _MARK, marker, tag=_TAG)
         return
+    if record.checkpoint:  # before the treatment's own patches: theirs run over these
+        unwrap_hub_kernels(block, tag=_HUB_TAG)
     decisions = dict(checkpoint=record.checkpoint, keeps=_POLICIES.get(record.keeps), offload=record.offload,
                      tiled=record.tiled, engine=engine, key=key)
     placed = dict(segment=segment, position=record.position) if record.segment is not None else {}
@@ -156,6 +160,7 @@ def apply_treatment(block: nn.Module, record, *, engine=None, segment=None, writ
 def remove_treatment(block: nn.Module) -> None:
     """Undo :func:`apply_treatment`; a no-op on an untreated block."""
     patches.remove(block, tag=_TAG)
+    patches.remove(block, tag=_HUB_TAG)   # under the treatment's own: undone after them
     tiled.remove_tiling(block)
 
 
