@@ -2,19 +2,21 @@
 
 The model is the bench's layer shapes (Llama-3.2-1B, 4 layers, bf16), batch 2 x 2048 tokens,
 profiled once compiled (``remat.profile(model, ids, compile=True)``) and once eager. For uniform
-``keep``, ``full``, ``attn-saved`` and the mix ``3x attn-saved, 1x keep`` (the plan that peaked 32%
+``keep``, ``full``, ``attn-saved`` and the mix ``mix``, ``3x attn-saved, 1x keep`` (the plan that peaked 32%
 over its compiled prediction on 2026-12-03), each with the plain head and the chunked head at 2048
 tokens, the plan is applied and run compiled (``model.compile()``, dynamo reset before) and eager;
 the peak is ``torch.cuda.max_memory_allocated()`` over two steps after three warm-up steps, beside
-``simulate`` on the profile of the same mode. Where a compiled peak is over its prediction by more
-than 5%, a third step is recorded with the allocator's history and the largest tensors alive at
-the peak are written with the frames that allocated them.
+``simulate`` on the profile of the same mode (its timeline too). Where a peak is over its prediction
+by more than 5%, or the head is chunked, a third step is recorded with the allocator's history: the
+largest tensors alive at the peak and the allocation that set it, with the Python frames that
+allocated them. The first records hold each profile's head costs and static bytes.
 
     PYTHONPATH=src python3 benchmarks/compiled_head_probe.py --out "$OUT"
 
 Writes ``compiled_head_probe.jsonl`` (one record per row, written as it is measured) into ``--out``.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -27,7 +29,9 @@ from remat.planning.plans import Plan
 from remat.planning.simulator import simulate
 from remat.presets import build_model, load_config
 
-HEADS = (("plain", None), ("chunked", 2048))
+HEADS = {"plain": None, "chunked": 2048}
+SPECS = ("mix", "keep", "attn-saved", "full")
+"""``mix``: 3x attn-saved, 1x keep (the last block kept)."""
 
 
 def bench_like():
@@ -66,11 +70,12 @@ def measure(model, ids, compiled: bool):
         torch._dynamo.reset()
 
 
-def alive_at_peak(model, ids, top=10):
-    """The largest allocations alive at one compiled step's peak, with their frames."""
+def alive_at_peak(model, ids, compiled: bool, top=10):
+    """The largest allocations alive at one compiled step's peak, and the one that set it, with their frames."""
     import torch._dynamo
     torch._dynamo.reset()
-    model.compile()
+    if compiled:
+        model.compile()
     try:
         for _ in range(3):
             step(model, ids)
@@ -85,28 +90,34 @@ def alive_at_peak(model, ids, top=10):
         model.zero_grad(set_to_none=True)
         model._compiled_call_impl = None
         torch._dynamo.reset()
-    live, total, best, best_live = {}, 0, -1, {}
+    live, total, best, best_live, setter = {}, 0, -1, {}, None
     for event in snapshot["device_traces"][0]:
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]
             if total > best:
-                best, best_live = total, dict(live)
+                best, best_live, setter = total, dict(live), event
         elif event["action"] in ("free_completed",) and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
     biggest = sorted(best_live.values(), key=lambda e: -e["size"])[:top]
 
     def frames(event):
-        kept = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in event.get("frames", [])
-                if "torch/" not in f["filename"] or "torchinductor" in f["filename"]]
-        return kept[:6]
-    return dict(traced_peak_growth_bytes=best, largest=[dict(bytes=e["size"], frames=frames(e)) for e in biggest])
+        """The Python frames that allocated it, innermost first: remat's, transformers', inductor's
+        generated code and autograd's (the C++ frames and torch's plumbing left out)."""
+        wanted = ("remat/", "transformers/", "torchinductor", "_inductor/", "autograd/", "_functorch/")
+        kept = [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']}:{f['name']}" for f in event.get("frames", [])
+                if f["filename"].endswith(".py") and any(w in f["filename"] for w in wanted)]
+        return kept[:10]
+    return dict(traced_peak_growth_bytes=best, set_by=dict(bytes=setter["size"], frames=frames(setter)),
+                largest=[dict(bytes=e["size"], frames=frames(e)) for e in biggest])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--eager", action="store_true", help="also run every row eager, beside the eager profile")
+    parser.add_argument("--eager", action="store_true", help="also run the rows eager, beside the eager profile")
+    parser.add_argument("--specs", default=",".join(SPECS), help=f"which plans, in this order (of {', '.join(SPECS)})")
+    parser.add_argument("--heads", default="plain,chunked", help="which heads: plain, chunked (2048 tokens)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -121,26 +132,31 @@ def main():
     names = profiles["compiled"].block_names
     specs = {"keep": ["keep"] * len(names), "full": ["full"] * len(names),
              "attn-saved": ["attn-saved"] * len(names),
-             "3x attn-saved, 1x keep": ["attn-saved"] * (len(names) - 1) + ["keep"]}
+             "mix": ["attn-saved"] * (len(names) - 1) + ["keep"]}
     # the plan that peaked over its prediction first, then the rows that tell where: a run cut short by
     # a time limit keeps what it wrote
-    order = [(spec, head) for spec in ("3x attn-saved, 1x keep", "keep", "attn-saved", "full") for head in HEADS]
+    order = [(spec, (head, HEADS[head])) for spec in args.specs.split(",") for head in args.heads.split(",")]
     with open(os.path.join(args.out, "compiled_head_probe.jsonl"), "w") as out:
-        out.write(json.dumps(dict(common, calibration=profiles["compiled"].notes.get("calibration"))) + "\n")
+        for mode, prof in profiles.items():
+            out.write(json.dumps(dict(common, mode=mode, calibration=prof.notes.get("calibration"),
+                                      static_bytes=prof.static_bytes,
+                                      heads=[dataclasses.asdict(h) for h in prof.heads])) + "\n")
         for mode, prof in profiles.items():
             for spec, (head, chunk) in order:
                 treatments = specs[spec]
                 plan = Plan(blocks=dict(zip(names, treatments)), head=head, chunk_tokens=chunk)
-                record = dict(common, mode=mode, spec=spec, head=head, chunk_tokens=chunk)
+                record = dict(common, mode=mode, spec=spec, plan=plan.summary(), head=head, chunk_tokens=chunk)
                 try:
                     sim = simulate(prof, plan)
-                    record.update(predicted_peak_bytes=int(sim.peak_bytes), predicted_bound_bytes=int(sim.bound_bytes))
+                    record.update(predicted_peak_bytes=int(sim.peak_bytes), predicted_bound_bytes=int(sim.bound_bytes),
+                                  predicted_peak_at=sim.peak_at,
+                                  timeline=[phase._asdict() for phase in sim.timeline])
                     remat.apply(model, plan)
                     try:
                         record["peak_bytes"] = measure(model, ids, compiled=mode == "compiled")
                         record["peak_error"] = record["peak_bytes"] / record["predicted_peak_bytes"] - 1
-                        if mode == "compiled" and record["peak_error"] > 0.05:
-                            record["at_peak"] = alive_at_peak(model, ids)
+                        if record["peak_error"] > 0.05 or head == "chunked":
+                            record["at_peak"] = alive_at_peak(model, ids, compiled=mode == "compiled")
                     finally:
                         remat.remove(model)
                 except Exception as error:  # noqa: BLE001 -- one failing row is recorded, the rest go on
