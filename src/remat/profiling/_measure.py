@@ -4,7 +4,10 @@ How (:func:`_profile_body`, every setting read from one :class:`~remat.profiling
 one forward without gradients (:mod:`remat.profiling._capture`) records every block's configuration and
 output shape and keeps the inputs of the first block of each configuration. Each configuration then
 runs alone per treatment (:mod:`remat.profiling._blocks`); the offload treatments (``DERIVED``) are not
-run but derived from their base treatment, moving its offloadable bytes; the tiled treatments run once
+run but derived from their base treatment, moving its offloadable bytes; on fake tensors, where
+``keep``'s run dispatched no attention kernel (a mamba layer, eager attention), the ``attn-saved``
+treatments are priced as their checkpoint without the policy (``full``, ``full+tiled``), whose run they
+would repeat op for op (on a GPU every one is run); the tiled treatments run once
 more at each other chunk size of ``tiles`` below the step's tokens (a chunk changes only what tiling
 does). The rest of the model is one step per head mode and chunk option with every block a stub
 (:mod:`remat.profiling._head`). What comes back is a :class:`~remat.planning.costs.ProfileBody`: the
