@@ -28,7 +28,7 @@ from remat.profiling.profiler import profile
 # steps (a CPU run measures no step); the per-block compile scope, entered alone
 from remat.profiling import _blocks, _compiled, _measure
 from remat.profiling._calibrate import with_residual
-from remat.profiling._compiled import charged_region_checkpoints, compiled_blocks, scaled_to_step
+from remat.profiling._compiled import charged_region_checkpoints, charged_step_end, compiled_blocks, scaled_to_step
 
 
 def _tiny(device="cpu", dtype=torch.float32, cache=False):
@@ -118,6 +118,27 @@ def test_full_step_excess_is_charged_to_region_checkpoints_and_keeps_share_to_pa
     assert charged.notes["calibration"]["kept_bytes_added_per_block"]["mlp"] == 1000
     bigger_full = charged_region_checkpoints(after_keep, "keep", 5000)
     assert bigger_full.cost(0, "mlp").kept == prof.cost(0, "mlp").kept + 5000
+
+
+def test_full_step_excess_is_also_charged_to_the_end_of_the_step_of_its_head_mode():
+    """The full step's excess raises the embeddings' backward of every head of the mode it ran (the
+    peak a compiled step reaches past the blocks, where no kept byte is alive: an fp32 embedding
+    gradient buffer), and nothing of the other modes: a plan whose peak was there is predicted at it,
+    one whose peak is in the blocks no lower than before."""
+    prof, head, sim, blocks = _keep_plain_head()
+    prof = scaled_to_step(prof, sim, "keep", head, [(1.0, 1.0, 2.0)] * 3, int(sim.peak_bytes))
+    before = {mode: remat.simulate(prof, "full", head=mode) for mode in ("plain", "chunked")}
+    end = {mode: next(p.peak_bytes for p in s.timeline if p.name == "backward: embeddings")
+           for mode, s in before.items()}
+    excess = 10 ** 6   # above every phase of the tiny model: the step's end sets the peak after it
+    charged = charged_step_end(prof, "plain", excess)
+    assert [h.pre_bwd_peak - g.pre_bwd_peak for h, g in zip(charged.heads, prof.heads)] == \
+        [excess if h.mode == "plain" else 0 for h in prof.heads]
+    after = {mode: remat.simulate(charged, "full", head=mode) for mode in ("plain", "chunked")}
+    assert after["plain"].peak_bytes == end["plain"] + excess and after["plain"].peak_at == "backward: embeddings"
+    assert after["chunked"].peak_bytes == before["chunked"].peak_bytes
+    assert charged.notes["calibration"]["step_end_bytes_added"] == {"plain": excess}
+    assert charged_step_end(prof, "plain", 0) is prof
 
 
 def _compiled_fake():
