@@ -16,6 +16,7 @@ allocated them. The first records hold each profile's head costs and static byte
 Writes ``compiled_head_probe.jsonl`` (one record per row, written as it is measured) into ``--out``.
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -27,18 +28,11 @@ import torch
 import remat
 from remat.planning.plans import Plan
 from remat.planning.simulator import simulate
-from remat.presets import build_model, load_config
+from compiled_plan_validate import bench_like  # the same model, built the same way
 
 HEADS = {"plain": None, "chunked": 2048}
 SPECS = ("mix", "keep", "attn-saved", "full")
 """``mix``: 3x attn-saved, 1x keep (the last block kept)."""
-
-
-def bench_like():
-    config = load_config("llama-1b")
-    config.num_hidden_layers = 4
-    torch.manual_seed(0)
-    return build_model(config, device="cuda", dtype=torch.bfloat16)
 
 
 def step(model, ids):
@@ -48,8 +42,10 @@ def step(model, ids):
     del loss
 
 
-def measure(model, ids, compiled: bool):
-    """Peak bytes over two steps after three warm-up steps."""
+@contextlib.contextmanager
+def warmed(model, ids, compiled: bool):
+    """``model`` compiled in place (dynamo reset before) or eager, three warm-up steps run, for the
+    ``with`` block; then its gradients dropped and its compile taken off."""
     import torch._dynamo
     torch._dynamo.reset()
     if compiled:
@@ -59,37 +55,31 @@ def measure(model, ids, compiled: bool):
             step(model, ids)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        yield
+    finally:
+        model.zero_grad(set_to_none=True)
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+
+
+def measure(model, ids, compiled: bool):
+    """Peak bytes over two steps after three warm-up steps."""
+    with warmed(model, ids, compiled):
         torch.cuda.reset_peak_memory_stats()
         for _ in range(2):
             step(model, ids)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    finally:
-        model.zero_grad(set_to_none=True)
-        model._compiled_call_impl = None
-        torch._dynamo.reset()
 
 
 def alive_at_peak(model, ids, compiled: bool, top=10):
-    """The largest allocations alive at one compiled step's peak, and the one that set it, with their frames."""
-    import torch._dynamo
-    torch._dynamo.reset()
-    if compiled:
-        model.compile()
-    try:
-        for _ in range(3):
-            step(model, ids)
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+    """The largest allocations alive at one step's peak, and the one that set it, with their frames."""
+    with warmed(model, ids, compiled):
         torch.cuda.memory._record_memory_history(max_entries=500000)
         step(model, ids)
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model._compiled_call_impl = None
-        torch._dynamo.reset()
     live, total, best, best_live, setter = {}, 0, -1, {}, None
     for event in snapshot["device_traces"][0]:
         if event["action"] == "alloc":
@@ -97,7 +87,7 @@ def alive_at_peak(model, ids, compiled: bool, top=10):
             total += event["size"]
             if total > best:
                 best, best_live, setter = total, dict(live), event
-        elif event["action"] in ("free_completed",) and event["addr"] in live:
+        elif event["action"] == "free_completed" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
     biggest = sorted(best_live.values(), key=lambda e: -e["size"])[:top]
 

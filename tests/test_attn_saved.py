@@ -179,6 +179,7 @@ def test_a_fake_profile_prices_attn_saved_as_full_only_where_no_attention_kernel
     from remat.profiling import _blocks, _measure, _meters
     config = load_config("llama-tiny")
     config.num_hidden_layers = 2
+    config.use_cache = True  # as from_pretrained gives it (the presets leave it off)
     config._attn_implementation = attention
     torch.manual_seed(0)
     model = build_model(config, device="cpu", dtype=torch.float32)

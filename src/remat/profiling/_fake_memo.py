@@ -42,6 +42,8 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
+from remat.profiling._meters import _is_view
+
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
@@ -87,13 +89,17 @@ class KernelMemo:
         made = tuple(None if meta is None else self._made(*meta) for meta in outputs)
         return made if is_tuple else made[0]
 
-    def _made(self, shape, stride, dtype, device, requires_grad, conj, neg) -> FakeTensor:
+    def _made(self, shape, stride, dtype, device, requires_grad, conj, neg, past_base=None, base=None) -> FakeTensor:
+        """A new fake tensor of that metadata: on a storage of its own, or (``base`` given) set onto
+        ``base``'s storage ``past_base`` elements past where ``base`` starts."""
         with in_kernel_invocation_manager(self.mode):
             empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
-        if conj:
-            torch._C._set_conj(empty, True)
-        if neg:
-            torch._C._set_neg(empty, True)
+            if conj:
+                torch._C._set_conj(empty, True)
+            if neg:
+                torch._C._set_neg(empty, True)
+            if base is not None:
+                empty.set_(base.untyped_storage(), base.storage_offset() + past_base, shape, stride)
         return FakeTensor(self.mode, empty, device)
 
     def replay_view(self, key, base: FakeTensor):
@@ -103,27 +109,14 @@ class KernelMemo:
         if entry is None:
             return None
         outputs, is_tuple = entry
-        made = tuple(self._view(base, *meta) for meta in outputs)
+        made = tuple(self._made(*meta, base=base) for meta in outputs)
         return made if is_tuple else made[0]
-
-    def _view(self, base, shape, stride, dtype, device, requires_grad, conj, neg, past_base) -> FakeTensor:
-        with in_kernel_invocation_manager(self.mode):
-            empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
-        if conj:
-            torch._C._set_conj(empty, True)
-        if neg:
-            torch._C._set_neg(empty, True)
-        with in_kernel_invocation_manager(self.mode):
-            empty.set_(base.untyped_storage(), base.storage_offset() + past_base, shape, stride)
-        return FakeTensor(self.mode, empty, device)
 
     def dispatched_view(self, key, dispatch, base: FakeTensor):
         """``dispatch()`` (a view op of ``base`` through the mode), its outputs recorded under ``key``
         where torch's own cache took the op and each is a view of ``base`` (module doc)."""
-        (taken, bypassed) = _torch_cache_counts()
-        out = dispatch()
-        taken_after, bypassed_after = _torch_cache_counts()
-        if taken_after > taken and bypassed_after == bypassed:
+        out, cached = _through_torch_cache(dispatch)
+        if cached:
             is_tuple = isinstance(out, tuple)
             outputs = out if is_tuple else (out,)
             storage = base.untyped_storage()
@@ -137,10 +130,8 @@ class KernelMemo:
     def dispatched(self, key, dispatch, inputs: list):
         """``dispatch()`` (the op through the mode), its outputs recorded under ``key`` where torch's
         own cache took the op and they are new fake tensors of the mode (module doc)."""
-        (taken, bypassed) = _torch_cache_counts()
-        out = dispatch()
-        taken_after, bypassed_after = _torch_cache_counts()
-        if taken_after > taken and bypassed_after == bypassed:
+        out, cached = _through_torch_cache(dispatch)
+        if cached:
             recorded = self._metadata(out, inputs)
             if recorded is not None:
                 self.entries[key] = recorded
@@ -173,13 +164,18 @@ def plain_view(func) -> bool:
     """Whether ``func`` is a view op of its first argument that adds to its offset: its schema's first
     argument alone aliases (not written), every return aliases, nothing is written, and no argument
     sets an absolute ``storage_offset`` (``as_strided``)."""
-    schema = func._schema
-    arguments = schema.arguments
-    return (bool(schema.returns) and bool(arguments) and not schema.is_mutable
-            and arguments[0].alias_info is not None and not arguments[0].alias_info.is_write
+    arguments = func._schema.arguments
+    return (_is_view(func) and bool(arguments) and arguments[0].alias_info is not None
             and all(a.alias_info is None for a in arguments[1:])
-            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
             and not any(a.name == "storage_offset" for a in arguments))
+
+
+def _through_torch_cache(dispatch) -> tuple:
+    """``(dispatch(), whether torch's own fake cache took it)``: its hits or misses moved, no bypass."""
+    taken, bypassed = _torch_cache_counts()
+    out = dispatch()
+    taken_after, bypassed_after = _torch_cache_counts()
+    return out, taken_after > taken and bypassed_after == bypassed
 
 
 def _torch_cache_counts() -> tuple:

@@ -32,30 +32,29 @@ def _wrapped_forward(module: nn.Module):
     inner = getattr(forward, "__wrapped__", None)
     kernel_funcs = module.__dict__.get("_kernel_funcs")
     if code is None or inner is None or not isinstance(kernel_funcs, dict) or code.co_name != _WRAPPER \
-            or "kernels" not in code.co_filename.replace("\\", "/").split("/"):
-        return None
-    if any("forward" in vars(kernel) for kernel in kernel_funcs.values()):  # kernelize() installed one
+            or "kernels" not in code.co_filename.replace("\\", "/").split("/") or _kernel_installed(module):
         return None
     return inner
 
 
-def unwrap_hub_kernels(block: nn.Module, *, tag: str) -> int:
+def _kernel_installed(module: nn.Module) -> bool:
+    """Whether ``kernelize()`` gave one of the module's kernel functions a forward of its own."""
+    return any("forward" in vars(kernel) for kernel in module._kernel_funcs.values())
+
+
+def unwrap_hub_kernels(block: nn.Module, *, tag: str) -> None:
     """Patch (with ``tag``, undone with the block's other patches of it) the ``forward`` of every module
-    of ``block`` whose hub-kernel wrapper has no kernel installed, to call the class's own forward;
-    returns how many. Call before any other patch of those modules' ``forward``: theirs then run over
-    this one."""
-    unwrapped = 0
+    of ``block`` whose hub-kernel wrapper has no kernel installed, to call the class's own forward.
+    Call before any other patch of those modules' ``forward``: theirs then run over this one."""
     for module in block.modules():
         if "forward" not in module.__dict__ and _wrapped_forward(module) is not None:
             patches.install(module, "forward", _own_forward, tag=tag, bound=True)
-            unwrapped += 1
-    return unwrapped
 
 
 def _own_forward(patch: patches.Patch, *args, **kwargs):
     # looked up at each call, not held by the patch: the class's own forward pickles by a name that
     # now holds the wrapper (a treated model must pickle and deep-copy)
     module = patch.module
-    if any("forward" in vars(kernel) for kernel in module._kernel_funcs.values()):
+    if _kernel_installed(module):
         return patch.call_previous(*args, **kwargs)   # kernelize() installed one since: the wrapper's call
     return type(module).forward.__wrapped__(module, *args, **kwargs)
